@@ -1,0 +1,3 @@
+from rlora.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Per-token policy losses, the k3 KL estimator, and the one aggregation function.
+
+Losses return per-token tensors; `aggregate` turns them into the scalar that is back-propagated. The
+normaliser comes from `BatchTotals`, counted over the *whole* batch (all micro-batches, later all ranks),
+so that summing micro-batch contributions gives exactly the full-batch loss and gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossAgg = Literal["token_mean", "seq_mean", "constant"]
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch of B completions, T completion positions."""
+
+    logp_BT: torch.Tensor  # current policy log-probs of the sampled tokens (requires grad)
+    old_logp_BT: torch.Tensor  # log-probs under the policy that sampled (detached)
+    advantages_B: torch.Tensor
+    mask_BT: torch.Tensor  # 1.0 on completion tokens that count, 0.0 on padding
+    ref_logp_BT: torch.Tensor | None = None  # reference (adapter off); None when beta == 0
+
+
+@dataclass(frozen=True)
+class TokenLosses:
+    loss_BT: torch.Tensor  # what is aggregated and minimised
+    kl_BT: torch.Tensor | None  # k3 KL to the reference, if a reference was given
+    clipped_BT: torch.Tensor  # bool: the clipped branch of the PPO objective is active (no gradient)
+    ratio_BT: torch.Tensor  # detached importance ratio
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Global counts of the full batch (summed over micro-batches and ranks) used as normalisers."""
+
+    num_tokens: float  # completion tokens that count
+    num_seqs: int  # completions
+    constant_len: int  # tokens per sequence for loss_agg="constant" (Dr.GRPO)
+
+
+def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref), per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    delta = ref_logp_BT - logp_BT
+    return torch.exp(delta) - delta - 1.0
+
+
+def grpo_token_loss(inp: LossInputs, clip_low: float, clip_high: float, beta: float) -> TokenLosses:
+    """PPO-clip surrogate with separate low/high clip, plus beta * k3 KL:
+    loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + beta * KL."""
+    ratio_BT = torch.exp(inp.logp_BT - inp.old_logp_BT)
+    adv_B1 = inp.advantages_B.unsqueeze(-1)
+    unclipped_BT = ratio_BT * adv_B1
+    clipped_ratio_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    clipped_obj_BT = clipped_ratio_BT * adv_B1
+    loss_BT = -torch.minimum(unclipped_BT, clipped_obj_BT)
+    is_clipped_BT = (clipped_obj_BT < unclipped_BT).detach()
+    kl_BT = None
+    if inp.ref_logp_BT is not None:
+        kl_BT = k3_kl(inp.logp_BT, inp.ref_logp_BT)
+        if beta:
+            loss_BT = loss_BT + beta * kl_BT
+    return TokenLosses(loss_BT=loss_BT, kl_BT=kl_BT, clipped_BT=is_clipped_BT, ratio_BT=ratio_BT.detach())
+
+
+def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: LossAgg, totals: BatchTotals) -> torch.Tensor:
+    """This micro-batch's share of the batch loss; shares summed over micro-batches give the full loss.
+
+    token_mean: sum over all tokens / total tokens of the batch            (DAPO)
+    seq_mean:   sum over sequences of (token sum / own length) / sequences  (GRPO paper)
+    constant:   sum over all tokens / (sequences * constant_len)            (Dr.GRPO)
+    """
+    masked_BT = values_BT * mask_BT
+    if mode == "token_mean":
+        return masked_BT.sum() / max(totals.num_tokens, 1.0)
+    if mode == "seq_mean":
+        per_seq_B = masked_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+        return per_seq_B.sum() / totals.num_seqs
+    if mode == "constant":
+        return masked_BT.sum() / (totals.num_seqs * totals.constant_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}; use token_mean, seq_mean or constant")

@@ -1,0 +1,97 @@
+"""`rlora <command>`: thin — parse arguments, load and validate the config, call the recipe.
+
+Bad input (UserError) prints one line `rlora: error: ...` and exits with code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rlora import __version__
+from rlora.errors import UserError
+
+EXIT_BAD_INPUT = 2
+
+TRAIN_EPILOG = """\
+examples:
+  rlora train                                  # the embedded demo (SmolLM2-135M-Instruct, chain_sum)
+  rlora train train.steps=5 lora.rank=8        # the demo with overrides
+  rlora train my.yaml algo.beta=0.04           # your config with overrides
+  rlora train --print-config                   # show the resolved config and exit
+
+stable override keys: model.path lora.rank lora.alpha lora.target_modules rollout.num_generations
+  rollout.max_new_tokens rollout.temperature algo.beta algo.loss_agg train.steps train.prompts_per_step
+  train.lr train.seed train.output_dir   (any other config key works too; see docs/configuration.md)
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlora", description="RL fine-tuning of language models with LoRA adapters on one frozen base model."
+    )
+    parser.add_argument("--version", action="version", version=f"rlora {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    train = commands.add_parser(
+        "train", help="GRPO with LoRA (no arguments: the embedded demo)",
+        description="Train a LoRA adapter with GRPO. With no CONFIG, the embedded demo config is used.",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
+                       help="an optional YAML config file, then dotted overrides")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    config_path = None
+    overrides = list(items)
+    if overrides and "=" not in overrides[0]:
+        config_path = overrides.pop(0)
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"unexpected argument '{item}': give at most one CONFIG.yaml, then key=value overrides")
+    return config_path, overrides
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rlora.config import load_config, to_yaml
+
+    config_path, overrides = _split_config_and_overrides(args.items)
+    cfg = load_config(config_path, overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from rlora.train.grpo import run_grpo
+
+    run_grpo(cfg)
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """transformers' per-load progress bars and deprecation chatter would bury rlora's own output."""
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+    except UserError as err:
+        print(f"rlora: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("rlora: interrupted; the adapter so far was saved", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,253 @@
+"""Typed configuration: YAML file + dotted `key=value` overrides, validated before any model loads.
+
+Every section is a pydantic model with `extra="forbid"`, so a misspelt key is an error that names the
+closest valid key. `load_config` is the single entry point; it raises `UserError` with one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlora.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("smollm2-135m-instruct", description="Local folder, hub id, or built-in alias")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = Field(False, description="Run model code shipped with a hub model (off unless asked)")
+
+
+class LoraConfig(_Section):
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | list[str] = Field("all-linear", description="'all-linear' or module names")
+    layers: list[int] | None = Field(None, description="Indices of decoder layers that carry adapters (None: all)")
+    use_rslora: bool = Field(False, description="Scale by alpha/sqrt(rank) instead of alpha/rank")
+    init_from: str | None = Field(None, description="Start from an existing PEFT adapter folder")
+
+
+class DataConfig(_Section):
+    task: str | None = Field(None, description="Built-in reasoning-gym task name (e.g. chain_sum)")
+    task_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the task generator")
+    path: str | None = Field(None, description="Local json/jsonl/parquet/csv file of prompts")
+    eval_path: str | None = Field(None, description="Local held-out file (same columns as path)")
+    prompt_column: str = "prompt"
+    answer_column: str | None = Field("answer", description="Passed to reward functions as `answer` if present")
+    system_prompt: str | None = None
+    use_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template if it has one")
+    train_size: int = Field(1000, gt=0, description="Number of generated training problems (tasks only)")
+    eval_size: int = Field(100, ge=0, description="Held-out problems (tasks: generated with eval_seed)")
+    seed: int = 0
+    eval_seed: int = Field(1_000_003, description="Seed of the held-out task split; must differ from seed")
+
+
+class RewardSpec(_Section):
+    fn: str = Field(description="Built-in name (gym, format, math) or dotted import path module.function")
+    weight: float = 1.0
+    args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function")
+
+
+class RolloutConfig(_Section):
+    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt")
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+
+
+class AlgoConfig(_Section):
+    name: str = Field("grpo", description="Algorithm from rlora.algos.registry (grpo)")
+    beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference (adapter off)")
+    loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
+    constant_norm: int | None = Field(None, gt=0, description="Tokens per sequence for loss_agg=constant (default max_new_tokens)")
+    adv_scale: Literal["group", "batch", "none"] = Field("group", description="Divide advantages by this std")
+    adv_eps: float = Field(1e-4, gt=0)
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.2, ge=0)
+    num_iterations: int = Field(1, ge=1, description="Policy updates per rollout (mu)")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(20, gt=0)
+    prompts_per_step: int = Field(4, gt=0)
+    micro_batch_size: int = Field(8, gt=0, description="Completions per forward/backward pass")
+    lr: float = Field(1e-4, gt=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    seed: int = 0
+    output_dir: str | None = Field(None, description="Default: runs/train-YYYYmmdd-HHMMSS")
+    overwrite: bool = Field(False, description="Allow writing into an existing non-empty output_dir")
+    save_every: int = Field(0, ge=0, description="Save adapter-stepN every N steps (0: only at the end)")
+    sample_every: int = Field(5, ge=0, description="Write sample completions every N steps (0: never)")
+    max_reward_failure_frac: float = Field(0.25, ge=0, le=1, description="Stop if more samples' rewards fail in a step")
+    threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
+
+
+class EvalConfig(_Section):
+    before: bool = Field(True, description="Evaluate the held-out set before training")
+    after: bool = Field(True, description="Evaluate the held-out set after training")
+    max_new_tokens: int | None = Field(None, gt=0, description="Default: rollout.max_new_tokens")
+    batch_size: int = Field(32, gt=0)
+
+
+class RLConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "RLConfig":
+        data, train, rollout = self.data, self.train, self.rollout
+        if (data.task is None) == (data.path is None):
+            raise ValueError("set exactly one of data.task (a reasoning-gym task) or data.path (a local file)")
+        if data.task is not None and data.seed == data.eval_seed:
+            raise ValueError("data.seed equals data.eval_seed: the held-out split would repeat the training problems")
+        completions = train.prompts_per_step * rollout.num_generations
+        if completions % train.micro_batch_size:
+            raise ValueError(
+                f"train.prompts_per_step x rollout.num_generations = {completions} is not divisible by "
+                f"train.micro_batch_size = {train.micro_batch_size}"
+            )
+        from rlora.algos.registry import ALGORITHMS
+
+        if self.algo.name not in ALGORITHMS:
+            close = difflib.get_close_matches(self.algo.name, list(ALGORITHMS), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"available: {', '.join(ALGORITHMS)}"
+            raise ValueError(f"unknown algo.name '{self.algo.name}' ({hint})")
+        if not self.rewards:
+            raise ValueError("no reward functions: add e.g. `rewards: [{fn: gym}]` to the config")
+        return self
+
+    def constant_norm(self) -> int:
+        """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit."""
+        return self.algo.constant_norm or self.rollout.max_new_tokens
+
+
+DEMO_CONFIG = "demo.yaml"
+
+
+def demo_config_text() -> str:
+    return resources.files("rlora.configs").joinpath(DEMO_CONFIG).read_text()
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`a.b=1 c=[x,y]` -> nested dict; values are parsed as YAML (numbers, bools, lists, null)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UserError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=10)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override '{item}' sets a key under '{part}', which is a value, not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("task_args", "args"):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: str | None) -> dict[str, Any]:
+    if path is None:
+        text, where = demo_config_text(), "built-in demo config"
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"config file not found: {path}")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"config file {path} is not UTF-8 text") from None
+        where = path
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"YAML syntax error in {where}{at}: {problem}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"{where} must be a mapping of sections (model:, lora:, train: ...), not {type(loaded).__name__}")
+    return loaded
+
+
+def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
+    """Valid key names at a location such as ('train', 'stpes') -> fields of TrainConfig."""
+    cls: Any = model_cls
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = cls.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        cls = inner[0] if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) else annotation
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return []
+    return list(cls.model_fields)
+
+
+def _format_validation_error(err: ValidationError, model_cls: type[BaseModel]) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    dotted = ".".join(str(p) for p in loc)
+    if first["type"] == "extra_forbidden":
+        names = _field_names(model_cls, loc)
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
+        parent = ".".join(str(p) for p in loc[:-1])
+        hint = f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else f" (valid: {', '.join(names)})"
+        return f"unknown config key '{dotted}'{hint}"
+    message = first["msg"].removeprefix("Value error, ")
+    if not loc:
+        return f"invalid config: {message}"
+    return f"invalid value for {dotted}: {message} (got {first.get('input')!r})"
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, model_cls: type[BaseModel] = RLConfig):
+    """Read YAML (the built-in demo when `path` is None), apply overrides, validate. Raises UserError."""
+    raw = _merge(_read_yaml(path), parse_overrides(overrides or []))
+    try:
+        return model_cls.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err, model_cls)) from None
+
+
+def to_yaml(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

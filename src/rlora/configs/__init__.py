@@ -1,0 +1,1 @@
+"""Built-in YAML configs shipped with the package (the demo)."""

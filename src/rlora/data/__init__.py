@@ -1,0 +1,1 @@
+"""Prompt data: local files through `datasets`, built-in reasoning-gym tasks, prompt rendering."""

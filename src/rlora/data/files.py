@@ -1,0 +1,49 @@
+"""Prompts from local json/jsonl/parquet/csv files, read through `datasets`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlora.errors import UserError, first_line
+from rlora.types import Example
+
+_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -> list[Example]:
+    """Every row becomes an Example; all columns except the prompt are passed to reward functions."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"data file not found: {path}")
+    loader = _LOADERS.get(file.suffix.lower())
+    if loader is None:
+        raise UserError(f"data file {path}: unsupported extension '{file.suffix}' (use .json, .jsonl, .parquet, .csv)")
+    if loader in ("json", "csv"):
+        try:
+            file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"data file {path} is not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(loader, data_files=str(file), split="train")
+    except Exception as err:  # noqa: BLE001 - any parse failure is a malformed file for the user
+        cause = err.__cause__ or err
+        raise UserError(f"could not read data file {path}: {first_line(cause)}") from None
+    if len(table) == 0:
+        raise UserError(f"data file {path} has no rows")
+    if prompt_column not in table.column_names:
+        raise UserError(
+            f"data file {path} has no column '{prompt_column}' (columns: {', '.join(table.column_names)}); "
+            "set data.prompt_column"
+        )
+    examples = []
+    for row in table:
+        prompt = row.pop(prompt_column)
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise UserError(f"data file {path}: column '{prompt_column}' must hold non-empty text or chat messages")
+        if answer_column and answer_column in row and answer_column != "answer":
+            row["answer"] = row[answer_column]
+        examples.append(Example(prompt=prompt, columns=row))
+    return examples

@@ -1,0 +1,79 @@
+"""Train and held-out prompt sets, prompt rendering with the chat template, and the data order."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from rlora.config import DataConfig
+from rlora.data.files import read_prompt_file
+from rlora.data.tasks import make_task_examples
+from rlora.types import Example
+
+
+@dataclass
+class PromptSets:
+    train: list[Example]
+    eval: list[Example]
+
+
+def load_prompt_sets(cfg: DataConfig) -> PromptSets:
+    if cfg.task is not None:
+        train = make_task_examples(cfg.task, cfg.task_args, size=cfg.train_size, seed=cfg.seed)
+        held_out = make_task_examples(cfg.task, cfg.task_args, size=cfg.eval_size, seed=cfg.eval_seed) if cfg.eval_size else []
+        return PromptSets(train=train, eval=held_out)
+    train = read_prompt_file(cfg.path, cfg.prompt_column, cfg.answer_column)
+    held_out = read_prompt_file(cfg.eval_path, cfg.prompt_column, cfg.answer_column) if cfg.eval_path else []
+    return PromptSets(train=train, eval=held_out[: cfg.eval_size])
+
+
+def to_messages(prompt: str | list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return messages
+
+
+def render_prompt(tokenizer, example: Example, system_prompt: str | None, use_chat_template: bool) -> list[int]:
+    """Prompt -> token ids, through the chat template when the tokenizer has one (and it is enabled)."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            to_messages(example.prompt, system_prompt), add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if isinstance(example.prompt, list):
+        text = "\n".join(m["content"] for m in example.prompt)
+    else:
+        text = example.prompt
+    if system_prompt:
+        text = system_prompt + "\n" + text
+    return tokenizer(text)["input_ids"]
+
+
+def prompt_text(example: Example) -> str:
+    if isinstance(example.prompt, str):
+        return example.prompt
+    return "\n".join(m["content"] for m in example.prompt)
+
+
+class PromptOrder:
+    """Which prompts each step uses: epochs of seeded shuffles, a pure function of (seed, step) so a
+    resumed run continues exactly where it stopped."""
+
+    def __init__(self, num_examples: int, prompts_per_step: int, seed: int):
+        self.num_examples = num_examples
+        self.prompts_per_step = prompts_per_step
+        self.seed = seed
+
+    def _epoch(self, epoch: int) -> list[int]:
+        order = list(range(self.num_examples))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def indices(self, step: int) -> list[int]:
+        start = step * self.prompts_per_step
+        picked = []
+        for position in range(start, start + self.prompts_per_step):
+            epoch, offset = divmod(position, self.num_examples)
+            picked.append(self._epoch(epoch)[offset])
+        return picked

@@ -1,0 +1,53 @@
+"""Rich console output: a progress bar with the key metrics and ETA, and a final summary table."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def metrics_line(m: dict) -> str:
+    return (
+        f"reward {_fmt(m.get('reward_mean'))}  kl {_fmt(m.get('kl'), '.4f')}  clip {_fmt(m.get('clip_frac'), '.2f')}"
+        f"  len {_fmt(m.get('completion_len_mean'), '.1f')}  {_fmt(m.get('step_s'), '.1f')}s/step"
+    )
+
+
+@contextmanager
+def progress_bar(description: str, total: int):
+    """Yields update(completed, text) for a bar with metrics text, elapsed time and ETA."""
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[text]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
+    )
+    with progress:
+        task = progress.add_task(description, total=total, text="")
+
+        def update(completed: int, text: str = "") -> None:
+            progress.update(task, completed=completed, text=text)
+            if not console.is_terminal and text:  # logs and CI: a plain line per update instead of a live bar
+                console.print(f"{description} {completed}/{total}  {text}")
+
+        yield update
+
+
+def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
+    table = Table(title=title, show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+
+
+def info(message: str) -> None:
+    console.print(message)

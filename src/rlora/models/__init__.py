@@ -1,0 +1,1 @@
+"""Model plumbing: the only package that imports transformers' model classes and peft."""

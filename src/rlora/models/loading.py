@@ -1,0 +1,118 @@
+"""Load a base causal LM and its tokenizer; attach, load and save LoRA adapters (through peft)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from rlora.config import LoraConfig, ModelConfig
+from rlora.errors import UserError, first_line
+from rlora.models.embedded import resolve_alias
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def looks_like_local_path(name: str) -> bool:
+    """A hub id is 'org/name'; anything absolute, relative-dotted, ~-prefixed or deeper is a local path."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def resolve_model_path(name: str) -> str:
+    """Built-in alias -> cached folder; existing local folder -> itself; else a hub id (needs internet)."""
+    alias_folder = resolve_alias(name)
+    if alias_folder is not None:
+        return alias_folder
+    if looks_like_local_path(name):
+        folder = Path(name).expanduser()
+        if not (folder / "config.json").is_file():
+            raise UserError(f"model.path '{name}' is not a Hugging Face model folder (no config.json there)")
+        return str(folder)
+    return name
+
+
+@dataclass
+class TokenizerInfo:
+    eos_ids: list[int]  # tokens that end a completion
+    pad_id: int
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> tuple[PreTrainedTokenizerBase, TokenizerInfo]:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - any loader failure is a bad model path for the user
+        raise UserError(f"could not load the tokenizer of '{path}': {first_line(err)}") from None
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError(f"the tokenizer of '{path}' has no eos_token: set one in its tokenizer_config.json")
+    eos_ids = [eos]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return tokenizer, TokenizerInfo(eos_ids=eos_ids, pad_id=pad_id)
+
+
+def load_base_model(cfg: ModelConfig, path: str) -> torch.nn.Module:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
+    except Exception as err:  # noqa: BLE001
+        raise UserError(f"could not load the model '{path}': {first_line(err)}") from None
+    model.requires_grad_(False)
+    return model
+
+
+def peft_lora_config(cfg: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules,
+        layers_to_transform=cfg.layers, use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM",
+    )
+
+
+def check_adapter_folder(folder: str) -> None:
+    path = Path(folder)
+    if not (path / "adapter_config.json").is_file():
+        raise UserError(f"lora.init_from '{folder}' is not a PEFT adapter folder (no adapter_config.json)")
+    try:
+        json.loads((path / "adapter_config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{folder}/adapter_config.json is not valid JSON") from None
+
+
+def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
+    """Wrap the frozen base with a trainable LoRA adapter named 'default' (new, or loaded from a folder)."""
+    from peft import PeftModel, get_peft_model
+
+    if cfg.init_from:
+        check_adapter_folder(cfg.init_from)
+        try:
+            return PeftModel.from_pretrained(base, cfg.init_from, is_trainable=True)
+        except Exception as err:  # noqa: BLE001 - shape/name mismatch with this base, broken weights ...
+            raise UserError(
+                f"adapter '{cfg.init_from}' does not fit model: {first_line(err)}"
+            ) from None
+    try:
+        return get_peft_model(base, peft_lora_config(cfg))
+    except ValueError as err:
+        raise UserError(f"LoRA config does not fit the model: {first_line(err)}") from None
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@contextmanager
+def adapter_disabled(model):
+    """The reference policy: the same base with the adapter switched off."""
+    with model.disable_adapter():
+        yield model
+
+
+def save_adapter(model, folder: Path) -> None:
+    """PEFT format: adapter_config.json + adapter_model.safetensors in `folder` (the caller makes it atomic)."""
+    model.save_pretrained(str(folder), safe_serialization=True)

@@ -1,0 +1,1 @@
+"""Reward functions: plain callables `f(prompts, completions, **columns) -> list[float | None]`."""

@@ -1,0 +1,121 @@
+"""Resolve reward functions from config and score completions with them.
+
+A function is called once per batch. If it raises, it is called again sample by sample to find which
+samples fail; those samples are marked failed (and excluded from the loss) and the message is kept.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rlora.config import RewardSpec
+from rlora.errors import UserError
+from rlora.rewards.builtin import BUILTIN_REWARDS
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    name: str  # used in metric names: reward/<name>
+    fn: Callable[..., list]
+    weight: float
+    args: dict[str, Any]
+
+
+def import_callable(dotted: str) -> Callable:
+    module_name, sep, attr = dotted.replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise UserError(
+            f"reward fn '{dotted}' is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted path module.function"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - import errors of user code, reported in one line
+        raise UserError(f"reward fn '{dotted}': cannot import module '{module_name}': {err}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"reward fn '{dotted}': module '{module_name}' has no function '{attr}'")
+    return fn
+
+
+def resolve_rewards(specs: list[RewardSpec], has_task: bool) -> list[RewardFn]:
+    resolved, seen = [], {}
+    for spec in specs:
+        if spec.fn in BUILTIN_REWARDS:
+            if spec.fn == "gym" and not has_task:
+                raise UserError("reward fn 'gym' scores reasoning-gym tasks: set data.task, or use another reward")
+            fn = BUILTIN_REWARDS[spec.fn]
+        else:
+            fn = import_callable(spec.fn)
+        base = spec.fn.replace(":", ".").rpartition(".")[2]
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}_{seen[base]}"
+        resolved.append(RewardFn(name=name, fn=fn, weight=spec.weight, args=dict(spec.args)))
+    return resolved
+
+
+@dataclass
+class Scores:
+    total_B: torch.Tensor  # weighted sum over functions; NaN where the sample failed
+    per_fn: dict[str, list[float | None]]
+    failed_B: torch.Tensor  # bool
+    errors: list[str] = field(default_factory=list)  # one message per failed (function, sample)
+
+
+def _check_output(name: str, values: Any, expected: int) -> list:
+    if not isinstance(values, (list, tuple)) or len(values) != expected:
+        got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else type(values).__name__
+        raise UserError(f"reward fn '{name}' must return a list of {expected} numbers, got {got}")
+    for v in values:
+        if v is not None and not isinstance(v, (int, float)):
+            raise UserError(f"reward fn '{name}' returned {type(v).__name__} {v!r}; return floats (or None)")
+    return list(values)
+
+
+def _call_one_by_one(reward: RewardFn, prompts, completions, columns) -> tuple[list, list[str]]:
+    values, errors = [], []
+    for i in range(len(completions)):
+        one_columns = {k: [v[i]] for k, v in columns.items()}
+        try:
+            out = _check_output(reward.name, reward.fn([prompts[i]], [completions[i]], **one_columns, **reward.args), 1)
+            values.append(out[0])
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a failing sample is recorded, training goes on
+            values.append(math.nan)
+            errors.append(f"{reward.name}: sample {i}: {type(err).__name__}: {err}")
+    return values, errors
+
+
+def score_completions(
+    rewards: list[RewardFn], prompts: list[str], completions: list[str], columns: dict[str, list]
+) -> Scores:
+    """columns: one list per column, aligned with completions (already repeated G times per prompt)."""
+    n = len(completions)
+    total = torch.zeros(n, dtype=torch.float64)
+    failed = torch.zeros(n, dtype=torch.bool)
+    per_fn, errors = {}, []
+    for reward in rewards:
+        try:
+            values = _check_output(reward.name, reward.fn(prompts, completions, **columns, **reward.args), n)
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001 - find the failing samples one by one
+            values, fn_errors = _call_one_by_one(reward, prompts, completions, columns)
+            errors.extend(fn_errors)
+        per_fn[reward.name] = values
+        for i, v in enumerate(values):
+            if v is None:  # not applicable to this sample: contributes nothing (TRL semantics)
+                continue
+            if not math.isfinite(v):
+                failed[i] = True
+                if not any(f"sample {i}:" in e and e.startswith(reward.name) for e in errors):
+                    errors.append(f"{reward.name}: sample {i}: returned {v}")
+                continue
+            total[i] += reward.weight * v
+    total[failed] = math.nan
+    return Scores(total_B=total.float(), per_fn=per_fn, failed_B=failed, errors=errors)

@@ -1,0 +1,1 @@
+"""Sampling completions: the Generator protocol and its implementations."""

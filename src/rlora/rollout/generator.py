@@ -1,0 +1,97 @@
+"""The Generator protocol and the first implementation, on top of Hugging Face `generate`.
+
+A Generator turns P tokenised prompts into P x G sampled completions (prompt-major). The fast built-in
+engine (shared prompt prefill, preallocated cache) is a second implementation of the same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from transformers import GenerationConfig
+
+from rlora.types import Rollout, SamplingParams
+
+
+class Generator(Protocol):
+    def sample(
+        self, model: torch.nn.Module, prompts: list[list[int]], n: int, params: SamplingParams, seed: int
+    ) -> Rollout: ...
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids_BT, mask_BT), padded on the left."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+def completion_mask(completion_ids_BTc: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, list[str]]:
+    """1 on tokens up to and including the first EOS; finish reason per row."""
+    is_eos_BTc = torch.isin(completion_ids_BTc, torch.tensor(eos_ids, dtype=torch.long))
+    # eos_seen_before[t] = any EOS at positions < t
+    eos_before_BTc = (is_eos_BTc.long().cumsum(-1) - is_eos_BTc.long()) > 0
+    mask_BTc = (~eos_before_BTc).long()
+    reasons = ["stop" if row.any() else "length" for row in is_eos_BTc]
+    return mask_BTc, reasons
+
+
+def position_ids_from_mask(mask_BT: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, so left padding does not shift a sequence's positions."""
+    return (mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class HFGenerator:
+    """Samples with `model.generate` (adapter active, unmerged). Reproducible for a given seed."""
+
+    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, batch_size: int = 64):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+        self.batch_size = batch_size
+
+    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        common = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        if params.greedy:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else None, **common,
+        )
+
+    @torch.no_grad()
+    def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollout:
+        repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
+        prompt_ids_BTp, prompt_mask_BTp = left_pad(repeated, self.pad_id)
+        gen_config = self._generation_config(params)
+        torch.manual_seed(seed)
+        was_training = model.training
+        model.eval()
+        chunks = []
+        for start in range(0, len(repeated), self.batch_size):
+            ids = prompt_ids_BTp[start:start + self.batch_size]
+            mask = prompt_mask_BTp[start:start + self.batch_size]
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+            chunks.append(out[:, ids.shape[1]:])
+        model.train(was_training)
+        width = max(c.shape[1] for c in chunks)
+        completion_ids_BTc = torch.cat(
+            [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=self.pad_id) for c in chunks]
+        )
+        mask_BTc, reasons = completion_mask(completion_ids_BTc, self.eos_ids)
+        completion_ids_BTc = completion_ids_BTc.masked_fill(mask_BTc == 0, self.pad_id)
+        texts = self.tokenizer.batch_decode(
+            [row[row_mask.bool()] for row, row_mask in zip(completion_ids_BTc, mask_BTc)], skip_special_tokens=True
+        )
+        return Rollout(
+            prompt_ids_BTp=prompt_ids_BTp, prompt_mask_BTp=prompt_mask_BTp,
+            completion_ids_BTc=completion_ids_BTc, completion_mask_BTc=mask_BTc,
+            completions=texts, finish_reasons=reasons,
+            temperature=1.0 if params.greedy else params.temperature,
+        )

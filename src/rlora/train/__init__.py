@@ -1,0 +1,1 @@
+"""Training recipes (the RL loop) and their plumbing: optimiser, outputs, evaluation."""

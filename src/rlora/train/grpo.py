@@ -1,0 +1,257 @@
+"""The GRPO recipe, top to bottom: prepare everything (validating before any model loads), then
+for each step: sample -> score -> advantages -> reference/old log-probs -> update(s) -> log."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlora.algos.registry import Algorithm, get_algorithm
+from rlora.config import RLConfig, to_yaml
+from rlora.data.prompts import PromptOrder, PromptSets, load_prompt_sets, prompt_text, render_prompt
+from rlora.data.tasks import check_task
+from rlora.errors import UserError
+from rlora.logging.console import info, metrics_line, print_summary, progress_bar
+from rlora.models.loading import (
+    TokenizerInfo, adapter_disabled, attach_lora, check_adapter_folder, load_base_model, load_tokenizer,
+    resolve_model_path, save_adapter, trainable_parameters,
+)
+from rlora.rewards.scoring import RewardFn, Scores, resolve_rewards, score_completions
+from rlora.rollout.generator import HFGenerator
+from rlora.train.evaluate import columns_of, evaluate
+from rlora.train.optim import build_optimizer
+from rlora.train.outputs import RunDir, default_output_dir
+from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
+from rlora.types import Example, Rollout, SamplingParams
+
+
+class RewardFailure(UserError):
+    """Too many samples' rewards failed in one step; the run stops and keeps its last adapter."""
+
+
+@dataclass
+class Session:
+    cfg: RLConfig
+    run_dir: RunDir
+    tokenizer: object
+    tok: TokenizerInfo
+    model: torch.nn.Module
+    algo: Algorithm
+    generator: HFGenerator
+    rewards: list[RewardFn]
+    prompts: PromptSets
+    train_ids: list[list[int]]
+    eval_ids: list[list[int]]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_inputs(cfg: RLConfig) -> tuple[RunDir, list[RewardFn]]:
+    """Everything that can be checked without loading the model, so bad input fails in a second."""
+    if cfg.train.output_dir is None:
+        cfg.train.output_dir = default_output_dir("train")
+    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite)
+    run_dir.check_writable()
+    if cfg.data.task is not None:
+        check_task(cfg.data.task, cfg.data.task_args)
+    for path in (cfg.data.path, cfg.data.eval_path):
+        if path is not None and not Path(path).is_file():
+            raise UserError(f"data file not found: {path}")
+    if cfg.lora.init_from:
+        check_adapter_folder(cfg.lora.init_from)
+    rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
+    return run_dir, rewards
+
+
+def prepare(cfg: RLConfig) -> Session:
+    run_dir, rewards = check_inputs(cfg)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    prompts = load_prompt_sets(cfg.data)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    model = attach_lora(load_base_model(cfg.model, model_path), cfg.lora)
+    model.train()
+
+    def ids(examples: list[Example]) -> list[list[int]]:
+        return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
+
+    generator = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=max(cfg.eval.batch_size, 1))
+    return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, rewards,
+                   prompts, ids(prompts.train), ids(prompts.eval))
+
+
+def score_rollout(s: Session, rollout: Rollout, examples: list[Example]) -> Scores:
+    G = s.cfg.rollout.num_generations
+    texts = [prompt_text(ex) for ex in examples for _ in range(G)]
+    return score_completions(s.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
+
+
+def fill_failed(rewards_P_G: torch.Tensor) -> torch.Tensor:
+    """Failed samples (NaN) take their group's mean of valid rewards, so they shift no statistic's centre;
+    they are also removed from the loss by the caller. A group with no valid sample gets 0."""
+    group_mean_P1 = torch.nanmean(rewards_P_G, dim=1, keepdim=True).nan_to_num(0.0)
+    return torch.where(torch.isnan(rewards_P_G), group_mean_P1.expand_as(rewards_P_G), rewards_P_G)
+
+
+def check_failures(s: Session, scores: Scores, step: int) -> None:
+    failed = int(scores.failed_B.sum())
+    if failed and failed / len(scores.failed_B) > s.cfg.train.max_reward_failure_frac:
+        raise RewardFailure(
+            f"stopped at step {step + 1}: rewards failed for {failed}/{len(scores.failed_B)} samples "
+            f"(limit train.max_reward_failure_frac={s.cfg.train.max_reward_failure_frac}); first: {scores.errors[0]}"
+        )
+
+
+def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[dict]]:
+    cfg, P, G = s.cfg, s.cfg.train.prompts_per_step, s.cfg.rollout.num_generations
+    t_start = time.perf_counter()
+    indices = PromptOrder(len(s.train_ids), P, cfg.data.seed).indices(step)
+    examples = [s.prompts.train[i] for i in indices]
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+    rollout = s.generator.sample(s.model, [s.train_ids[i] for i in indices], G, params, seed=cfg.train.seed * 100_003 + step)
+    t_rollout = time.perf_counter()
+
+    scores = score_rollout(s, rollout, examples)
+    check_failures(s, scores, step)
+    rewards_P_G = fill_failed(scores.total_B.view(P, G))
+    advantages_B = s.algo.advantages(rewards_P_G, scale=cfg.algo.adv_scale, eps=cfg.algo.adv_eps).view(-1)
+    loss_mask_BTc = rollout.completion_mask_BTc * (~scores.failed_B).unsqueeze(-1)
+    t_reward = time.perf_counter()
+
+    mb = cfg.train.micro_batch_size
+    ref_logp = None
+    if cfg.algo.beta > 0:
+        with adapter_disabled(s.model):
+            ref_logp = batched_logprobs(s.model, rollout, mb)
+    t_ref = time.perf_counter()
+    old_logp = batched_logprobs(s.model, rollout, mb) if cfg.algo.num_iterations > 1 else None
+    t_old = time.perf_counter()
+
+    scored = ScoredRollout(rollout, advantages_B, loss_mask_BTc, old_logp, ref_logp)
+    params_list = trainable_parameters(s.model)
+    for _ in range(cfg.algo.num_iterations):
+        lr = scheduler.get_last_lr()[0]
+        stats = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm())
+        stats |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, stats["loss"])
+    t_end = time.perf_counter()
+
+    valid = ~scores.failed_B
+    lengths = rollout.completion_mask_BTc.sum(-1).float()
+    metrics = {
+        "step": step + 1,
+        "reward_mean": float(scores.total_B[valid].mean()) if valid.any() else None,
+        "reward_std": float(scores.total_B[valid].std()) if valid.sum() > 1 else 0.0,
+        **{f"reward/{name}": _mean(values) for name, values in scores.per_fn.items()},
+        "kl": stats["kl"], "loss": stats["loss"], "clip_frac": stats["clip_frac"], "entropy": stats["entropy"],
+        "ratio_mean": stats["ratio_mean"], "trained_frac": stats["trained_frac"], "grad_norm": stats["grad_norm"], "skipped_update": stats["skipped_update"],
+        "completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
+        "truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / len(rollout.finish_reasons),
+        "frac_groups_zero_std": float((rewards_P_G.std(dim=1) == 0).float().mean()),
+        "reward_failures": int(scores.failed_B.sum()),
+        "lr": lr, "gen_tokens": int(rollout.completion_mask_BTc.sum()),
+        "step_s": t_end - t_start, "rollout_s": t_rollout - t_start, "reward_s": t_reward - t_rollout,
+        "ref_s": t_ref - t_reward, "old_s": t_old - t_ref, "train_s": t_end - t_old,
+    }
+    samples = [
+        {"step": step + 1, "prompt": prompt_text(examples[i // G]), "completion": rollout.completions[i],
+         "reward": _num(scores.total_B[i]), "advantage": float(advantages_B[i]),
+         **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}}
+        for i in range(rollout.num_completions)
+    ]
+    if scores.errors:
+        metrics["reward_errors"] = scores.errors[:5]
+    return metrics, samples
+
+
+def _num(value: torch.Tensor) -> float | None:
+    v = float(value)
+    return None if v != v else v
+
+
+def _mean(values: list) -> float | None:
+    finite = [v for v in values if v is not None and v == v]
+    return sum(finite) / len(finite) if finite else None
+
+
+def run_eval(s: Session, label: str) -> dict | None:
+    if not s.prompts.eval:
+        return None
+    max_new = s.cfg.eval.max_new_tokens or s.cfg.rollout.max_new_tokens
+    texts = [prompt_text(ex) for ex in s.prompts.eval]
+    with progress_bar(f"eval ({label})", len(texts)) as update:
+        result, samples = evaluate(s.model, s.generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
+                                   max_new, s.cfg.eval.batch_size, progress=update)
+    s.run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
+    info(f"held-out {label}: accuracy {result['accuracy']:.3f}  reward {result['reward_mean']:.3f}  (n={result['n']})")
+    return result
+
+
+def _jsonl(obj) -> str:
+    import json
+
+    return json.dumps(obj, default=str) + "\n"
+
+
+def save_final(s: Session, name: str = "adapter") -> None:
+    s.run_dir.write_folder(name, lambda folder: save_adapter(s.model, folder))
+
+
+def run_grpo(cfg: RLConfig) -> dict:
+    s = prepare(cfg)
+    s.run_dir.create()
+    s.run_dir.write_text("config.yaml", to_yaml(cfg))
+    n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
+    info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters, {len(s.train_ids)} prompts "
+         f"-> {s.run_dir.path}")
+    evals = {"before": run_eval(s, "before") if cfg.eval.before else None}
+    optimizer, scheduler = build_optimizer(trainable_parameters(s.model), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
+    t0, last, status = time.perf_counter(), {}, "completed"
+    try:
+        with progress_bar("train", cfg.train.steps) as update:
+            for step in range(cfg.train.steps):
+                last, samples = grpo_step(s, step, optimizer, scheduler)
+                s.run_dir.append_jsonl("metrics.jsonl", last)
+                if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
+                    for row in samples:
+                        s.run_dir.append_jsonl("samples.jsonl", row)
+                if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+                    save_final(s, f"adapter-step{step + 1}")
+                update(step + 1, metrics_line(last))
+    except (RewardFailure, KeyboardInterrupt) as stop:
+        status = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped: reward failures"
+        save_final(s)
+        s.run_dir.write_json("summary.json", {"status": status, "last_metrics": last, "eval": evals})
+        raise
+    save_final(s)
+    train_s = time.perf_counter() - t0
+    evals["after"] = run_eval(s, "after") if cfg.eval.after else None
+    if any(evals.values()):
+        s.run_dir.write_json("eval.json", evals)
+    summary = {"status": status, "steps": cfg.train.steps, "train_s": train_s, "last_metrics": last, "eval": evals}
+    s.run_dir.write_json("summary.json", summary)
+    _print_final(s, summary)
+    return summary
+
+
+def _print_final(s: Session, summary: dict) -> None:
+    rows = [("output", str(s.run_dir.path)), ("steps", str(summary["steps"])),
+            ("train time", f"{summary['train_s']:.1f} s")]
+    last = summary["last_metrics"]
+    if last:
+        rows.append(("last step", metrics_line(last)))
+    for label in ("before", "after"):
+        result = summary["eval"].get(label)
+        if result:
+            rows.append((f"held-out accuracy {label}", f"{result['accuracy']:.3f} (n={result['n']})"))
+    print_summary("rlora train: done", rows)

@@ -1,0 +1,93 @@
+"""The run folder. Every file is written atomically (temporary name, fsync, rename), so a crash or a
+kill never leaves a half-written config, adapter or summary; metrics.jsonl grows one whole line per step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rlora.errors import UserError
+
+
+def default_output_dir(prefix: str = "train") -> str:
+    return str(Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RunDir:
+    def __init__(self, path: str, overwrite: bool = False):
+        self.path = Path(path)
+        self.overwrite = overwrite
+
+    def check_writable(self) -> None:
+        """Before any work: refuse to mix a new run into an existing one."""
+        if self.path.exists() and not self.path.is_dir():
+            raise UserError(f"train.output_dir '{self.path}' exists and is a file")
+        if self.path.is_dir() and any(self.path.iterdir()) and not self.overwrite:
+            raise UserError(
+                f"train.output_dir '{self.path}' already holds files: choose a new folder or set train.overwrite=true"
+            )
+        parent = self.path.resolve().parent
+        while not parent.exists():
+            parent = parent.parent
+        if not os.access(parent, os.W_OK):
+            raise UserError(f"cannot write train.output_dir '{self.path}': no write permission in {parent}")
+
+    def create(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def write_text(self, name: str, text: str) -> None:
+        target = self.path / name
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self.write_text(name, json.dumps(obj, indent=2, default=str) + "\n")
+
+    def append_jsonl(self, name: str, obj: Any) -> None:
+        with open(self.path / name, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(obj, default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def write_folder(self, name: str, fill: Callable[[Path], None]) -> Path:
+        """Fill a temporary folder, then swap it in place of `name` (the old one is removed after)."""
+        target = self.path / name
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=self.path))
+        try:
+            fill(tmp)
+            for child in tmp.iterdir():
+                with open(child, "rb") as handle:
+                    os.fsync(handle.fileno())
+            old = None
+            if target.exists():
+                old = self.path / f".{name}.old-{os.getpid()}"
+                os.replace(target, old)
+            os.replace(tmp, target)
+            _fsync_dir(self.path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target

@@ -1,0 +1,41 @@
+import json
+import os
+
+import pytest
+import torch
+
+from rlora.models.tiny import build_random_model
+
+# keep tests single-threaded-deterministic and quiet
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer random Llama (hidden 64) with a byte-level BPE tokenizer and a chat template."""
+    return str(build_random_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def tiny_overrides(model_dir: str, data_path: str, out_dir: str, **extra) -> list[str]:
+    """CLI overrides that turn the demo config into a seconds-long run on the tiny model."""
+    values = {
+        "model.path": model_dir, "data.task": "null", "data.path": data_path, "data.eval_path": data_path,
+        "data.eval_size": 4, "rewards": "[{fn: rewards_for_tests.count_a}]", "rollout.num_generations": 4,
+        "rollout.max_new_tokens": 8, "train.steps": 2, "train.prompts_per_step": 2, "train.micro_batch_size": 4,
+        "train.output_dir": out_dir, "train.sample_every": 1, "eval.batch_size": 4, "lora.rank": 4,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

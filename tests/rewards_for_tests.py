@@ -1,0 +1,26 @@
+"""Reward functions imported by dotted path in the CLI tests."""
+
+CALLS = {"n": 0}
+
+
+def count_a(prompts, completions, **columns):
+    """Share of the letter 'a' in the completion: a dense reward a random tiny model gets some signal from."""
+    return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+def always_raises(prompts, completions, **columns):
+    raise RuntimeError("reward server unreachable")
+
+
+def raises_on_first(prompts, completions, **columns):
+    """Fails for the first completion of each batch only (when called one by one, only on index 0 of the batch)."""
+    CALLS["n"] += 1
+    if len(completions) > 1:
+        raise ValueError("batch contains a bad sample")
+    if completions[0] == "BAD":
+        raise ValueError("bad sample")
+    return [1.0]
+
+
+def wrong_length(prompts, completions, **columns):
+    return [1.0]

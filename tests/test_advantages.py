@@ -1,0 +1,56 @@
+import math
+
+import torch
+
+from rlora.algos.advantages import group_advantages
+
+
+def naive_advantages(rewards, scale, eps):
+    """Per-element Python loops, the definition written out."""
+    flat = [r for group in rewards for r in group]
+    def mean(xs): return sum(xs) / len(xs)
+    def std(xs):
+        m = mean(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    out = []
+    for group in rewards:
+        m = mean(group)
+        denom = {"group": std(group) + eps, "batch": std(flat) + eps, "none": 1.0}[scale]
+        out.append([(r - m) / denom for r in group])
+    return out
+
+
+def test_group_scale_hand_computed():
+    # group [1, 0, 0, 1]: mean 0.5, unbiased std = sqrt((4 * 0.25) / 3) = 0.57735
+    # advantages = +-0.5 / (0.57735 + 1e-4) = +-0.86588
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "group", eps=1e-4)
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    assert torch.allclose(adv, torch.tensor([[expected, -expected, -expected, expected]]), atol=1e-6)
+
+
+def test_none_scale_is_mean_centred_only():
+    # group [3, 1]: mean 2 -> [1, -1]; group [0, 0, ...] -> zeros (no gradient)
+    adv = group_advantages(torch.tensor([[3.0, 1.0], [0.0, 0.0]]), "none")
+    assert adv.tolist() == [[1.0, -1.0], [0.0, 0.0]]
+
+
+def test_batch_scale_hand_computed():
+    # rewards [[1, 0], [2, 2]]: group means 0.5 and 2 -> centred [[0.5, -0.5], [0, 0]]
+    # batch std of [1, 0, 2, 2]: mean 1.25, squares 0.0625+1.5625+0.5625+0.5625 = 2.75, /3 -> sqrt(0.91667)=0.957427
+    adv = group_advantages(torch.tensor([[1.0, 0.0], [2.0, 2.0]]), "batch", eps=0.0)
+    assert torch.allclose(adv, torch.tensor([[0.5 / 0.957427, -0.5 / 0.957427], [0.0, 0.0]]), atol=1e-6)
+
+
+def test_zero_variance_group_gives_zero_advantage_in_every_mode():
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(torch.tensor([[0.7, 0.7, 0.7], [1.0, 0.0, 0.5]]), scale)
+        assert torch.all(adv[0] == 0)
+
+
+def test_matches_naive_loop_on_random_rewards():
+    torch.manual_seed(1)
+    rewards = torch.rand(5, 6)
+    for scale in ("group", "batch", "none"):
+        got = group_advantages(rewards, scale, eps=1e-4)
+        want = torch.tensor(naive_advantages(rewards.tolist(), scale, 1e-4))
+        assert torch.allclose(got, want, atol=1e-6), scale

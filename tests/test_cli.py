@@ -1,0 +1,131 @@
+"""`rlora train` end to end on the tiny model, and the bad-input contract: one line, exit code 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+from rlora.cli import main
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def test_train_end_to_end_writes_every_output(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out))], capsys)
+    assert code == 0, err
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "summary.json",
+                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors"):
+        assert (out / name).is_file(), name
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    required = {"step", "reward_mean", "reward_std", "kl", "loss", "clip_frac", "entropy", "completion_len_mean",
+                "lr", "step_s", "rollout_s", "train_s", "gen_tokens", "reward/count_a"}
+    assert required <= set(rows[0])
+    assert rows[0]["gen_tokens"] > 0 and rows[0]["completion_len_mean"] <= 8
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 2 * 4 and {"prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    evals = json.loads((out / "eval.json").read_text())
+    assert evals["before"]["n"] == 4 and evals["after"]["n"] == 4
+    assert "held-out before" in err and "rlora train: done" in err
+    # the resolved config reloads and equals what ran
+    code, _ = run_cli(["train", str(out / "config.yaml"), "--print-config"], capsys)
+    assert code == 0
+
+
+def test_beta_and_reused_rollouts_log_kl_and_ratio(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
+        "algo.beta": 0.04, "algo.num_iterations": 2, "algo.loss_agg": "seq_mean", "train.lr": 0.05,
+        "eval.before": "false", "eval.after": "false", "train.steps": 1})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 0, err
+    [row] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # two updates on one rollout: the second sees a moved policy, so KL > 0 and the ratio departs from 1
+    assert row["kl"] is not None and row["kl"] > 0
+    assert row["ratio_mean"] != 1.0
+    assert not (out / "eval.json").exists()
+
+
+def test_continue_from_saved_adapter(tiny_model_dir, prompts_file, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(first), **{"train.steps": 1})], capsys)[0] == 0
+    second = tmp_path / "second"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(second), **{"train.steps": 1, "lora.init_from": str(first / "adapter")})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 0, err
+
+
+def test_reward_failures_stop_the_run_and_keep_the_adapter(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), rewards="[{fn: rewards_for_tests.always_raises}]",
+                          **{"eval.before": "false"})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rlora: error: stopped at step 1: rewards failed for 8/8 samples")
+    assert "reward server unreachable" in last
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "summary.json").read_text())["status"] == "stopped: reward failures"
+
+
+def _config_file(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUTS = [
+    ("unknown key", lambda t, m, p: ["train.stpes=2"], "did you mean 'train.steps'"),
+    ("wrong type", lambda t, m, p: ["train.steps=two"], "invalid value for train.steps"),
+    ("indivisible micro-batch", lambda t, m, p: ["train.micro_batch_size=3"], "not divisible"),
+    ("yaml syntax", lambda t, m, p: [_config_file(t, "train: [1, 2\n")], "YAML syntax error"),
+    ("missing config", lambda t, m, p: [str(t / "missing.yaml")], "config file not found"),
+    ("stray argument", lambda t, m, p: ["train.steps=2", "extra"], "unexpected argument 'extra'"),
+    ("missing data file", lambda t, m, p: tiny_overrides(m, str(t / "no.jsonl"), str(t / "o")), "data file not found"),
+    ("missing prompt column", lambda t, m, p: tiny_overrides(m, p, str(t / "o"), **{"data.prompt_column": "question"}),
+     "no column 'question'"),
+    ("model folder without config", lambda t, m, p: tiny_overrides(str(t), p, str(t / "o")), "not a Hugging Face model folder"),
+    ("adapter folder without config", lambda t, m, p: tiny_overrides(m, p, str(t / "o"), **{"lora.init_from": str(t)}),
+     "not a PEFT adapter folder"),
+    ("unknown reward", lambda t, m, p: tiny_overrides(m, p, str(t / "o"), rewards="[{fn: rewards_for_tests.nope}]"),
+     "has no function 'nope'"),
+    ("unknown task", lambda t, m, p: ["data.task=chain_sm"], "did you mean 'chain_sum'"),
+    ("bad LoRA target", lambda t, m, p: tiny_overrides(m, p, str(t / "o"), **{"lora.target_modules": "[nope_proj]"}),
+     "LoRA config does not fit the model"),
+]
+
+
+@pytest.mark.parametrize("name, make_args, message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_one_line_exit_2(name, make_args, message, tiny_model_dir, prompts_file, tmp_path, capsys):
+    code, err = run_cli(["train", *make_args(tmp_path, tiny_model_dir, prompts_file)], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("rlora: error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "o").exists(), "no output folder is created for a run that never started"
+
+
+def test_existing_output_dir_is_not_overwritten(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    code, err = run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out))], capsys)
+    assert code == 2 and "already holds files" in err
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_module_entry_point_and_help():
+    done = subprocess.run([sys.executable, "-m", "rlora", "train", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "embedded demo" in done.stdout and "train.prompts_per_step" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "rlora", "train", "lora.rnak=4"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "rlora: error: unknown config key 'lora.rnak' (did you mean 'lora.rank'?)"
+    assert Path(sys.executable).with_name("rlora").exists()

@@ -1,0 +1,80 @@
+import pytest
+
+from rlora.config import RLConfig, load_config, parse_overrides, to_yaml
+from rlora.errors import UserError
+
+
+def test_demo_config_loads_with_stable_override_keys():
+    overrides = [
+        "model.path=/some/model", "lora.rank=8", "lora.alpha=16", "lora.target_modules=[q_proj,v_proj]",
+        "rollout.num_generations=4", "rollout.max_new_tokens=16", "rollout.temperature=0.7", "algo.beta=0.04",
+        "algo.loss_agg=seq_mean", "train.steps=3", "train.prompts_per_step=2", "train.micro_batch_size=8", "train.lr=5e-5", "train.seed=7",
+        "train.output_dir=/tmp/x",
+    ]
+    cfg = load_config(None, overrides)
+    assert cfg.lora.rank == 8 and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.rollout.temperature == 0.7 and cfg.algo.beta == 0.04 and cfg.algo.loss_agg == "seq_mean"
+    assert cfg.train.lr == 5e-5 and cfg.train.seed == 7 and cfg.train.output_dir == "/tmp/x"
+    assert cfg.data.task == "chain_sum" and cfg.rewards[0].fn == "gym"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["train.steps=3"])
+    path = tmp_path / "c.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    (["train.stpes=3"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["lora.rnak=3"], "did you mean 'lora.rank'"),
+    (["trian.steps=3"], "did you mean 'train'"),
+    (["train.steps=abc"], "invalid value for train.steps"),
+    (["train.lr=-1"], "invalid value for train.lr"),
+    (["algo.loss_agg=mean"], "invalid value for algo.loss_agg"),
+    (["train.micro_batch_size=5"], "not divisible by train.micro_batch_size = 5"),
+    (["data.path=x.jsonl"], "set exactly one of data.task"),
+    (["data.eval_seed=0"], "held-out split would repeat"),
+    (["rewards=[]"], "no reward functions"),
+    (["algo.name=grpp"], "did you mean 'grpo'"),
+    (["rollout.num_generations=1"], "invalid value for rollout.num_generations"),
+    (["train.steps"], "not of the form section.key=value"),
+])
+def test_bad_config_gives_one_line(override, message):
+    with pytest.raises(UserError) as err:
+        load_config(None, override)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: 3\n  lr: [1e-4\n")
+    with pytest.raises(UserError, match=r"YAML syntax error in .*bad.yaml at line"):
+        load_config(str(path))
+
+
+def test_missing_and_non_mapping_config(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(UserError, match="must be a mapping"):
+        load_config(str(path))
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  steps: 3 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UserError, match="not UTF-8"):
+        load_config(str(path))
+
+
+def test_parse_overrides_types_and_nesting():
+    tree = parse_overrides(["a.b=1", "a.c=true", "d=[1, 2]", "e=null", "f=text", "g.h.i=0.5"])
+    assert tree == {"a": {"b": 1, "c": True}, "d": [1, 2], "e": None, "f": "text", "g": {"h": {"i": 0.5}}}
+
+
+def test_file_config_merges_with_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {path: p.jsonl}\nrewards: [{fn: format}]\ntrain: {steps: 9}\n")
+    cfg = load_config(str(path), ["train.steps=4"])
+    assert isinstance(cfg, RLConfig)
+    assert cfg.train.steps == 4 and cfg.data.path == "p.jsonl" and cfg.model.path == "smollm2-135m-instruct"

@@ -1,0 +1,79 @@
+import json
+
+import pytest
+
+from rlora.config import DataConfig
+from rlora.data.files import read_prompt_file
+from rlora.data.prompts import PromptOrder, load_prompt_sets, render_prompt
+from rlora.data.tasks import check_task
+from rlora.errors import UserError
+from rlora.models.tiny import build_tokenizer
+from rlora.types import Example
+
+ROWS = [{"question": "1 + 1 =", "answer": "2", "level": 1}, {"question": "2 + 2 =", "answer": "4", "level": 2}]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv", ".parquet"])
+def test_reads_every_format_with_prompt_column(tmp_path, suffix):
+    import pandas as pd
+
+    path = tmp_path / f"data{suffix}"
+    frame = pd.DataFrame(ROWS)
+    {".json": lambda: path.write_text(json.dumps(ROWS)), ".jsonl": lambda: frame.to_json(path, orient="records", lines=True),
+     ".csv": lambda: frame.to_csv(path, index=False), ".parquet": lambda: frame.to_parquet(path)}[suffix]()
+    examples = read_prompt_file(str(path), "question", "answer")
+    assert [e.prompt for e in examples] == ["1 + 1 =", "2 + 2 ="]
+    assert str(examples[1].columns["answer"]) == "4" and examples[1].columns["level"] == 2
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(UserError, match="data file not found"):
+        read_prompt_file(str(tmp_path / "none.jsonl"), "prompt", None)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UserError, match="(no rows|could not read)"):
+        read_prompt_file(str(empty), "prompt", None)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"text": "hi"}) + "\n")
+    with pytest.raises(UserError, match=r"no column 'prompt' \(columns: text\); set data.prompt_column"):
+        read_prompt_file(str(other), "prompt", None)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(UserError, match="not UTF-8"):
+        read_prompt_file(str(latin), "prompt", None)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a"\n')
+    with pytest.raises(UserError, match="could not read data file"):
+        read_prompt_file(str(broken), "prompt", None)
+    weird = tmp_path / "data.txt"
+    weird.write_text("x")
+    with pytest.raises(UserError, match="unsupported extension"):
+        read_prompt_file(str(weird), "prompt", None)
+
+
+def test_task_splits_differ_and_bad_task_is_caught():
+    cfg = DataConfig(task="chain_sum", task_args={"min_terms": 2, "max_terms": 2}, train_size=50, eval_size=20)
+    sets = load_prompt_sets(cfg)
+    assert len(sets.train) == 50 and len(sets.eval) == 20
+    assert [e.prompt for e in sets.train[:20]] != [e.prompt for e in sets.eval]
+    with pytest.raises(UserError, match="did you mean 'chain_sum'"):
+        check_task("chain_sm", {})
+    with pytest.raises(UserError, match="task_args do not fit task 'chain_sum'"):
+        check_task("chain_sum", {"bogus": 1})
+
+
+def test_render_prompt_uses_chat_template_and_system_prompt():
+    tokenizer = build_tokenizer()
+    ids = render_prompt(tokenizer, Example("1 + 1 =", {}), "Be brief.", use_chat_template=True)
+    text = tokenizer.decode(ids)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1 + 1 =<|im_end|>\n<|im_start|>assistant\n"
+    plain = tokenizer.decode(render_prompt(tokenizer, Example("1 + 1 =", {}), None, use_chat_template=False))
+    assert plain == "1 + 1 ="
+
+
+def test_prompt_order_is_deterministic_and_covers_each_epoch():
+    order = PromptOrder(num_examples=10, prompts_per_step=3, seed=4)
+    first_epoch = [i for step in range(3) for i in order.indices(step)] + order.indices(3)[:1]
+    assert sorted(first_epoch) == list(range(10))
+    assert order.indices(5) == PromptOrder(10, 3, 4).indices(5)
+    assert order.indices(0) != PromptOrder(10, 3, 5).indices(0)

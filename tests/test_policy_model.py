@@ -1,0 +1,157 @@
+"""LoRA invariants, micro-batching invariance and the PEFT adapter format, on a tiny random Llama."""
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from rlora.algos.registry import get_algorithm
+from rlora.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig
+from rlora.models.loading import adapter_disabled, attach_lora, load_base_model, load_tokenizer, save_adapter, trainable_parameters
+from rlora.models.logprobs import completion_logprobs
+from rlora.rollout.generator import HFGenerator
+from rlora.train.optim import build_optimizer
+from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
+from rlora.types import SamplingParams
+
+
+def make_policy(model_dir, **lora):
+    tokenizer, tok = load_tokenizer(model_dir)
+    model = attach_lora(load_base_model(ModelConfig(path=model_dir), model_dir), LoraConfig(rank=4, alpha=8, **lora))
+    return tokenizer, tok, model
+
+
+def sample(model, tokenizer, tok, n_prompts=2, G=4, max_new=6, seed=0):
+    prompts = [tokenizer(f"What is {i} + {i}?")["input_ids"] for i in range(1, n_prompts + 1)]
+    prompts[0] = prompts[0][:3]  # different prompt lengths exercise the left padding
+    gen = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    return gen.sample(model, prompts, G, SamplingParams(max_new_tokens=max_new, temperature=1.0), seed=seed)
+
+
+def vary_lengths(rollout, pad_id, lengths=(6, 2, 5, 1, 6, 3, 4, 6)):
+    """A random tiny model rarely samples EOS; cut completions as if it had, to get ragged lengths."""
+    for row, length in enumerate(lengths):
+        rollout.completion_mask_BTc[row, length:] = 0
+        rollout.completion_ids_BTc[row, length:] = pad_id
+    return rollout
+
+
+def perturb_adapter(model, scale=0.05, seed=1):
+    """Give lora_B non-zero values (it starts at zero) so the adapter changes the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def test_before_first_update_ratio_is_one_and_kl_is_zero(tiny_model_dir):
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    rollout = sample(model, tokenizer, tok)
+    policy = batched_logprobs(model, rollout, 8)
+    with adapter_disabled(model):
+        reference = batched_logprobs(model, rollout, 8)
+    mask = rollout.completion_mask_BTc.bool()
+    # lora_B starts at zero: the policy is the reference, exactly
+    assert torch.equal(policy[mask], reference[mask])
+    scored = ScoredRollout(rollout, torch.linspace(-1, 1, 8), rollout.completion_mask_BTc, None, reference)
+    stats = accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(beta=0.04), scored, 8, 6)
+    assert stats["kl"] == 0.0 and stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
+
+
+def test_update_moves_adapter_and_keeps_base_bit_identical(tiny_model_dir):
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    adapter_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    rollout = sample(model, tokenizer, tok)
+    scored = ScoredRollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), rollout.completion_mask_BTc)
+    params = trainable_parameters(model)
+    optimizer, scheduler = build_optimizer(params, TrainConfig(lr=1e-2), total_updates=3)
+    for _ in range(3):
+        stats = accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(), scored, 4, 6)
+        optimizer_step(params, optimizer, scheduler, 1.0, stats["loss"])
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        assert torch.equal(p, base_before[name]), name
+    moved = [n for n, p in model.named_parameters() if "lora_" in n and not torch.equal(p, adapter_before[n])]
+    assert len(moved) == len(adapter_before)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def gradient_of(model, scored, micro_batch_size, loss_agg, beta=0.0):
+    model.zero_grad(set_to_none=True)
+    accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(loss_agg=loss_agg, beta=beta), scored,
+                               micro_batch_size, constant_len=6)
+    return torch.cat([p.grad.flatten() for p in trainable_parameters(model)])
+
+
+def test_micro_batching_does_not_change_the_gradient(tiny_model_dir):
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model)
+    rollout = vary_lengths(sample(model, tokenizer, tok, seed=3), tok.pad_id)
+    with adapter_disabled(model):
+        ref = batched_logprobs(model, rollout, 8)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, 0.0, -0.3, 0.2])
+    old = batched_logprobs(model, rollout, 8) + 0.05 * torch.randn_like(ref)  # ratio != 1: clipping in play
+    for agg in ("token_mean", "seq_mean", "constant"):
+        scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, old, ref)
+        one_of_eight = gradient_of(model, scored, 8, agg, beta=0.04)
+        eight_of_one = gradient_of(model, scored, 1, agg, beta=0.04)
+        assert one_of_eight.abs().max() > 0
+        assert torch.allclose(one_of_eight, eight_of_one, rtol=1e-5, atol=1e-7), agg
+
+
+def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir):
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model)
+    rollout = vary_lengths(sample(model, tokenizer, tok, seed=4), tok.pad_id)
+    advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 0.5, -0.5])  # group 0 has zero variance
+    scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc)
+    skipping = gradient_of(model, scored, 4, "token_mean")
+    # the same loss written without the skip: an explicit forward over all 8 rows
+    model.zero_grad(set_to_none=True)
+    logp, _ = completion_logprobs(model, rollout.select(slice(0, 8)))
+    mask = rollout.completion_mask_BTc.float()
+    loss = -(torch.exp(logp - logp.detach()) * advantages[:, None] * mask).sum() / mask.sum()
+    loss.backward()
+    full = torch.cat([p.grad.flatten() for p in trainable_parameters(model)])
+    assert torch.allclose(skipping, full, rtol=1e-5, atol=1e-7)
+
+
+def test_non_finite_loss_skips_the_update(tiny_model_dir):
+    _, _, model = make_policy(tiny_model_dir)
+    params = trainable_parameters(model)
+    before = [p.detach().clone() for p in params]
+    optimizer, scheduler = build_optimizer(params, TrainConfig(lr=1e-2), total_updates=2)
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    out = optimizer_step(params, optimizer, scheduler, 1.0, float("nan"))
+    assert out["skipped_update"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_saved_adapter_loads_in_peft_with_identical_logits(tiny_model_dir, tmp_path):
+    tokenizer, tok, model = make_policy(tiny_model_dir, target_modules="all-linear")
+    perturb_adapter(model)
+    save_adapter(model, tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter"))
+    ids = torch.tensor([tokenizer("What is 2 + 2? The answer")["input_ids"]])
+    model.eval()
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        theirs = loaded(input_ids=ids).logits
+        base = fresh.get_base_model()(input_ids=ids).logits if hasattr(fresh, "get_base_model") else None
+    assert torch.equal(ours, theirs)
+    with torch.no_grad(), loaded.disable_adapter():
+        plain = loaded(input_ids=ids).logits
+    assert not torch.allclose(ours, plain), "the adapter must change the outputs"
+    del base
+
+
+def test_lora_layers_and_rslora_options(tiny_model_dir):
+    _, _, model = make_policy(tiny_model_dir, layers=[1], use_rslora=True, target_modules=["q_proj", "v_proj"])
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all(".layers.1." in n and ("q_proj" in n or "v_proj" in n) for n in names)
+    assert model.peft_config["default"].use_rslora

@@ -1,0 +1,72 @@
+import math
+
+import pytest
+
+from rlora.config import RewardSpec
+from rlora.data.tasks import make_task_examples
+from rlora.errors import UserError
+from rlora.rewards.builtin import extract_answer, format_reward, gym_reward, math_reward
+from rlora.rewards.scoring import resolve_rewards, score_completions
+
+
+@pytest.mark.parametrize("text, mode, expected", [
+    ("The answer is 7.", "auto", "7"),
+    ("so 4 - 9 = -5", "auto", "-5"),
+    ("1,234 apples", "last_number", "1234"),
+    ("x <answer> 12 </answer> then 3", "auto", "12"),
+    ("no tags 3", "answer_tag", ""),
+    ("no numbers here", "auto", "no numbers here"),
+    ("  keep  ", "none", "keep"),
+])
+def test_extract_answer(text, mode, expected):
+    assert extract_answer(text, mode) == expected
+
+
+def test_gym_reward_uses_reasoning_gym_verifier():
+    [ex] = make_task_examples("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 1, 5)
+    answer = ex.columns["answer"]
+    wrong = str(int(answer) + 1)
+    scores = gym_reward(["q", "q"], [f"The result is {answer}.", f"It is {wrong}"],
+                        task=["chain_sum"] * 2, entry=[ex.columns["entry"]] * 2)
+    assert scores == [1.0, 0.0]
+
+
+def test_format_and_math_rewards():
+    assert format_reward([""] * 2, ["<answer>3</answer>", "3"]) == [1.0, 0.0]
+    assert format_reward([""], ["#### 5"], pattern=r"####\s*\d+") == [1.0]
+    assert math_reward(["", ""], ["The answer is $\\frac{1}{2}$", "It is 0.3"], answer=["0.5", "0.5"]) == [1.0, 0.0]
+
+
+def _resolve(*fns, weights=None):
+    weights = weights or [1.0] * len(fns)
+    return resolve_rewards([RewardSpec(fn=f, weight=w) for f, w in zip(fns, weights)], has_task=False)
+
+
+def test_weighted_sum_and_per_function_logging():
+    rewards = _resolve("format", "rewards_for_tests.count_a", weights=[2.0, 0.5])
+    scores = score_completions(rewards, ["p", "p"], ["<answer>aa</answer>", "ab"], {})
+    # sample 0: 2 * 1 + 0.5 * (4 letters a / 19 chars); sample 1: 2 * 0 + 0.5 * (1 / 2)
+    assert scores.total_B.tolist() == pytest.approx([2.0 + 0.5 * 4 / 19, 0.25])
+    assert set(scores.per_fn) == {"format", "count_a"}
+    assert not scores.failed_B.any()
+
+
+def test_raising_reward_marks_only_failing_samples():
+    rewards = _resolve("rewards_for_tests.raises_on_first")
+    scores = score_completions(rewards, ["p"] * 3, ["ok", "BAD", "fine"], {})
+    assert scores.failed_B.tolist() == [False, True, False]
+    assert math.isnan(scores.total_B[1]) and scores.total_B[0] == 1.0
+    assert len(scores.errors) == 1 and "bad sample" in scores.errors[0]
+
+
+def test_bad_reward_functions_are_user_errors():
+    with pytest.raises(UserError, match="no function 'nope'"):
+        _resolve("rewards_for_tests.nope")
+    with pytest.raises(UserError, match="cannot import module"):
+        _resolve("no_such_module_xyz.fn")
+    with pytest.raises(UserError, match="neither a built-in"):
+        _resolve("gymm")
+    with pytest.raises(UserError, match="scores reasoning-gym tasks"):
+        _resolve("gym")
+    with pytest.raises(UserError, match="must return a list of 2 numbers"):
+        score_completions(_resolve("rewards_for_tests.wrong_length"), ["p"] * 2, ["a", "b"], {})

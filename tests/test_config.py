@@ -78,3 +78,13 @@ def test_file_config_merges_with_overrides(tmp_path):
     cfg = load_config(str(path), ["train.steps=4"])
     assert isinstance(cfg, RLConfig)
     assert cfg.train.steps == 4 and cfg.data.path == "p.jsonl" and cfg.model.path == "smollm2-135m-instruct"
+
+
+def test_example_configs_validate():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert files
+    for path in files:
+        assert path.read_text().startswith("# rlora train"), f"{path.name} must start with the command that runs it"
+        load_config(str(path))

@@ -24,3 +24,12 @@ def raises_on_first(prompts, completions, **columns):
 
 def wrong_length(prompts, completions, **columns):
     return [1.0]
+
+
+def fails_on_even_prompts(prompts, completions, answer, **columns):
+    """Raises for samples whose answer is a multiple of 4 (the fixture's prompts 0, 2, 4, 6)."""
+    if any(int(a) % 4 == 0 for a in answer) and len(completions) > 1:
+        raise ValueError("batch has an even prompt")
+    if int(answer[0]) % 4 == 0:
+        raise ValueError("even prompt")
+    return [0.0] * len(completions)

@@ -76,6 +76,20 @@ def test_reward_failures_stop_the_run_and_keep_the_adapter(tiny_model_dir, promp
     assert json.loads((out / "summary.json").read_text())["status"] == "stopped: reward failures"
 
 
+def test_some_reward_failures_are_logged_and_training_goes_on(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
+        "rewards": "[{fn: rewards_for_tests.count_a}, {fn: rewards_for_tests.fails_on_even_prompts}]",
+        "train.max_reward_failure_frac": 1.0, "train.steps": 4, "eval.before": "false", "eval.after": "false"})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # 4 steps x 2 prompts = one epoch of the 8 prompts: the 4 failing prompts (x 4 samples) all appear
+    assert len(rows) == 4 and sum(r["reward_failures"] for r in rows) == 16
+    errors = [e for r in rows for e in r.get("reward_errors", [])]
+    assert errors and all("even prompt" in e for e in errors)
+
+
 def _config_file(tmp_path, text):
     path = tmp_path / "c.yaml"
     path.write_text(text)

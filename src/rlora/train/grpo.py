@@ -3,6 +3,7 @@ for each step: sample -> score -> advantages -> reference/old log-probs -> updat
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import dataclass
@@ -198,8 +199,6 @@ def run_eval(s: Session, label: str) -> dict | None:
 
 
 def _jsonl(obj) -> str:
-    import json
-
     return json.dumps(obj, default=str) + "\n"
 
 

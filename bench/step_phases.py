@@ -24,7 +24,7 @@ from rlora.config import load_config
 from rlora.errors import UserError
 from rlora.train.grpo import run_grpo
 
-PHASES = ("rollout_s", "reward_s", "ref_s", "old_s", "train_s", "step_s")
+PHASES = ("rollout_s", "reward_s", "ref_s", "old_s", "train_s", "optim_s", "step_s")
 
 
 def main() -> int:

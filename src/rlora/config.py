@@ -64,6 +64,7 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
+    min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed until this many tokens (benchmarks: = max)")
 
 
 class AlgoConfig(_Section):
@@ -96,6 +97,7 @@ class TrainConfig(_Section):
     sample_every: int = Field(5, ge=0, description="Write sample completions every N steps (0: never)")
     max_reward_failure_frac: float = Field(0.25, ge=0, le=1, description="Stop if more samples' rewards fail in a step")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
+    max_time_s: float | None = Field(None, gt=0, description="Stop after the step that passes this much training time")
 
 
 class EvalConfig(_Section):
@@ -122,6 +124,8 @@ class RLConfig(_Section):
             raise ValueError("set exactly one of data.task (a reasoning-gym task) or data.path (a local file)")
         if data.task is not None and data.seed == data.eval_seed:
             raise ValueError("data.seed equals data.eval_seed: the held-out split would repeat the training problems")
+        if rollout.min_new_tokens > rollout.max_new_tokens:
+            raise ValueError("rollout.min_new_tokens must not exceed rollout.max_new_tokens")
         completions = train.prompts_per_step * rollout.num_generations
         if completions % train.micro_batch_size:
             raise ValueError(

@@ -15,6 +15,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_new_tokens: int = 0  # EOS cannot end a completion before this many tokens
     greedy: bool = False
 
 

@@ -57,7 +57,8 @@ class HFGenerator:
         self.batch_size = batch_size
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
-        common = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        common = dict(max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
+                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         if params.greedy:
             return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(

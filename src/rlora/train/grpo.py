@@ -119,7 +119,8 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
     t_start = time.perf_counter()
     indices = PromptOrder(len(s.train_ids), P, cfg.data.seed).indices(step)
     examples = [s.prompts.train[i] for i in indices]
-    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
+                            cfg.rollout.min_new_tokens)
     rollout = s.generator.sample(s.model, [s.train_ids[i] for i in indices], G, params, seed=cfg.train.seed * 100_003 + step)
     t_rollout = time.perf_counter()
 
@@ -141,10 +142,13 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
 
     scored = ScoredRollout(rollout, advantages_B, loss_mask_BTc, old_logp, ref_logp)
     params_list = trainable_parameters(s.model)
+    optim_s = 0.0
     for _ in range(cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
         stats = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm())
+        t_optim = time.perf_counter()
         stats |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, stats["loss"])
+        optim_s += time.perf_counter() - t_optim
     t_end = time.perf_counter()
 
     valid = ~scores.failed_B
@@ -161,8 +165,10 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
         "frac_groups_zero_std": float((rewards_P_G.std(dim=1) == 0).float().mean()),
         "reward_failures": int(scores.failed_B.sum()),
         "lr": lr, "gen_tokens": int(rollout.completion_mask_BTc.sum()),
+        "prompt_tokens": int(rollout.prompt_mask_BTp.sum()),
         "step_s": t_end - t_start, "rollout_s": t_rollout - t_start, "reward_s": t_reward - t_rollout,
-        "ref_s": t_ref - t_reward, "old_s": t_old - t_ref, "train_s": t_end - t_old,
+        "ref_s": t_ref - t_reward, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s,
+        "optim_s": optim_s,
     }
     samples = [
         {"step": step + 1, "prompt": prompt_text(examples[i // G]), "completion": rollout.completions[i],
@@ -227,6 +233,9 @@ def run_grpo(cfg: RLConfig) -> dict:
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                     save_final(s, f"adapter-step{step + 1}")
                 update(step + 1, metrics_line(last))
+                if cfg.train.max_time_s and time.perf_counter() - t0 >= cfg.train.max_time_s:
+                    info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
+                    break
     except (RewardFailure, KeyboardInterrupt) as stop:
         status = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped: reward failures"
         save_final(s)
@@ -237,7 +246,7 @@ def run_grpo(cfg: RLConfig) -> dict:
     evals["after"] = run_eval(s, "after") if cfg.eval.after else None
     if any(evals.values()):
         s.run_dir.write_json("eval.json", evals)
-    summary = {"status": status, "steps": cfg.train.steps, "train_s": train_s, "last_metrics": last, "eval": evals}
+    summary = {"status": status, "steps": last.get("step", 0), "train_s": train_s, "adapter_params": n_trainable, "last_metrics": last, "eval": evals}
     s.run_dir.write_json("summary.json", summary)
     _print_final(s, summary)
     return summary

@@ -1,0 +1,57 @@
+"""Shared by both sides of the TRL comparison: the prompts, the reward function and the models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlora.data.tasks import make_task_examples
+from rlora.models.embedded import SMOLLM2_ALIAS, cache_root, resolve_alias
+from rlora.rewards.builtin import extract_answer
+
+TASK = "chain_sum"
+TASK_ARGS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+TRAIN_SEED, EVAL_SEED = 0, 1_000_003
+
+
+def completion_text(completion) -> str:
+    """TRL passes conversational completions as [{'role': 'assistant', 'content': ...}]; rlora passes text."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion)
+
+
+def answer_reward(prompts, completions, answer, **_columns) -> list[float]:
+    """1.0 when the extracted answer (tags, else last number) equals the reference exactly (chain_sum: integers)."""
+    return [1.0 if extract_answer(completion_text(c)) == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def task_rows(size: int, seed: int) -> list[dict]:
+    """Chat-format prompts with their answers: the same rows feed rlora (jsonl) and TRL (datasets)."""
+    return [{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.columns["answer"]}
+            for ex in make_task_examples(TASK, TASK_ARGS, size=size, seed=seed)]
+
+
+def write_jsonl(rows: list[dict], path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def model_folder(name: str) -> str:
+    """'smollm2': the embedded SmolLM2-135M-Instruct; 'qwen2-0.1b': a random-initialised Qwen2 shape
+    (hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 3072) with the SmolLM2 tokenizer, built once;
+    any other value is taken as a model folder."""
+    if name == "smollm2":
+        return resolve_alias(SMOLLM2_ALIAS)
+    if name == "qwen2-0.1b":
+        folder = cache_root() / "bench" / "qwen2-0.1b-random"
+        if not (folder / "config.json").is_file():
+            from transformers import AutoTokenizer
+
+            from rlora.models.tiny import build_random_model
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_alias(SMOLLM2_ALIAS))
+            build_random_model(folder, family="qwen2", hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072,
+                               tokenizer=tokenizer, tie=True, seed=0)
+        return str(folder)
+    return name

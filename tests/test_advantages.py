@@ -41,10 +41,24 @@ def test_batch_scale_hand_computed():
     assert torch.allclose(adv, torch.tensor([[0.5 / 0.957427, -0.5 / 0.957427], [0.0, 0.0]]), atol=1e-6)
 
 
-def test_zero_variance_group_gives_zero_advantage_in_every_mode():
+def test_zero_variance_group_gives_exactly_zero_advantage_in_every_mode():
+    # 0.3 * 6 and 0.7 * 7 are not exact in float32 sums: the mean would differ from 0.3 / 0.7 by rounding
     for scale in ("group", "batch", "none"):
-        adv = group_advantages(torch.tensor([[0.7, 0.7, 0.7], [1.0, 0.0, 0.5]]), scale)
-        assert torch.all(adv[0] == 0)
+        adv = group_advantages(torch.tensor([[0.7] * 7, [1.0, 0.0, 0.5, 0.2, 0.1, 0.9, 0.4]]), scale)
+        assert torch.all(adv[0] == 0) and torch.all(adv[1] != 0), scale
+        adv = group_advantages(torch.tensor([[0.3] * 6]), scale)
+        assert torch.all(adv == 0), scale
+
+
+def test_failed_samples_are_left_out_of_the_statistics():
+    # [1, 0, NaN, NaN]: valid mean 0.5, unbiased std of [1, 0] = sqrt(0.5) = 0.707107
+    # -> [0.5 / 0.707207, -0.5 / 0.707207, 0, 0] with eps 1e-4
+    nan = float("nan")
+    adv = group_advantages(torch.tensor([[1.0, 0.0, nan, nan]]), "group", eps=1e-4)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert torch.allclose(adv, torch.tensor([[a, -a, 0.0, 0.0]]), atol=1e-6)
+    # a group with one valid sample has no spread: all zero; a group with none: all zero
+    assert torch.all(group_advantages(torch.tensor([[1.0, nan], [nan, nan]]), "group") == 0)
 
 
 def test_matches_naive_loop_on_random_rewards():

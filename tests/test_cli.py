@@ -36,8 +36,8 @@ def test_train_end_to_end_writes_every_output(tiny_model_dir, prompts_file, tmp_
     assert evals["before"]["n"] == 4 and evals["after"]["n"] == 4
     assert "held-out before" in err and "rlora train: done" in err
     # the resolved config reloads and equals what ran
-    code, _ = run_cli(["train", str(out / "config.yaml"), "--print-config"], capsys)
-    assert code == 0
+    assert main(["train", str(out / "config.yaml"), "--print-config"]) == 0
+    assert capsys.readouterr().out == (out / "config.yaml").read_text()
 
 
 def test_beta_and_reused_rollouts_log_kl_and_ratio(tiny_model_dir, prompts_file, tmp_path, capsys):
@@ -88,6 +88,26 @@ def test_some_reward_failures_are_logged_and_training_goes_on(tiny_model_dir, pr
     assert len(rows) == 4 and sum(r["reward_failures"] for r in rows) == 16
     errors = [e for r in rows for e in r.get("reward_errors", [])]
     assert errors and all("even prompt" in e for e in errors)
+
+
+def test_failing_rewards_during_eval_do_not_crash(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), rewards="[{fn: rewards_for_tests.always_raises}]")
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "reward -  (n=4, 4 reward failures)" in err  # the eval before training reported, then step 1 stopped
+    assert "stopped at step 1" in err
+
+
+def test_overwrite_replaces_the_previous_run(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **{"train.steps": 3})], capsys)[0] == 0
+    (out / "notes.txt").write_text("mine")
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{"train.steps": 1, "train.overwrite": "true",
+                                                                     "eval.before": "false", "eval.after": "false"})
+    assert run_cli(["train", *args], capsys)[0] == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert not (out / "eval.json").exists() and (out / "notes.txt").read_text() == "mine"
 
 
 def _config_file(tmp_path, text):

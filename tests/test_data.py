@@ -45,17 +45,26 @@ def test_bad_files(tmp_path):
     broken.write_text('{"prompt": "a"\n')
     with pytest.raises(UserError, match="could not read data file"):
         read_prompt_file(str(broken), "prompt", None)
+    bad_chat = tmp_path / "chat.jsonl"
+    bad_chat.write_text(json.dumps({"prompt": ["just text"]}) + "\n")
+    with pytest.raises(UserError, match="row 1: column 'prompt' must hold"):
+        read_prompt_file(str(bad_chat), "prompt", None)
+    with pytest.raises(UserError, match="no column 'solution'.*set data.answer_column"):
+        read_prompt_file(str(other), "text", "solution")
     weird = tmp_path / "data.txt"
     weird.write_text("x")
     with pytest.raises(UserError, match="unsupported extension"):
         read_prompt_file(str(weird), "prompt", None)
 
 
-def test_task_splits_differ_and_bad_task_is_caught():
-    cfg = DataConfig(task="chain_sum", task_args={"min_terms": 2, "max_terms": 2}, train_size=50, eval_size=20)
-    sets = load_prompt_sets(cfg)
-    assert len(sets.train) == 50 and len(sets.eval) == 20
-    assert [e.prompt for e in sets.train[:20]] != [e.prompt for e in sets.eval]
+def test_task_splits_are_disjoint_and_bad_task_is_caught():
+    # two one-digit terms: only ~200 distinct problems, so independent draws overlap heavily
+    small = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    sets = load_prompt_sets(DataConfig(task="chain_sum", task_args=small, train_size=300, eval_size=50))
+    held_out = [e.prompt for e in sets.eval]
+    assert len(held_out) == len(set(held_out)) == 50
+    assert not set(held_out) & {e.prompt for e in sets.train}
+    assert 200 < len(sets.train) < 300  # the training draws of held-out problems were removed
     with pytest.raises(UserError, match="did you mean 'chain_sum'"):
         check_task("chain_sm", {})
     with pytest.raises(UserError, match="task_args do not fit task 'chain_sum'"):

@@ -70,3 +70,15 @@ def test_bad_reward_functions_are_user_errors():
         _resolve("gym")
     with pytest.raises(UserError, match="must return a list of 2 numbers"):
         score_completions(_resolve("rewards_for_tests.wrong_length"), ["p"] * 2, ["a", "b"], {})
+
+
+def test_numpy_rewards_are_accepted_and_json_never_holds_nan():
+    import numpy as np
+
+    from rlora.train.outputs import to_json
+
+    rewards = [resolve_rewards([RewardSpec(fn="rewards_for_tests.count_a")], has_task=False)[0]]
+    object.__setattr__(rewards[0], "fn", lambda prompts, completions, **kw: list(np.array([0.5, 1.0], dtype=np.float32)))
+    scores = score_completions(rewards, ["p", "p"], ["a", "b"], {})
+    assert scores.total_B.tolist() == [0.5, 1.0] and scores.per_fn["count_a"] == [0.5, 1.0]
+    assert to_json({"loss": float("nan"), "xs": [1.0, float("inf")]}) == '{"loss": null, "xs": [1.0, null]}'

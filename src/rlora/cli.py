@@ -23,7 +23,7 @@ examples:
 
 stable override keys: model.path lora.rank lora.alpha lora.target_modules rollout.num_generations
   rollout.max_new_tokens rollout.temperature algo.beta algo.loss_agg train.steps train.prompts_per_step
-  train.lr train.seed train.output_dir   (any other config key works too; see docs/configuration.md)
+  train.lr train.seed train.output_dir   (any other config key works too; see src/rlora/config.py)
 """
 
 
@@ -92,6 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("rlora: interrupted; the adapter so far was saved", file=sys.stderr)
+        print("rlora: interrupted (a run that had started training saved its adapter and summary.json)", file=sys.stderr)
         return 130
     return 0

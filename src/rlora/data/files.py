@@ -10,6 +10,14 @@ from rlora.types import Example
 _LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+def _is_prompt(value) -> bool:
+    if isinstance(value, str):
+        return bool(value.strip())
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    )
+
+
 def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -> list[Example]:
     """Every row becomes an Example; all columns except the prompt are passed to reward functions."""
     file = Path(path)
@@ -38,11 +46,19 @@ def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -
             f"data file {path} has no column '{prompt_column}' (columns: {', '.join(table.column_names)}); "
             "set data.prompt_column"
         )
+    if answer_column and answer_column != "answer" and answer_column not in table.column_names:
+        raise UserError(
+            f"data file {path} has no column '{answer_column}' (columns: {', '.join(table.column_names)}); "
+            "set data.answer_column"
+        )
     examples = []
-    for row in table:
+    for number, row in enumerate(table, start=1):
         prompt = row.pop(prompt_column)
-        if not isinstance(prompt, (str, list)) or not prompt:
-            raise UserError(f"data file {path}: column '{prompt_column}' must hold non-empty text or chat messages")
+        if not _is_prompt(prompt):
+            raise UserError(
+                f"data file {path}, row {number}: column '{prompt_column}' must hold non-empty text or a list of "
+                "chat messages {role, content}"
+            )
         if answer_column and answer_column in row and answer_column != "answer":
             row["answer"] = row[answer_column]
         examples.append(Example(prompt=prompt, columns=row))

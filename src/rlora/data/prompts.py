@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from rlora.config import DataConfig
 from rlora.data.files import read_prompt_file
 from rlora.data.tasks import make_task_examples
+from rlora.errors import UserError
 from rlora.types import Example
 
 
@@ -19,12 +20,30 @@ class PromptSets:
 
 def load_prompt_sets(cfg: DataConfig) -> PromptSets:
     if cfg.task is not None:
-        train = make_task_examples(cfg.task, cfg.task_args, size=cfg.train_size, seed=cfg.seed)
-        held_out = make_task_examples(cfg.task, cfg.task_args, size=cfg.eval_size, seed=cfg.eval_seed) if cfg.eval_size else []
+        held_out = held_out_task_examples(cfg) if cfg.eval_size else []
+        seen = {prompt_text(ex) for ex in held_out}
+        train = [ex for ex in make_task_examples(cfg.task, cfg.task_args, size=cfg.train_size, seed=cfg.seed)
+                 if prompt_text(ex) not in seen]
+        if not train:
+            raise UserError(f"task '{cfg.task}' has no training problems left after removing the held-out ones: "
+                            "lower data.eval_size or widen data.task_args")
         return PromptSets(train=train, eval=held_out)
     train = read_prompt_file(cfg.path, cfg.prompt_column, cfg.answer_column)
     held_out = read_prompt_file(cfg.eval_path, cfg.prompt_column, cfg.answer_column) if cfg.eval_path else []
     return PromptSets(train=train, eval=held_out[: cfg.eval_size])
+
+
+def held_out_task_examples(cfg: DataConfig) -> list[Example]:
+    """eval_size distinct problems drawn with eval_seed. Small task spaces repeat problems, so the draw is
+    deduplicated here and the same problems are removed from the training set by the caller: held-out
+    accuracy is always measured on problems the policy never trained on."""
+    draws = make_task_examples(cfg.task, cfg.task_args, size=cfg.eval_size * 4, seed=cfg.eval_seed)
+    unique: dict[str, Example] = {}
+    for ex in draws:
+        unique.setdefault(prompt_text(ex), ex)
+        if len(unique) == cfg.eval_size:
+            break
+    return list(unique.values())
 
 
 def to_messages(prompt: str | list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:

@@ -54,6 +54,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> tuple[PreTrain
     return tokenizer, TokenizerInfo(eos_ids=eos_ids, pad_id=pad_id)
 
 
+def add_model_eos_ids(tok: TokenizerInfo, model: torch.nn.Module) -> None:
+    """Chat models often end turns with ids listed only in generation_config (e.g. Llama-3's eot_id)."""
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for eos in [extra] if isinstance(extra, int) else (extra or []):
+        if eos not in tok.eos_ids:
+            tok.eos_ids.append(eos)
+
+
 def load_base_model(cfg: ModelConfig, path: str) -> torch.nn.Module:
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,9 +72,9 @@ def _check_output(name: str, values: Any, expected: int) -> list:
         got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else type(values).__name__
         raise UserError(f"reward fn '{name}' must return a list of {expected} numbers, got {got}")
     for v in values:
-        if v is not None and not isinstance(v, (int, float)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
             raise UserError(f"reward fn '{name}' returned {type(v).__name__} {v!r}; return floats (or None)")
-    return list(values)
+    return [None if v is None else float(v) for v in values]
 
 
 def _call_one_by_one(reward: RewardFn, prompts, completions, columns) -> tuple[list, list[str]]:
@@ -96,7 +97,7 @@ def score_completions(
 ) -> Scores:
     """columns: one list per column, aligned with completions (already repeated G times per prompt)."""
     n = len(completions)
-    total = torch.zeros(n, dtype=torch.float64)
+    total = torch.zeros(n, dtype=torch.float64)  # float64 until the advantages: equal rewards stay equal
     failed = torch.zeros(n, dtype=torch.bool)
     per_fn, errors = {}, []
     for reward in rewards:
@@ -118,4 +119,4 @@ def score_completions(
                 continue
             total[i] += reward.weight * v
     total[failed] = math.nan
-    return Scores(total_B=total.float(), per_fn=per_fn, failed_B=failed, errors=errors)
+    return Scores(total_B=total, per_fn=per_fn, failed_B=failed, errors=errors)

@@ -57,14 +57,16 @@ class HFGenerator:
         self.batch_size = batch_size
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        """Every sampling knob is set explicitly: transformers fills unset (None) fields from the model's
+        generation_config and then its global defaults (top_k=50!), which would silently change the
+        distribution the training log-probs assume. top_k=0 means off."""
         common = dict(max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
-                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id, repetition_penalty=1.0,
+                      no_repeat_ngram_size=0)
         if params.greedy:
             return GenerationConfig(do_sample=False, **common)
-        return GenerationConfig(
-            do_sample=True, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else None, **common,
-        )
+        return GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                                top_k=params.top_k, typical_p=1.0, **common)
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollout:

@@ -3,7 +3,6 @@ for each step: sample -> score -> advantages -> reference/old log-probs -> updat
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -19,14 +18,14 @@ from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.logging.console import info, metrics_line, print_summary, progress_bar
 from rlora.models.loading import (
-    TokenizerInfo, adapter_disabled, attach_lora, check_adapter_folder, load_base_model, load_tokenizer,
+    TokenizerInfo, adapter_disabled, add_model_eos_ids, attach_lora, check_adapter_folder, load_base_model, load_tokenizer,
     resolve_model_path, save_adapter, trainable_parameters,
 )
 from rlora.rewards.scoring import RewardFn, Scores, resolve_rewards, score_completions
 from rlora.rollout.generator import HFGenerator
 from rlora.train.evaluate import columns_of, evaluate
 from rlora.train.optim import build_optimizer
-from rlora.train.outputs import RunDir, default_output_dir
+from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
 from rlora.types import Example, Rollout, SamplingParams
 
@@ -81,7 +80,9 @@ def prepare(cfg: RLConfig) -> Session:
     prompts = load_prompt_sets(cfg.data)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    model = attach_lora(load_base_model(cfg.model, model_path), cfg.lora)
+    base = load_base_model(cfg.model, model_path)
+    add_model_eos_ids(tok, base)
+    model = attach_lora(base, cfg.lora)
     model.train()
 
     def ids(examples: list[Example]) -> list[list[int]]:
@@ -96,13 +97,6 @@ def score_rollout(s: Session, rollout: Rollout, examples: list[Example]) -> Scor
     G = s.cfg.rollout.num_generations
     texts = [prompt_text(ex) for ex in examples for _ in range(G)]
     return score_completions(s.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
-
-
-def fill_failed(rewards_P_G: torch.Tensor) -> torch.Tensor:
-    """Failed samples (NaN) take their group's mean of valid rewards, so they shift no statistic's centre;
-    they are also removed from the loss by the caller. A group with no valid sample gets 0."""
-    group_mean_P1 = torch.nanmean(rewards_P_G, dim=1, keepdim=True).nan_to_num(0.0)
-    return torch.where(torch.isnan(rewards_P_G), group_mean_P1.expand_as(rewards_P_G), rewards_P_G)
 
 
 def check_failures(s: Session, scores: Scores, step: int) -> None:
@@ -126,7 +120,7 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
 
     scores = score_rollout(s, rollout, examples)
     check_failures(s, scores, step)
-    rewards_P_G = fill_failed(scores.total_B.view(P, G))
+    rewards_P_G = scores.total_B.view(P, G)  # NaN where a reward failed: left out of the statistics
     advantages_B = s.algo.advantages(rewards_P_G, scale=cfg.algo.adv_scale, eps=cfg.algo.adv_eps).view(-1)
     loss_mask_BTc = rollout.completion_mask_BTc * (~scores.failed_B).unsqueeze(-1)
     t_reward = time.perf_counter()
@@ -162,7 +156,7 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
         "ratio_mean": stats["ratio_mean"], "trained_frac": stats["trained_frac"], "grad_norm": stats["grad_norm"], "skipped_update": stats["skipped_update"],
         "completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
         "truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / len(rollout.finish_reasons),
-        "frac_groups_zero_std": float((rewards_P_G.std(dim=1) == 0).float().mean()),
+        "frac_groups_zero_std": float((advantages_B.view(P, G) == 0).all(dim=1).float().mean()),
         "reward_failures": int(scores.failed_B.sum()),
         "lr": lr, "gen_tokens": int(rollout.completion_mask_BTc.sum()),
         "prompt_tokens": int(rollout.prompt_mask_BTp.sum()),
@@ -200,12 +194,14 @@ def run_eval(s: Session, label: str) -> dict | None:
         result, samples = evaluate(s.model, s.generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
                                    max_new, s.cfg.eval.batch_size, progress=update)
     s.run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
-    info(f"held-out {label}: accuracy {result['accuracy']:.3f}  reward {result['reward_mean']:.3f}  (n={result['n']})")
+    reward = "-" if result["reward_mean"] is None else f"{result['reward_mean']:.3f}"
+    failures = f", {result['reward_failures']} reward failures" if result["reward_failures"] else ""
+    info(f"held-out {label}: accuracy {result['accuracy']:.3f}  reward {reward}  (n={result['n']}{failures})")
     return result
 
 
 def _jsonl(obj) -> str:
-    return json.dumps(obj, default=str) + "\n"
+    return to_json(obj) + "\n"
 
 
 def save_final(s: Session, name: str = "adapter") -> None:
@@ -236,8 +232,13 @@ def run_grpo(cfg: RLConfig) -> dict:
                 if cfg.train.max_time_s and time.perf_counter() - t0 >= cfg.train.max_time_s:
                     info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
                     break
-    except (RewardFailure, KeyboardInterrupt) as stop:
-        status = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped: reward failures"
+    except BaseException as stop:  # keep what was learnt, say why it stopped, then let the error through
+        if isinstance(stop, KeyboardInterrupt):
+            status = "interrupted"
+        elif isinstance(stop, RewardFailure):
+            status = "stopped: reward failures"
+        else:
+            status = f"failed: {type(stop).__name__}: {stop}"
         save_final(s)
         s.run_dir.write_json("summary.json", {"status": status, "last_metrics": last, "eval": evals})
         raise

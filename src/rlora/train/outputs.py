@@ -4,6 +4,7 @@ kill never leaves a half-written config, adapter or summary; metrics.jsonl grows
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -12,6 +13,26 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlora.errors import UserError
+
+
+RUN_FILES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval_before.jsonl", "eval_after.jsonl",
+             "summary.json"}
+RUN_FOLDER_PREFIXES = ("adapter", ".adapter")
+
+
+def finite_or_none(obj: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def to_json(obj: Any, indent: int | None = None) -> str:
+    return json.dumps(finite_or_none(obj), indent=indent, default=str, allow_nan=False)
 
 
 def default_output_dir(prefix: str = "train") -> str:
@@ -46,7 +67,12 @@ class RunDir:
             raise UserError(f"cannot write train.output_dir '{self.path}': no write permission in {parent}")
 
     def create(self) -> None:
+        """Make the folder; with overwrite, first remove the outputs of an earlier run (and nothing else)."""
         self.path.mkdir(parents=True, exist_ok=True)
+        if self.overwrite:
+            for child in self.path.iterdir():
+                if child.name in RUN_FILES or child.name.startswith(RUN_FOLDER_PREFIXES):
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
 
     def write_text(self, name: str, text: str) -> None:
         target = self.path / name
@@ -62,11 +88,11 @@ class RunDir:
             raise
 
     def write_json(self, name: str, obj: Any) -> None:
-        self.write_text(name, json.dumps(obj, indent=2, default=str) + "\n")
+        self.write_text(name, to_json(obj, indent=2) + "\n")
 
     def append_jsonl(self, name: str, obj: Any) -> None:
         with open(self.path / name, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(obj, default=str) + "\n")
+            handle.write(to_json(obj) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
 

@@ -44,13 +44,19 @@ def _pad_right(values_BT: torch.Tensor, width: int) -> torch.Tensor:
 
 @torch.no_grad()
 def batched_logprobs(model, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
-    """Log-probs of all completion tokens (no gradient), micro-batch by micro-batch -> logp_BTc."""
+    """Log-probs of all completion tokens (no gradient, eval mode: no dropout), micro-batch by micro-batch
+    -> logp_BTc."""
     width = rollout.completion_ids_BTc.shape[1]
     parts = []
-    for start in range(0, rollout.num_completions, micro_batch_size):
-        micro = trim(rollout.select(slice(start, start + micro_batch_size)))
-        logp, _ = completion_logprobs(model, micro, rollout.temperature)
-        parts.append(_pad_right(logp, width))
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, rollout.num_completions, micro_batch_size):
+            micro = trim(rollout.select(slice(start, start + micro_batch_size)))
+            logp, _ = completion_logprobs(model, micro, rollout.temperature)
+            parts.append(_pad_right(logp, width))
+    finally:
+        model.train(was_training)
     return torch.cat(parts)
 
 
@@ -117,7 +123,8 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float | None, lo
     if max_grad_norm is not None:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        norms = [p.grad.norm() for p in params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
     if not skipped:
         optimizer.step()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlora.data.tasks import make_task_examples
+from rlora.config import DataConfig
+from rlora.data.prompts import load_prompt_sets
 from rlora.models.embedded import SMOLLM2_ALIAS, cache_root, resolve_alias
 from rlora.rewards.builtin import extract_answer
 
@@ -26,10 +27,13 @@ def answer_reward(prompts, completions, answer, **_columns) -> list[float]:
     return [1.0 if extract_answer(completion_text(c)) == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
 
 
-def task_rows(size: int, seed: int) -> list[dict]:
-    """Chat-format prompts with their answers: the same rows feed rlora (jsonl) and TRL (datasets)."""
-    return [{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.columns["answer"]}
-            for ex in make_task_examples(TASK, TASK_ARGS, size=size, seed=seed)]
+def task_rows(split: str, train_size: int = 1000, eval_size: int = 100) -> list[dict]:
+    """Chat-format prompts with their answers: the same rows feed rlora (jsonl) and TRL (datasets). The split
+    is rlora's (the demo's): held-out problems are distinct and never appear in the training rows."""
+    cfg = DataConfig(task=TASK, task_args=TASK_ARGS, train_size=train_size, eval_size=eval_size,
+                     seed=TRAIN_SEED, eval_seed=EVAL_SEED)
+    examples = getattr(load_prompt_sets(cfg), split)
+    return [{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.columns["answer"]} for ex in examples]
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:

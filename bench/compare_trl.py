@@ -85,7 +85,7 @@ def run_rlora(work: Work) -> dict:
     from rlora.config import load_config
     from rlora.train.grpo import run_grpo
 
-    data = write_jsonl(task_rows(work.train_size, 0), Path(work.output_dir) / "prompts.jsonl")
+    data = write_jsonl(task_rows("train", work.train_size), Path(work.output_dir) / "prompts.jsonl")
     overrides = {
         "model.path": model_folder(work.model), "data.task": None, "data.path": str(data), "data.eval_size": 0,
         "rewards": [{"fn": "bench_common.answer_reward"}], "lora.rank": work.lora_rank,
@@ -226,7 +226,7 @@ def run_trl(work: Work) -> dict:
     lora = LoraConfig(r=work.lora_rank, lora_alpha=work.lora_alpha, target_modules=work.lora_targets,
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=[answer_reward], args=args,
-                          train_dataset=Dataset.from_list(task_rows(work.train_size, 0)),
+                          train_dataset=Dataset.from_list(task_rows("train", work.train_size)),
                           processing_class=tokenizer, peft_config=lora)
     clock = PhaseClock()
     instrument_trl(trainer, clock)
@@ -276,7 +276,11 @@ def spawn(side: str, work: Work) -> dict:
                               env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{side} run failed:\n{done.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+    if len(result["steps"]) != work.total_steps:
+        raise RuntimeError(f"{side} ran {len(result['steps'])} of {work.total_steps} steps (too few prompts? "
+                           "raise --train-size)")
+    return result
 
 
 def median_phases(result: dict, warmup: int) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench_common import EVAL_SEED, answer_reward, model_folder, task_rows
+from bench_common import answer_reward, model_folder, task_rows
 from rlora.config import ModelConfig
 from rlora.data.prompts import render_prompt
 from rlora.models.loading import load_base_model, load_tokenizer
@@ -18,7 +18,7 @@ def evaluate_adapters(adapters: dict[str, str], eval_size: int, max_new_tokens: 
 
     folder = model_folder(model)
     tokenizer, tok = load_tokenizer(folder)
-    rows = task_rows(eval_size, EVAL_SEED)
+    rows = task_rows("eval", eval_size=eval_size)
     examples = [Example(prompt=r["prompt"], columns={"answer": r["answer"]}) for r in rows]
     prompt_ids = [render_prompt(tokenizer, ex, None, True) for ex in examples]
     texts = [r["prompt"][0]["content"] for r in rows]

@@ -16,7 +16,7 @@ def test_both_sides_do_the_same_work(tiny_model_dir, tmp_path):
     from compare_trl import Work, compare_one
 
     work = Work(model=tiny_model_dir, completion_len=8, num_generations=4, beta=0.04, prompts_per_step=2,
-                micro_batch_size=4, steps=1, warmup=0, train_size=16)
+                micro_batch_size=4, steps=1, warmup=0, train_size=64)
     summary = compare_one(work, repeats=1)
     rlora, trl = summary["rlora"]["same_work"], summary["trl"]["same_work"]
     assert rlora == trl
@@ -31,7 +31,7 @@ def test_cli_prints_a_table_row(tiny_model_dir):
     pytest.importorskip("trl")
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "compare_trl.py"), "timing", "--models", tiny_model_dir,
                            "--lengths", "8", "--gens", "4", "--betas", "0", "--steps", "1", "--warmup", "0",
-                           "--repeats", "1", "--micro-batch-size", "8", "--train-size", "16"],
+                           "--repeats", "1", "--micro-batch-size", "8", "--train-size", "64"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith(f"| {tiny_model_dir} |")]

@@ -72,6 +72,7 @@ TRL_PINNED = {
     "max_grad_norm": 1.0, "epsilon": 0.2, "epsilon_high": 0.2, "scale_rewards": "group", "num_iterations": 1,
     "top_p": 1.0, "top_k": 0, "mask_truncated_completions": False, "disable_dropout": True, "use_cpu": True,
     "report_to": [], "save_strategy": "no", "logging_steps": 1, "log_completions": False,
+    "shuffle_dataset": False,  # same prompts per step as rlora (data.shuffle=false)
 }
 
 
@@ -88,6 +89,7 @@ def run_rlora(work: Work) -> dict:
     data = write_jsonl(task_rows("train", work.train_size), Path(work.output_dir) / "prompts.jsonl")
     overrides = {
         "model.path": model_folder(work.model), "data.task": None, "data.path": str(data), "data.eval_size": 0,
+        "data.shuffle": False,  # both sides take the prompts in file order, so each step sees the same prompts
         "rewards": [{"fn": "bench_common.answer_reward"}], "lora.rank": work.lora_rank,
         "lora.alpha": work.lora_alpha, "lora.target_modules": work.lora_targets,
         "rollout.num_generations": work.num_generations, "rollout.max_new_tokens": work.completion_len,

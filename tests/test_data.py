@@ -86,3 +86,4 @@ def test_prompt_order_is_deterministic_and_covers_each_epoch():
     assert sorted(first_epoch) == list(range(10))
     assert order.indices(5) == PromptOrder(10, 3, 4).indices(5)
     assert order.indices(0) != PromptOrder(10, 3, 5).indices(0)
+    assert [PromptOrder(4, 3, 0, shuffle=False).indices(s) for s in range(2)] == [[0, 1, 2], [3, 0, 1]]

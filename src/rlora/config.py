@@ -49,6 +49,7 @@ class DataConfig(_Section):
     train_size: int = Field(1000, gt=0, description="Number of generated training problems (tasks only)")
     eval_size: int = Field(100, ge=0, description="Held-out problems (tasks: generated with eval_seed)")
     seed: int = 0
+    shuffle: bool = Field(True, description="Shuffle the training prompts each epoch (off: file/generation order)")
     eval_seed: int = Field(1_000_003, description="Seed of the held-out task split; must differ from seed")
 
 

@@ -79,14 +79,16 @@ class PromptOrder:
     """Which prompts each step uses: epochs of seeded shuffles, a pure function of (seed, step) so a
     resumed run continues exactly where it stopped."""
 
-    def __init__(self, num_examples: int, prompts_per_step: int, seed: int):
+    def __init__(self, num_examples: int, prompts_per_step: int, seed: int, shuffle: bool = True):
         self.num_examples = num_examples
         self.prompts_per_step = prompts_per_step
         self.seed = seed
+        self.shuffle = shuffle
 
     def _epoch(self, epoch: int) -> list[int]:
         order = list(range(self.num_examples))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
     def indices(self, step: int) -> list[int]:

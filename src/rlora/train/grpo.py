@@ -111,7 +111,7 @@ def check_failures(s: Session, scores: Scores, step: int) -> None:
 def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[dict]]:
     cfg, P, G = s.cfg, s.cfg.train.prompts_per_step, s.cfg.rollout.num_generations
     t_start = time.perf_counter()
-    indices = PromptOrder(len(s.train_ids), P, cfg.data.seed).indices(step)
+    indices = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     examples = [s.prompts.train[i] for i in indices]
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
                             cfg.rollout.min_new_tokens)

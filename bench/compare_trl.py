@@ -269,17 +269,20 @@ def worker(side: str, work: Work, out: Path) -> None:
     out.write_text(json.dumps(result))
 
 
-def spawn(side: str, work: Work) -> dict:
+def spawn(side: str, work: Work, folder: Path | None = None) -> dict:
+    """Run one side in a fresh process; its outputs go to `folder` (default: a temporary folder)."""
     with tempfile.TemporaryDirectory() as tmp:
-        work = Work(**{**asdict(work), "output_dir": tmp})
-        out = Path(tmp) / "result.json"
+        folder = folder or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        work = Work(**{**asdict(work), "output_dir": str(folder)})
+        out = folder / "result.json"
         env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": str(work.threads)}
         done = subprocess.run([sys.executable, __file__, "worker", side, json.dumps(asdict(work)), str(out)],
                               env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{side} run failed:\n{done.stderr[-3000:]}")
         result = json.loads(out.read_text())
-    if len(result["steps"]) != work.total_steps:
+    if work.max_time_s is None and len(result["steps"]) != work.total_steps:
         raise RuntimeError(f"{side} ran {len(result['steps'])} of {work.total_steps} steps (too few prompts? "
                            "raise --train-size)")
     return result
@@ -352,31 +355,22 @@ def timing(args) -> None:
 def quality(args) -> None:
     """Both sides train for the same wall-clock budget on the demo task; one evaluator scores both adapters."""
     from eval_adapters import evaluate_adapters
+    from rlora.cli import _quiet_libraries
 
-    work = Work(model="smollm2", completion_len=args.completion_len, num_generations=8, prompts_per_step=args.prompts,
+    _quiet_libraries()
+
+    work = Work(model=args.model, completion_len=args.completion_len, num_generations=8, prompts_per_step=args.prompts,
                 micro_batch_size=args.micro_batch_size, lr=args.lr, steps=10_000, warmup=0, fixed_length=False,
-                max_time_s=args.budget_s, threads=args.threads, train_size=1000)
+                max_time_s=args.budget_s, threads=args.threads, train_size=args.train_size)
     with tempfile.TemporaryDirectory() as keep:
         results = {}
         for side in ("rlora", "trl"):
-            result = spawn_keep(side, work, Path(keep) / side)
-            results[side] = result
-        scores = evaluate_adapters({s: r["adapter"] for s, r in results.items()}, args.eval_size, args.completion_len)
+            results[side] = spawn(side, work, Path(keep) / side)
+        scores = evaluate_adapters({s: r["adapter"] for s, r in results.items()}, args.eval_size, args.completion_len,
+                                   model=args.model)
     print(f"| side | steps in {args.budget_s:.0f} s | accuracy before | accuracy after |\n|---|---|---|---|")
     for side in ("rlora", "trl"):
         print(f"| {side} | {len(results[side]['steps'])} | {scores['base']:.2f} | {scores[side]:.2f} |")
-
-
-def spawn_keep(side: str, work: Work, folder: Path) -> dict:
-    folder.mkdir(parents=True)
-    work = Work(**{**asdict(work), "output_dir": str(folder)})
-    out = folder / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": str(work.threads)}
-    done = subprocess.run([sys.executable, __file__, "worker", side, json.dumps(asdict(work)), str(out)],
-                          env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{side} run failed:\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
 
 
 def main() -> int:
@@ -396,11 +390,13 @@ def main() -> int:
     t.add_argument("--out", help="append one JSON summary per configuration")
     q = sub.add_parser("quality", help="held-out accuracy after equal wall-clock training")
     q.add_argument("--budget-s", type=float, default=300)
+    q.add_argument("--model", default="smollm2")
     q.add_argument("--completion-len", type=int, default=48)
     q.add_argument("--prompts", type=int, default=2)
     q.add_argument("--micro-batch-size", type=int, default=16)
     q.add_argument("--lr", type=float, default=2e-4)
     q.add_argument("--eval-size", type=int, default=100)
+    q.add_argument("--train-size", type=int, default=1000)
     q.add_argument("--threads", type=int, default=2)
     w = sub.add_parser("worker", help="internal: run one side")
     w.add_argument("side", choices=["rlora", "trl"])

@@ -361,7 +361,8 @@ def quality(args) -> None:
 
     work = Work(model=args.model, completion_len=args.completion_len, num_generations=8, prompts_per_step=args.prompts,
                 micro_batch_size=args.micro_batch_size, lr=args.lr, steps=10_000, warmup=0, fixed_length=False,
-                max_time_s=args.budget_s, threads=args.threads, train_size=args.train_size)
+                max_time_s=args.budget_s, threads=args.threads, train_size=args.train_size,
+                temperature=args.temperature)
     with tempfile.TemporaryDirectory() as keep:
         results = {}
         for side in ("rlora", "trl"):
@@ -392,6 +393,7 @@ def main() -> int:
     q.add_argument("--budget-s", type=float, default=300)
     q.add_argument("--model", default="smollm2")
     q.add_argument("--completion-len", type=int, default=48)
+    q.add_argument("--temperature", type=float, default=0.7)
     q.add_argument("--prompts", type=int, default=2)
     q.add_argument("--micro-batch-size", type=int, default=16)
     q.add_argument("--lr", type=float, default=2e-4)

@@ -52,14 +52,14 @@ def main() -> int:
           f"max_new_tokens={cfg.rollout.max_new_tokens} beta={cfg.algo.beta} mu={cfg.algo.num_iterations}")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"{len(measured)} measured steps after {args.warmup} warm-up")
-    print(f"{'phase':<10} {'median s':>9} {'min s':>8} {'max s':>8} {'share':>6}")
+    print(f"{'phase':<10} {'median s':>9} {'min s':>8} {'max s':>8} {'share':>6}  (share: phase median / step median)")
     step_median = statistics.median(r["step_s"] for r in measured)
     for phase in PHASES:
         values = [r[phase] for r in measured]
         med = statistics.median(values)
         print(f"{phase:<10} {med:9.3f} {min(values):8.3f} {max(values):8.3f} {med / step_median:6.1%}")
     tokens = statistics.median(r["gen_tokens"] / r["rollout_s"] for r in measured)
-    print(f"sampling throughput: {tokens:.1f} generated tokens/s (median)")
+    print(f"sampling throughput: {tokens:.1f} completion tokens/s (tokens up to EOS, median)")
     return 0
 
 

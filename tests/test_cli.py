@@ -54,6 +54,20 @@ def test_beta_and_reused_rollouts_log_kl_and_ratio(tiny_model_dir, prompts_file,
     assert not (out / "eval.json").exists()
 
 
+def test_bf16_sampler_with_importance_correction(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
+        "rollout.sampler_dtype": "bfloat16", "algo.sampler_is_cap": 2.0, "train.steps": 2})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["is_weight_mean"] is not None]
+    assert trained, "at least one step must train (a group with reward variance)"
+    # bf16 sampling of an fp32 policy: a small but non-zero log-prob gap, weights near 1 and <= the cap
+    assert all(0 < r["sampler_logp_gap"] < 0.5 and 0 < r["is_weight_mean"] <= 2.0 for r in trained)
+    assert json.loads((out / "eval.json").read_text())["after"]["n"] == 4
+
+
 def test_continue_from_saved_adapter(tiny_model_dir, prompts_file, tmp_path, capsys):
     first = tmp_path / "first"
     assert run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(first), **{"train.steps": 1})], capsys)[0] == 0
@@ -134,7 +148,18 @@ BAD_INPUTS = [
     ("unknown task", lambda t, m, p: ["data.task=chain_sm"], "did you mean 'chain_sum'"),
     ("bad LoRA target", lambda t, m, p: tiny_overrides(m, p, str(t / "o"), **{"lora.target_modules": "[nope_proj]"}),
      "LoRA config does not fit the model"),
+    ("IS correction without sampler log-probs", lambda t, m, p: tiny_overrides(
+        m, p, str(t / "o"), **{"rollout.engine": "hf", "algo.sampler_is_cap": 2}), "needs the sampler's log-probs"),
+    ("unknown engine", lambda t, m, p: ["rollout.engine=vllm"], "invalid value for rollout.engine"),
 ]
+
+
+def test_quantization_without_bitsandbytes_is_one_line(tiny_model_dir, prompts_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what `import bitsandbytes` sees when it is missing
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **{"model.quantization": "4bit"})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 2 and "rlora: error: model.quantization=4bit needs bitsandbytes" in err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("name, make_args, message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from rlora.algos.losses import BatchTotals, LossInputs, aggregate, grpo_token_loss, k3_kl
+from rlora.algos.losses import BatchTotals, LossInputs, aggregate, grpo_token_loss, k3_kl, truncated_is_weight
 
 
 def test_k3_hand_computed():
@@ -86,3 +86,17 @@ def test_aggregate_micro_batches_sum_to_full_batch_and_match_naive():
         parts = sum(aggregate(values[i:i + 2], mask[i:i + 2], mode, totals).item() for i in range(0, 6, 2))
         assert abs(full - parts) < 1e-6, mode
         assert abs(full - naive_aggregate(values, mask, mode, 7)) < 1e-5, mode
+
+
+def test_truncated_is_weight_hand_computed():
+    # old - sampler = log 1.5 -> 1.5; = log 3 -> capped at 2; = log 0.5 -> 0.5
+    old = torch.tensor([[math.log(1.5), math.log(3.0), math.log(0.5)]])
+    w = truncated_is_weight(old, torch.zeros(1, 3), cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.5, 2.0, 0.5]]), atol=1e-6)
+    # ratio 1 (mu = 1), A = +1: surrogate -1 per token, scaled by w; the gradient scales the same way
+    logp = torch.zeros(1, 3, requires_grad=True)
+    inp = LossInputs(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 3), is_weight_BT=w)
+    out = grpo_token_loss(inp, 0.2, 0.2, 0.0)
+    assert torch.allclose(out.loss_BT, -w)
+    out.loss_BT.sum().backward()
+    assert torch.allclose(logp.grad, -w)

@@ -1,5 +1,6 @@
 """LoRA invariants, micro-batching invariance and the PEFT adapter format, on a tiny random Llama."""
 
+import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
@@ -158,22 +159,25 @@ def test_lora_layers_and_rslora_options(tiny_model_dir):
     assert model.peft_config["default"].use_rslora
 
 
-def test_logprobs_divide_by_the_sampling_temperature(tiny_model_dir):
+@pytest.mark.parametrize("chunk_tokens", [0, 5])
+def test_logprobs_divide_by_the_sampling_temperature(tiny_model_dir, chunk_tokens):
     tokenizer, tok, model = make_policy(tiny_model_dir)
     perturb_adapter(model)
-    rollout = sample(model, tokenizer, tok, seed=5)
+    rollout = vary_lengths(sample(model, tokenizer, tok, seed=5), tok.pad_id)
     micro = rollout.select(slice(0, 8))
+    micro.temperature_B = torch.tensor([2.0, 2.0, 2.0, 2.0, 0.5, 0.5, 0.5, 0.5])
     with torch.no_grad():
-        logp, entropy = completion_logprobs(model, micro, temperature=2.0, with_entropy=True)
+        logp, entropy = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens)
         ids = torch.cat([micro.prompt_ids_BTp, micro.completion_ids_BTc], 1)
         mask = torch.cat([micro.prompt_mask_BTp, micro.completion_mask_BTc], 1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         Tc = micro.completion_ids_BTc.shape[1]
-        naive = torch.log_softmax(logits[:, -Tc - 1:-1] / 2.0, -1)
+        naive = torch.log_softmax(logits[:, -Tc - 1:-1] / micro.temperature_B[:, None, None], -1)
     want = naive.gather(-1, micro.completion_ids_BTc.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(logp, want, atol=1e-5)
-    assert torch.allclose(entropy, -(naive.exp() * naive).sum(-1), atol=1e-4)
+    real = micro.completion_mask_BTc.bool()
+    assert torch.allclose(logp[real], want[real], atol=1e-5)
+    assert torch.allclose(entropy[real], -(naive.exp() * naive).sum(-1)[real], atol=1e-4)
 
 
 def test_sampling_config_is_explicit(tiny_model_dir):

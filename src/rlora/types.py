@@ -17,6 +17,8 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     min_new_tokens: int = 0  # EOS cannot end a completion before this many tokens
     greedy: bool = False
+    min_p: float = 0.0  # 0: off
+    stop: tuple[str, ...] = ()  # a completion ends after the token that completes one of these strings
 
 
 @dataclass
@@ -28,8 +30,9 @@ class Rollout:
     completion_ids_BTc: torch.Tensor  # right-padded completion tokens (EOS included when sampled)
     completion_mask_BTc: torch.Tensor  # 1 on completion tokens up to and including the first EOS
     completions: list[str]  # decoded completion text (special tokens removed)
-    finish_reasons: list[str]  # "stop" (EOS sampled) or "length" (hit max_new_tokens)
-    temperature: float  # the temperature the tokens were drawn at (training logprobs use the same)
+    finish_reasons: list[str]  # "stop" (EOS or a stop string) or "length" (hit max_new_tokens)
+    temperature_B: torch.Tensor  # temperature each row was drawn at (training log-probs use the same)
+    sampling_logp_BTc: torch.Tensor | None = None  # the sampler's log-probs of its tokens (0 on padding)
 
     @property
     def num_completions(self) -> int:
@@ -38,7 +41,7 @@ class Rollout:
     def select(self, index: slice | torch.Tensor) -> "RolloutSlice":
         return RolloutSlice(
             self.prompt_ids_BTp[index], self.prompt_mask_BTp[index],
-            self.completion_ids_BTc[index], self.completion_mask_BTc[index],
+            self.completion_ids_BTc[index], self.completion_mask_BTc[index], self.temperature_B[index],
         )
 
 
@@ -50,6 +53,7 @@ class RolloutSlice:
     prompt_mask_BTp: torch.Tensor
     completion_ids_BTc: torch.Tensor
     completion_mask_BTc: torch.Tensor
+    temperature_B: torch.Tensor
 
 
 @dataclass(frozen=True)

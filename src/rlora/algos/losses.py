@@ -24,6 +24,7 @@ class LossInputs:
     advantages_B: torch.Tensor
     mask_BT: torch.Tensor  # 1.0 on completion tokens that count, 0.0 on padding
     ref_logp_BT: torch.Tensor | None = None  # reference (adapter off); None when beta == 0
+    is_weight_BT: torch.Tensor | None = None  # sampler-mismatch weight on the surrogate (detached); None: 1
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,23 @@ def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def truncated_is_weight(old_logp_BT: torch.Tensor, sampling_logp_BT: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weight min(pi_old / pi_sampler, cap) per token (Yao et al. 2025, "TIS"): corrects
+    for a sampler whose distribution differs slightly from the trainer's (e.g. bfloat16 sampling)."""
+    return torch.exp(old_logp_BT - sampling_logp_BT).clamp(max=cap).detach()
+
+
 def grpo_token_loss(inp: LossInputs, clip_low: float, clip_high: float, beta: float) -> TokenLosses:
-    """PPO-clip surrogate with separate low/high clip, plus beta * k3 KL:
-    loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + beta * KL."""
+    """PPO-clip surrogate with separate low/high clip, times the sampler-mismatch weight w (if any), plus
+    beta * k3 KL:  loss = -w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + beta * KL."""
     ratio_BT = torch.exp(inp.logp_BT - inp.old_logp_BT)
     adv_B1 = inp.advantages_B.unsqueeze(-1)
     unclipped_BT = ratio_BT * adv_B1
     clipped_ratio_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
     clipped_obj_BT = clipped_ratio_BT * adv_B1
     loss_BT = -torch.minimum(unclipped_BT, clipped_obj_BT)
+    if inp.is_weight_BT is not None:
+        loss_BT = loss_BT * inp.is_weight_BT
     is_clipped_BT = (clipped_obj_BT < unclipped_BT).detach()
     kl_BT = None
     if inp.ref_logp_BT is not None:

@@ -62,10 +62,29 @@ def add_model_eos_ids(tok: TokenizerInfo, model: torch.nn.Module) -> None:
             tok.eos_ids.append(eos)
 
 
+def quantization_config(cfg: ModelConfig):
+    """bitsandbytes settings for a quantized frozen base (None: not quantized). NF4 with double
+    quantization for 4-bit; matmuls run in model.dtype."""
+    if cfg.quantization == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise UserError(f"model.quantization={cfg.quantization} needs bitsandbytes: pip install bitsandbytes "
+                        "(GPU machines), or set model.quantization=none") from None
+    if cfg.quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=DTYPES[cfg.dtype])
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
 def load_base_model(cfg: ModelConfig, path: str) -> torch.nn.Module:
+    quantization = quantization_config(cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code,
+            **({"quantization_config": quantization} if quantization is not None else {}),
         )
     except Exception as err:  # noqa: BLE001
         raise UserError(f"could not load the model '{path}': {first_line(err)}") from None
@@ -108,6 +127,11 @@ def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
         return get_peft_model(base, peft_lora_config(cfg))
     except ValueError as err:
         raise UserError(f"LoRA config does not fit the model: {first_line(err)}") from None
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face *ForCausalLM inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,38 +1,98 @@
 """Log-probabilities and entropy of completion tokens under a model (adapter on or off).
 
-Only the completion positions' logits are computed (`logits_to_keep`), and log-softmax is done as
-`logit - logsumexp` in float32 rather than materialising a full log-softmax copy.
+Two paths give the same numbers:
+- chunked (Llama-family models): run the decoder to its last hidden states, keep only the positions that
+  predict real completion tokens, and apply the output layer a chunk of positions at a time. With
+  gradients, each chunk is checkpointed, so at most one chunk's [chunk, vocab] logits exist at once; the
+  backward pass recomputes them. The output layer is called as a module, so a tied or LoRA-carrying head
+  works unchanged.
+- full: the model's own forward with `logits_to_keep` (any architecture), materialising [B, Tc, vocab].
+Log-softmax is `logit - logsumexp` in float32, logits divided by each row's sampling temperature.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from rlora.models.loading import causal_lm
 from rlora.rollout.generator import position_ids_from_mask
 from rlora.types import RolloutSlice
 
+# Families whose logits are exactly lm_head(final hidden state): no soft-capping or logit scale.
+CHUNKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def supports_chunked(model) -> bool:
+    return causal_lm(model).config.model_type in CHUNKABLE_MODEL_TYPES
+
 
 def completion_logprobs(
-    model, batch: RolloutSlice, temperature: float = 1.0, with_entropy: bool = False
+    model, batch: RolloutSlice, with_entropy: bool = False, chunk_tokens: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (logp_BTc, entropy_BTc or None). Logits are divided by the sampling temperature, so the
-    log-probs are those of the distribution the tokens were drawn from."""
+    """-> (logp_BTc, entropy_BTc or None). chunk_tokens=0 forces the full-logits path. On the chunked
+    path, positions outside the completion mask hold 0."""
+    if chunk_tokens and supports_chunked(model):
+        return _chunked_logprobs(model, batch, with_entropy, chunk_tokens)
+    return _full_logprobs(model, batch, with_entropy)
+
+
+def _inputs(batch: RolloutSlice) -> dict:
     input_ids = torch.cat([batch.prompt_ids_BTp, batch.completion_ids_BTc], dim=1)
     attention_mask = torch.cat([batch.prompt_mask_BTp, batch.completion_mask_BTc], dim=1)
-    num_completion = batch.completion_ids_BTc.shape[1]
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=num_completion + 1, use_cache=False,
-    )
-    logits_BTV = out.logits[:, :-1].float()  # position t predicts completion token t
-    if temperature != 1.0:
-        logits_BTV = logits_BTV / temperature
-    logsumexp_BT = torch.logsumexp(logits_BTV, dim=-1)
-    token_logits_BT = logits_BTV.gather(-1, batch.completion_ids_BTc.unsqueeze(-1)).squeeze(-1)
-    logp_BT = token_logits_BT - logsumexp_BT
-    entropy_BT = None
+    return dict(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+
+
+def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature_N: torch.Tensor,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target under softmax(logits / temperature), and (no gradient) the entropy."""
+    scaled_NV = logits_NV.float() / temperature_N[..., None]
+    logsumexp_N = torch.logsumexp(scaled_NV, dim=-1)
+    logp_N = scaled_NV.gather(-1, targets_N[..., None]).squeeze(-1) - logsumexp_N
+    entropy_N = None
     if with_entropy:
         with torch.no_grad():
-            probs_BTV = torch.softmax(logits_BTV.detach(), dim=-1)
-            entropy_BT = logsumexp_BT.detach() - (probs_BTV * logits_BTV.detach()).sum(-1)
+            probs_NV = torch.softmax(scaled_NV.detach(), dim=-1)
+            entropy_N = logsumexp_N.detach() - (probs_NV * scaled_NV.detach()).sum(-1)
+    return logp_N, entropy_N
+
+
+def _full_logprobs(model, batch: RolloutSlice, with_entropy: bool):
+    num_completion = batch.completion_ids_BTc.shape[1]
+    out = model(**_inputs(batch), logits_to_keep=num_completion + 1)
+    logits_BTV = out.logits[:, :-1]  # position t predicts completion token t
+    temperature_BT = batch.temperature_B[:, None].expand_as(batch.completion_ids_BTc)
+    return token_logprobs(logits_BTV, batch.completion_ids_BTc, temperature_BT, with_entropy)
+
+
+def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_tokens: int):
+    hf = causal_lm(model)
+    B, Tc = batch.completion_ids_BTc.shape
+    hidden_BTH = hf.get_decoder()(**_inputs(batch)).last_hidden_state[:, -(Tc + 1):-1]
+    keep_BT = batch.completion_mask_BTc.bool()
+    hidden_NH = hidden_BTH[keep_BT]
+    targets_N = batch.completion_ids_BTc[keep_BT]
+    temperature_N = batch.temperature_B[:, None].expand(B, Tc)[keep_BT]
+    head = hf.get_output_embeddings()
+    entropies, recording = [], [True]
+
+    def chunk_logp(h_CH, targets_C, temperature_C):
+        logp_C, entropy_C = token_logprobs(head(h_CH), targets_C, temperature_C, with_entropy and recording[0])
+        if entropy_C is not None:
+            entropies.append(entropy_C)
+        return logp_C
+
+    checkpointed = torch.is_grad_enabled() and hidden_NH.requires_grad
+    parts = []
+    for lo in range(0, len(targets_N), chunk_tokens):
+        args = (hidden_NH[lo:lo + chunk_tokens], targets_N[lo:lo + chunk_tokens], temperature_N[lo:lo + chunk_tokens])
+        parts.append(checkpoint(chunk_logp, *args, use_reentrant=False) if checkpointed else chunk_logp(*args))
+    recording[0] = False  # the backward pass re-runs chunk_logp: no entropy there
+    logp_BT = hidden_BTH.new_zeros(B, Tc, dtype=torch.float32)
+    logp_BT = logp_BT.index_put((keep_BT.nonzero(as_tuple=True)), torch.cat(parts) if parts else logp_BT[keep_BT])
+    entropy_BT = None
+    if with_entropy:
+        entropy_BT = hidden_BTH.new_zeros(B, Tc, dtype=torch.float32)
+        entropy_BT[keep_BT] = torch.cat(entropies) if entropies else entropy_BT[keep_BT]
     return logp_BT, entropy_BT

@@ -1,11 +1,13 @@
-"""The Generator protocol and the first implementation, on top of Hugging Face `generate`.
+"""The Generator protocol, and the fallback implementation on top of Hugging Face `generate`.
 
-A Generator turns P tokenised prompts into P x G sampled completions (prompt-major). The fast built-in
-engine (shared prompt prefill, preallocated cache) is a second implementation of the same protocol.
+A Generator turns P tokenised prompts into P x G sampled completions (prompt-major), with one set of
+sampling settings for all prompts or one per prompt. The built-in engine (rollout/engine.py) is the fast
+implementation; HFGenerator serves models the engine does not support.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -15,9 +17,15 @@ from rlora.types import Rollout, SamplingParams
 
 
 class Generator(Protocol):
+    name: str
+
     def sample(
-        self, model: torch.nn.Module, prompts: list[list[int]], n: int, params: SamplingParams, seed: int
-    ) -> Rollout: ...
+        self, model: torch.nn.Module, prompts: list[list[int]], n: int,
+        params: SamplingParams | Sequence[SamplingParams], seed: int,
+    ) -> Rollout:
+        """-> Rollout with n completions per prompt (prompt-major), their masks, finish reasons, the
+        temperature of each row and, where the backend has them, the per-token sampling log-probs."""
+        ...
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +56,10 @@ def position_ids_from_mask(mask_BT: torch.Tensor) -> torch.Tensor:
 
 
 class HFGenerator:
-    """Samples with `model.generate` (adapter active, unmerged). Reproducible for a given seed."""
+    """Samples with `model.generate` (adapter active, unmerged). Reproducible for a given seed.
+    Returns no sampling log-probs (generate's scores would cost a [T, B, vocab] copy)."""
+
+    name = "hf"
 
     def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, batch_size: int = 64):
         self.tokenizer = tokenizer
@@ -62,32 +73,41 @@ class HFGenerator:
         distribution the training log-probs assume. top_k=0 means off."""
         common = dict(max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
                       eos_token_id=self.eos_ids, pad_token_id=self.pad_id, repetition_penalty=1.0,
-                      no_repeat_ngram_size=0)
+                      no_repeat_ngram_size=0, stop_strings=list(params.stop) or None)
         if params.greedy:
             return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                                top_k=params.top_k, typical_p=1.0, **common)
+                                top_k=params.top_k, min_p=params.min_p or None, typical_p=1.0, **common)
 
     @torch.no_grad()
-    def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams, seed: int) -> Rollout:
+    def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams | Sequence[SamplingParams],
+               seed: int) -> Rollout:
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
+        row_params = [p for p in per_prompt for _ in range(n)]
         prompt_ids_BTp, prompt_mask_BTp = left_pad(repeated, self.pad_id)
-        gen_config = self._generation_config(params)
         torch.manual_seed(seed)
         was_training = model.training
         model.eval()
         chunks = []
-        for start in range(0, len(repeated), self.batch_size):
-            ids = prompt_ids_BTp[start:start + self.batch_size]
-            mask = prompt_mask_BTp[start:start + self.batch_size]
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
-            chunks.append(out[:, ids.shape[1]:])
-        model.train(was_training)
+        try:
+            for start in range(0, len(repeated), self.batch_size):
+                # generate takes one setting per call: split the batch where the settings change
+                for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
+                    ids, mask = prompt_ids_BTp[lo:hi], prompt_mask_BTp[lo:hi]
+                    out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
+                                         generation_config=self._generation_config(row_params[lo]))
+                    chunks.append(out[:, ids.shape[1]:])
+        finally:
+            model.train(was_training)
         width = max(c.shape[1] for c in chunks)
         completion_ids_BTc = torch.cat(
             [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=self.pad_id) for c in chunks]
         )
         mask_BTc, reasons = completion_mask(completion_ids_BTc, self.eos_ids)
+        stops = [p.stop for p in row_params]
+        if any(stops):
+            mask_BTc, reasons = _cut_at_stop_strings(self.tokenizer, completion_ids_BTc, mask_BTc, reasons, stops)
         completion_ids_BTc = completion_ids_BTc.masked_fill(mask_BTc == 0, self.pad_id)
         texts = self.tokenizer.batch_decode(
             [row[row_mask.bool()] for row, row_mask in zip(completion_ids_BTc, mask_BTc)], skip_special_tokens=True
@@ -96,5 +116,30 @@ class HFGenerator:
             prompt_ids_BTp=prompt_ids_BTp, prompt_mask_BTp=prompt_mask_BTp,
             completion_ids_BTc=completion_ids_BTc, completion_mask_BTc=mask_BTc,
             completions=texts, finish_reasons=reasons,
-            temperature=1.0 if params.greedy else params.temperature,
+            temperature_B=torch.tensor([1.0 if p.greedy else p.temperature for p in row_params]),
         )
+
+
+def _runs(row_params: list[SamplingParams], lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) split into maximal runs of equal settings."""
+    runs, start = [], lo
+    for i in range(lo + 1, hi + 1):
+        if i == hi or row_params[i] != row_params[start]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, stops):
+    """generate stops a batch when every row is done, so rows may run past their stop string: keep each
+    row's tokens up to the one that completes its first stop string."""
+    mask_BT, reasons = mask_BT.clone(), list(reasons)
+    for row, row_stops in enumerate(stops):
+        length = int(mask_BT[row].sum())
+        for t in range(1, length + 1):
+            text = tokenizer.decode(ids_BT[row, :t].tolist(), skip_special_tokens=False)
+            if any(s and s in text for s in row_stops):
+                mask_BT[row, t:] = 0
+                reasons[row] = "stop"
+                break
+    return mask_BT, reasons

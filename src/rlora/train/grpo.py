@@ -18,11 +18,13 @@ from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.logging.console import info, metrics_line, print_summary, progress_bar
 from rlora.models.loading import (
-    TokenizerInfo, adapter_disabled, add_model_eos_ids, attach_lora, check_adapter_folder, load_base_model, load_tokenizer,
+    TokenizerInfo, adapter_disabled, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
+    load_tokenizer, quantization_config,
     resolve_model_path, save_adapter, trainable_parameters,
 )
 from rlora.rewards.scoring import RewardFn, Scores, resolve_rewards, score_completions
-from rlora.rollout.generator import HFGenerator
+from rlora.rollout.backends import build_generator
+from rlora.rollout.generator import Generator
 from rlora.train.evaluate import columns_of, evaluate
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
@@ -42,7 +44,8 @@ class Session:
     tok: TokenizerInfo
     model: torch.nn.Module
     algo: Algorithm
-    generator: HFGenerator
+    generator: Generator  # training rollouts
+    eval_generator: Generator  # held-out evaluation: always in the model's own dtype, so accuracy is exact
     rewards: list[RewardFn]
     prompts: PromptSets
     train_ids: list[list[int]]
@@ -68,6 +71,7 @@ def check_inputs(cfg: RLConfig) -> tuple[RunDir, list[RewardFn]]:
             raise UserError(f"data file not found: {path}")
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
+    quantization_config(cfg.model)  # bitsandbytes missing: say so before loading anything
     rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
     return run_dir, rewards
 
@@ -83,14 +87,25 @@ def prepare(cfg: RLConfig) -> Session:
     base = load_base_model(cfg.model, model_path)
     add_model_eos_ids(tok, base)
     model = attach_lora(base, cfg.lora)
+    if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
+        causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
     def ids(examples: list[Example]) -> list[list[int]]:
         return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
 
-    generator = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=max(cfg.eval.batch_size, 1))
-    return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, rewards,
-                   prompts, ids(prompts.train), ids(prompts.eval))
+    train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
+    longest = max(len(p) for p in train_ids + eval_ids) + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    generator = build_generator(cfg.rollout, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+    eval_generator = generator
+    if cfg.rollout.sampler_dtype != "model":
+        exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})
+        eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+    if cfg.algo.sampler_is_cap is not None and generator.name != "builtin":
+        raise UserError("algo.sampler_is_cap needs the sampler's log-probs, which only rollout.engine=builtin "
+                        f"returns (this run samples with '{generator.name}'): unset algo.sampler_is_cap")
+    return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
+                   prompts, train_ids, eval_ids)
 
 
 def score_rollout(s: Session, rollout: Rollout, examples: list[Example]) -> Scores:
@@ -113,8 +128,9 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
     t_start = time.perf_counter()
     indices = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     examples = [s.prompts.train[i] for i in indices]
-    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
-                            cfg.rollout.min_new_tokens)
+    r = cfg.rollout
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_new_tokens, min_p=r.min_p,
+                            stop=tuple(r.stop))
     rollout = s.generator.sample(s.model, [s.train_ids[i] for i in indices], G, params, seed=cfg.train.seed * 100_003 + step)
     t_rollout = time.perf_counter()
 
@@ -125,13 +141,13 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
     loss_mask_BTc = rollout.completion_mask_BTc * (~scores.failed_B).unsqueeze(-1)
     t_reward = time.perf_counter()
 
-    mb = cfg.train.micro_batch_size
+    mb, chunk = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens
     ref_logp = None
     if cfg.algo.beta > 0:
         with adapter_disabled(s.model):
-            ref_logp = batched_logprobs(s.model, rollout, mb)
+            ref_logp = batched_logprobs(s.model, rollout, mb, chunk)
     t_ref = time.perf_counter()
-    old_logp = batched_logprobs(s.model, rollout, mb) if cfg.algo.num_iterations > 1 else None
+    old_logp = batched_logprobs(s.model, rollout, mb, chunk) if cfg.algo.num_iterations > 1 else None
     t_old = time.perf_counter()
 
     scored = ScoredRollout(rollout, advantages_B, loss_mask_BTc, old_logp, ref_logp)
@@ -139,7 +155,7 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
     optim_s = 0.0
     for _ in range(cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
-        stats = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm())
+        stats = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk)
         t_optim = time.perf_counter()
         stats |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, stats["loss"])
         optim_s += time.perf_counter() - t_optim
@@ -153,7 +169,8 @@ def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[d
         "reward_std": float(scores.total_B[valid].std()) if valid.sum() > 1 else 0.0,
         **{f"reward/{name}": _mean(values) for name, values in scores.per_fn.items()},
         "kl": stats["kl"], "loss": stats["loss"], "clip_frac": stats["clip_frac"], "entropy": stats["entropy"],
-        "ratio_mean": stats["ratio_mean"], "trained_frac": stats["trained_frac"], "grad_norm": stats["grad_norm"], "skipped_update": stats["skipped_update"],
+        "ratio_mean": stats["ratio_mean"], "trained_frac": stats["trained_frac"],
+        "sampler_logp_gap": stats["sampler_logp_gap"], "is_weight_mean": stats["is_weight_mean"], "grad_norm": stats["grad_norm"], "skipped_update": stats["skipped_update"],
         "completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
         "truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / len(rollout.finish_reasons),
         "frac_groups_zero_std": float((advantages_B.view(P, G) == 0).all(dim=1).float().mean()),
@@ -191,7 +208,7 @@ def run_eval(s: Session, label: str) -> dict | None:
     max_new = s.cfg.eval.max_new_tokens or s.cfg.rollout.max_new_tokens
     texts = [prompt_text(ex) for ex in s.prompts.eval]
     with progress_bar(f"eval ({label})", len(texts)) as update:
-        result, samples = evaluate(s.model, s.generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
+        result, samples = evaluate(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
                                    max_new, s.cfg.eval.batch_size, progress=update)
     s.run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
     reward = "-" if result["reward_mean"] is None else f"{result['reward_mean']:.3f}"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlora.algos.losses import BatchTotals, LossInputs, aggregate
+from rlora.algos.losses import BatchTotals, LossInputs, aggregate, truncated_is_weight
 from rlora.algos.registry import Algorithm
 from rlora.config import AlgoConfig
 from rlora.models.logprobs import completion_logprobs
@@ -34,7 +34,7 @@ def trim(batch: RolloutSlice) -> RolloutSlice:
     last = int(completion_keep[-1]) + 1 if len(completion_keep) else 1
     return RolloutSlice(
         batch.prompt_ids_BTp[:, first:], batch.prompt_mask_BTp[:, first:],
-        batch.completion_ids_BTc[:, :last], batch.completion_mask_BTc[:, :last],
+        batch.completion_ids_BTc[:, :last], batch.completion_mask_BTc[:, :last], batch.temperature_B,
     )
 
 
@@ -43,7 +43,7 @@ def _pad_right(values_BT: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batched_logprobs(model, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_tokens: int = 256) -> torch.Tensor:
     """Log-probs of all completion tokens (no gradient, eval mode: no dropout), micro-batch by micro-batch
     -> logp_BTc."""
     width = rollout.completion_ids_BTc.shape[1]
@@ -53,7 +53,7 @@ def batched_logprobs(model, rollout: Rollout, micro_batch_size: int) -> torch.Te
     try:
         for start in range(0, rollout.num_completions, micro_batch_size):
             micro = trim(rollout.select(slice(start, start + micro_batch_size)))
-            logp, _ = completion_logprobs(model, micro, rollout.temperature)
+            logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens)
             parts.append(_pad_right(logp, width))
     finally:
         model.train(was_training)
@@ -79,23 +79,31 @@ def rows_to_train(scored: ScoredRollout, beta: float) -> torch.Tensor:
 
 
 def accumulate_policy_gradient(
-    model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int
+    model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
+    chunk_tokens: int = 256,
 ) -> dict[str, float]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch.
-    Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained."""
+    Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
+    sampler_logp_gap: mean |trainer log-prob - sampler log-prob| over those tokens (the sampler and the
+    trainer must agree on the distribution; a gap means the rollout is off-policy)."""
     rollout = scored.rollout
     totals = batch_totals(scored.loss_mask_BTc, constant_len)
     rows = rows_to_train(scored, cfg.beta)
-    sums = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "ratio": 0.0, "tokens": 0.0}
+    sums = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "ratio": 0.0, "tokens": 0.0, "gap": 0.0, "is_weight": 0.0}
+    sampled = rollout.sampling_logp_BTc
     for start in range(0, len(rows), micro_batch_size):
         index = rows[start:start + micro_batch_size]
         micro = trim(rollout.select(index))
         width = micro.completion_ids_BTc.shape[1]
         mask_BT = scored.loss_mask_BTc[index, :width].float()
-        logp_BT, entropy_BT = completion_logprobs(model, micro, rollout.temperature, with_entropy=True)
+        logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens)
         old = scored.old_logp_BTc[index, :width] if scored.old_logp_BTc is not None else logp_BT.detach()
         ref = scored.ref_logp_BTc[index, :width] if scored.ref_logp_BTc is not None else None
-        inputs = LossInputs(logp_BT, old, scored.advantages_B[index], mask_BT, ref)
+        is_weight = None
+        if cfg.sampler_is_cap is not None:
+            is_weight = truncated_is_weight(old, sampled[index, :width], cfg.sampler_is_cap)
+            sums["is_weight"] += float((is_weight * mask_BT).sum())
+        inputs = LossInputs(logp_BT, old, scored.advantages_B[index], mask_BT, ref, is_weight)
         out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.beta)
         loss = aggregate(out.loss_BT, mask_BT, cfg.loss_agg, totals)
         loss.backward()
@@ -104,6 +112,8 @@ def accumulate_policy_gradient(
         sums["clipped"] += float((out.clipped_BT * mask_BT).sum())
         sums["entropy"] += float((entropy_BT * mask_BT).sum())
         sums["ratio"] += float((out.ratio_BT * mask_BT).sum())
+        if sampled is not None:
+            sums["gap"] += float(((logp_BT.detach() - sampled[index, :width]).abs() * mask_BT).sum())
         if out.kl_BT is not None:
             sums["kl"] += float((out.kl_BT.detach() * mask_BT).sum())
     trained = sums["tokens"]
@@ -115,6 +125,8 @@ def accumulate_policy_gradient(
         "entropy": per_token("entropy"),
         "ratio_mean": per_token("ratio"),
         "trained_frac": len(rows) / rollout.num_completions,
+        "sampler_logp_gap": per_token("gap") if sampled is not None else None,
+        "is_weight_mean": per_token("is_weight") if cfg.sampler_is_cap is not None else None,
     }
 
 

@@ -1,0 +1,99 @@
+"""Sampling throughput: rlora's built-in engine against Hugging Face `generate` with an unmerged peft
+adapter, on the same model, adapter, prompts and settings, alternating A, B, A, B.
+
+    .venv/bin/python bench/sampler.py [--model smollm2] [--prompts 4] [--G 8] [--tokens 64] [--repeats 3]
+
+Work per call: P demo prompts (chat template) x G samples x `tokens` new tokens. EOS is suppressed until
+`tokens` (min_new_tokens = max_new_tokens) so both sides generate exactly the same number of tokens;
+--natural lets completions end at EOS instead (the engine then stops computing finished rows).
+The adapter is LoRA r16/alpha32 on all linear layers with random non-zero B, so it changes the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from bench_common import model_folder, task_rows
+from rlora.cli import _quiet_libraries
+from rlora.config import LoraConfig, ModelConfig
+from rlora.models.loading import add_model_eos_ids, attach_lora, load_base_model, load_tokenizer
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.rollout.generator import HFGenerator
+from rlora.types import SamplingParams
+
+
+def build(model_name: str, dtype: str):
+    folder = model_folder(model_name)
+    tokenizer, tok = load_tokenizer(folder)
+    base = load_base_model(ModelConfig(path=folder, dtype=dtype), folder)
+    add_model_eos_ids(tok, base)
+    model = attach_lora(base, LoraConfig(rank=16, alpha=32))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.01)
+    model.eval()
+    return tokenizer, tok, model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2, qwen2-0.1b or a model folder")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--natural", action="store_true", help="let completions end at EOS")
+    parser.add_argument("--sides", default="builtin,builtin-bf16,hf",
+                        help="comma-separated subset of builtin, builtin-unmerged, builtin-bf16, hf")
+    args = parser.parse_args()
+    _quiet_libraries()
+    tokenizer, tok, model = build(args.model, args.dtype)
+    rows = task_rows("train", train_size=max(args.prompts, 16))[:args.prompts]
+    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True) for r in rows]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature,
+                            min_new_tokens=0 if args.natural else args.tokens)
+    sides = {
+        "builtin": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True),
+        "builtin-unmerged": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False),
+        "builtin-bf16": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, dtype=torch.bfloat16),
+        "hf": HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=args.prompts * args.G),
+    }
+    sides = {k: v for k, v in sides.items() if k in args.sides.split(",")}
+    print(f"# sampling: {args.model} {args.dtype}, {args.prompts} prompts x G={args.G} x {args.tokens} tokens "
+          f"({'to EOS' if args.natural else 'fixed length'}), prompt tokens {[len(p) for p in prompts]}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+    times = {name: [] for name in sides}
+    tokens = {name: [] for name in sides}
+    for name, gen in sides.items():  # warm-up, not counted
+        gen.sample(model, prompts[:1], 2, SamplingParams(max_new_tokens=4), seed=0)
+    for repeat in range(args.repeats):
+        for name, gen in sides.items():
+            start = time.perf_counter()
+            rollout = gen.sample(model, prompts, args.G, params, seed=repeat)
+            times[name].append(time.perf_counter() - start)
+            tokens[name].append(int(rollout.completion_mask_BTc.sum()))
+    print(f"{'side':<18} {'median s':>9} {'min-max s':>13} {'tokens':>7} {'tok/s':>8} {'speed-up vs hf':>15}")
+    hf_median = statistics.median(times["hf"]) if "hf" in times else None
+    for name in sides:
+        med = statistics.median(times[name])
+        tok_s = statistics.median(t / s for t, s in zip(tokens[name], times[name]))
+        ratios = [h / s for h, s in zip(times["hf"], times[name])] if hf_median else []
+        speedup = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        print(f"{name:<18} {med:9.2f} {min(times[name]):6.2f}-{max(times[name]):<6.2f} {statistics.median(tokens[name]):7.0f} "
+              f"{tok_s:8.1f} {speedup:>15}")
+    print("speed-up: median over repeats of (hf time / side time) within the same repeat")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

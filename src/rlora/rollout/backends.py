@@ -1,0 +1,38 @@
+"""Choose the sampling backend for a run: the built-in engine where it supports the model, else
+transformers `generate` (with a one-line notice saying why)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlora.config import RolloutConfig
+from rlora.logging.console import info
+from rlora.models.loading import DTYPES
+from rlora.rollout.decoder import unsupported_reason
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.rollout.generator import Generator, HFGenerator
+
+
+def _fast_bf16(model) -> bool:
+    """bf16 matmuls are fast on CUDA GPUs and on CPUs with AVX512-BF16 or AMX."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return True
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pad_id: int, max_length: int,
+                    batch_size: int) -> Generator:
+    if cfg.engine == "builtin":
+        reason = unsupported_reason(model, max_length)
+        if reason is None:
+            dtype = None if cfg.sampler_dtype == "model" else DTYPES[cfg.sampler_dtype]
+            if dtype == torch.bfloat16 and not _fast_bf16(model):
+                info("rollout.sampler_dtype=bfloat16 on a CPU without AVX512-BF16/AMX: sampling will be slower, not faster")
+            return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype)
+        info(f"rollout.engine=builtin does not support this model ({reason}); sampling with transformers generate")
+    return HFGenerator(tokenizer, eos_ids, pad_id, batch_size=batch_size)

@@ -1,0 +1,170 @@
+"""The sampler's view of a Llama-family decoder: the model's own modules and weights, arranged for fast
+decoding (fused q/k/v and gate/up projections, LoRA merged into *new* tensors).
+
+Nothing here writes to the model. "Merging" builds W + scale * B @ A as a fresh tensor for this sampling
+call; the frozen base weights are never touched, so they stay bit-identical however often we merge.
+Layers whose LoRA cannot be merged (DoRA and other variants, quantized bases, an already merged peft
+layer) are called as modules, which is exactly the trainer's computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlora.models.loading import causal_lm
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def unsupported_reason(model: nn.Module, max_length: int | None = None) -> str | None:
+    """Why the built-in sampler cannot run this model (None: it can)."""
+    hf = causal_lm(model)
+    config = hf.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type '{config.model_type}' (built-in sampler supports {', '.join(SUPPORTED_MODEL_TYPES)})"
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    uses_window = any(t != "full_attention" for t in layer_types) or (
+        config.model_type == "mistral" and window is not None)
+    if uses_window and (max_length is None or window is None or max_length > window):
+        return "sliding-window attention"
+    layer = hf.model.layers[0]
+    if not all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "unexpected attention module layout"
+    if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "unexpected MLP module layout"
+    return None
+
+
+def _plain_linear(module: nn.Module) -> nn.Linear | None:
+    return module if type(module) is nn.Linear and module.weight.dtype.is_floating_point else None
+
+
+def merged_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) equal to the module's linear map with its active LoRA merged, or None when the
+    module must be called as is. Returns the base tensors themselves (no copy) when no LoRA is active."""
+    plain = _plain_linear(module)
+    if plain is not None:
+        return plain.weight, plain.bias
+    if not hasattr(module, "lora_A") or getattr(module, "merged", False):
+        return None
+    base = _plain_linear(module.get_base_layer())
+    if base is None:
+        return None
+    if module.disable_adapters:
+        return base.weight, base.bias
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if any(name in module.lora_variant or module.lora_B[name].bias is not None for name in active):
+        return None
+    if not active:
+        return base.weight, base.bias
+    # Sum in float32, round once to the base dtype; a new tensor, the base weight is only read.
+    merged = base.weight.float()
+    for name in active:
+        delta = module.lora_B[name].weight.float() @ module.lora_A[name].weight.float()
+        merged = merged + delta * module.scaling[name]
+    return merged.to(base.weight.dtype), base.bias
+
+
+class Cast:
+    """Call a module and cast its output to the sampler's compute dtype (a no-op when they agree)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        self.module, self.dtype = module, dtype
+
+    def __call__(self, *args) -> torch.Tensor:
+        return self.module(*args).to(self.dtype)
+
+
+class FusedLinear:
+    """Several linear maps of the same input, e.g. q/k/v. Merged: one matmul over concatenated weights
+    (in the compute dtype), then split. Otherwise each module is called (peft applies its LoRA unmerged),
+    with the input cast to the module's dtype and the output back."""
+
+    def __init__(self, modules: list[nn.Module], merge: bool, dtype: torch.dtype):
+        self.sizes = [m.out_features if hasattr(m, "out_features") else m.weight.shape[0] for m in modules]
+        self.dtype = dtype
+        parts = [merged_weight(m) for m in modules] if merge else [None]
+        self.modules = None
+        if merge and all(p is not None for p in parts):
+            parts = [(w.to(dtype), None if b is None else b.to(dtype)) for w, b in parts]
+            weights = [w for w, _ in parts]
+            self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+            biases = [b for _, b in parts]
+            if all(b is None for b in biases):
+                self.bias = None
+            else:
+                filled = [b if b is not None else w.new_zeros(w.shape[0]) for (w, _), b in zip(parts, biases)]
+                self.bias = filled[0] if len(filled) == 1 else torch.cat(filled)
+        else:
+            self.modules = modules
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.modules is not None:
+            return tuple(m(x.to(_weight_dtype(m))).to(self.dtype) for m in self.modules)
+        y = F.linear(x, self.weight, self.bias)
+        return (y,) if len(self.sizes) == 1 else y.split(self.sizes, dim=-1)
+
+
+def _weight_dtype(module: nn.Module) -> torch.dtype:
+    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+    weight = getattr(base, "weight", None)
+    return weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32
+
+
+@dataclass
+class LayerView:
+    input_norm: Cast
+    qkv: FusedLinear
+    o_proj: FusedLinear
+    post_norm: Cast
+    gate_up: FusedLinear
+    down: FusedLinear
+    act_fn: nn.Module
+    scaling: float
+
+
+@dataclass
+class DecoderView:
+    embed: Cast
+    rotary: nn.Module
+    layers: list[LayerView]
+    norm: Cast
+    lm_head: FusedLinear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, model: nn.Module, merge: bool, dtype: torch.dtype | None = None) -> "DecoderView":
+        """dtype: the sampler's compute dtype (default: the model's). A lower one, e.g. bfloat16 for a
+        float32 model, samples from merged weight copies in that dtype."""
+        hf = causal_lm(model)
+        config, inner = hf.config, hf.model
+        dtype = dtype or inner.embed_tokens.weight.dtype
+        layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(LayerView(
+                input_norm=Cast(layer.input_layernorm, dtype),
+                qkv=FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], merge, dtype),
+                o_proj=FusedLinear([attn.o_proj], merge, dtype),
+                post_norm=Cast(layer.post_attention_layernorm, dtype),
+                gate_up=FusedLinear([mlp.gate_proj, mlp.up_proj], merge, dtype),
+                down=FusedLinear([mlp.down_proj], merge, dtype),
+                act_fn=mlp.act_fn,
+                scaling=attn.scaling,
+            ))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            embed=Cast(inner.embed_tokens, dtype), rotary=inner.rotary_emb, layers=layers, norm=Cast(inner.norm, dtype),
+            lm_head=FusedLinear([hf.lm_head], merge, dtype), num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads, head_dim=head_dim, dtype=dtype,
+            device=inner.embed_tokens.weight.device,
+        )

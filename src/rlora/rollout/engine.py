@@ -1,0 +1,204 @@
+"""The built-in sampler: prefill each distinct prompt once, decode all P x G rows of a step together.
+
+Layout. Prompt keys/values are stored once per prompt, [P, kv_heads, Tp, d]; the G samples of a prompt
+attend to them through a broadcast matmul, never a copy. Generated keys/values live in a preallocated
+[P, kv_heads, G, Tmax, d] cache. All rows decode in lock-step (row b's t-th generated token sits at
+position prompt_len(b) + t), so one step is one batched pass. Finished rows leave the dense layers and
+the output layer (the bulk of the work); attention still runs over the full [P, G] block, whose cost is
+small, with the finished rows' results discarded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from rlora.rollout.decoder import DecoderView, LayerView
+from rlora.rollout.generator import left_pad, position_ids_from_mask
+from rlora.rollout.sampling import RowParams, sample_tokens
+from rlora.types import Rollout, SamplingParams
+
+
+class KVCache:
+    def __init__(self, view: DecoderView, P: int, G: int, max_new: int, dtype, device):
+        self.prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V [P, kvh, Tp, d]
+        shape = (P, view.num_kv_heads, G, max_new, view.head_dim)
+        self.gen = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                    for _ in view.layers]
+        self.prompt_bias_P11T: torch.Tensor | None = None  # 0 on real prompt tokens, -inf on padding
+
+
+def _mlp(layer: LayerView, x: torch.Tensor) -> torch.Tensor:
+    gate, up = layer.gate_up(layer.post_norm(x))
+    return layer.down(layer.act_fn(gate) * up)[0]
+
+
+@torch.no_grad()
+def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run the left-padded prompts once, fill cache.prompt -> logits of the next token [P, V]."""
+    P, T = ids_PT.shape
+    H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
+    x = view.embed(ids_PT)
+    cos, sin = view.rotary(x, position_ids_from_mask(mask_PT))
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    allowed_P1TT = (causal_TT & mask_PT.bool()[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
+    allowed_P1TT = allowed_P1TT[:, None]  # padding queries see themselves only (their output is unused)
+    for layer in view.layers:
+        q, k, v = layer.qkv(layer.input_norm(x))
+        q = q.view(P, T, H, d).transpose(1, 2)
+        k = k.view(P, T, K, d).transpose(1, 2)
+        v = v.view(P, T, K, d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        cache.prompt.append((k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_P1TT, scale=layer.scaling, enable_gqa=K != H)
+        x = x + layer.o_proj(attn.transpose(1, 2).reshape(P, T, H * d))[0]
+        x = x + _mlp(layer, x)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    cache.prompt_bias_P11T = torch.where(mask_PT.bool(), zero, float("-inf"))[:, None, None, :]
+    return view.lm_head(view.norm(x[:, -1]))[0]
+
+
+def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, rows_A, t: int, cache: KVCache,
+                      layer_index: int, P: int, G: int) -> torch.Tensor:
+    H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
+    per_kv = H // K
+    B = P * G
+    k_prompt, v_prompt = cache.prompt[layer_index]
+    k_gen, v_gen = cache.gen[layer_index]  # [P, K, G, Tmax, d]
+    prompt_A, sample_A = rows_A // G, rows_A % G
+    k_gen[prompt_A, :, sample_A, t] = k_AKd
+    v_gen[prompt_A, :, sample_A, t] = v_AKd
+    q_BHd = q_AHd if len(rows_A) == B else q_AHd.new_zeros(B, H, d).index_copy_(0, rows_A, q_AHd)
+    # [B, H, d] -> [P, K, G, per_kv, d]: the G samples' queries of one kv head side by side
+    q = q_BHd.view(P, G, K, per_kv, d).permute(0, 2, 1, 3, 4)
+    Tp = k_prompt.shape[2]
+    scores_prompt = q.reshape(P, K, G * per_kv, d) @ k_prompt.transpose(-1, -2)  # [P, K, G*per_kv, Tp]
+    scores_prompt = scores_prompt * layer.scaling + cache.prompt_bias_P11T
+    scores_gen = q @ k_gen[:, :, :, :t + 1].transpose(-1, -2) * layer.scaling  # [P, K, G, per_kv, t+1]
+    scores = torch.cat([scores_prompt.view(P, K, G, per_kv, Tp), scores_gen], dim=-1)
+    probs = scores.float().softmax(-1).to(q.dtype)
+    probs_prompt, probs_gen = probs.split([Tp, t + 1], dim=-1)
+    out = (probs_prompt.reshape(P, K, G * per_kv, Tp) @ v_prompt).view(P, K, G, per_kv, d)
+    out = out + probs_gen @ v_gen[:, :, :, :t + 1]
+    out_BHd = out.permute(0, 2, 1, 3, 4).reshape(B, H * d)
+    return out_BHd if len(rows_A) == B else out_BHd[rows_A]
+
+
+@torch.no_grad()
+def decode_step(view: DecoderView, tokens_A, rows_A, positions_A, t: int, cache: KVCache, P: int, G: int):
+    """Feed generated token t of the active rows -> logits of token t+1 [A, V]."""
+    H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
+    A = len(rows_A)
+    x = view.embed(tokens_A)  # [A, hidden]
+    cos, sin = view.rotary(x[:, None], positions_A[:, None])  # [A, 1, d]
+    for i, layer in enumerate(view.layers):
+        q, k, v = layer.qkv(layer.input_norm(x))
+        q, k = apply_rotary_pos_emb(q.view(A, H, 1, d), k.view(A, K, 1, d), cos, sin)
+        attn = _decode_attention(layer, view, q[:, :, 0], k[:, :, 0], v.view(A, K, d), rows_A, t, cache, i, P, G)
+        x = x + layer.o_proj(attn)[0]
+        x = x + _mlp(layer, x)
+    return view.lm_head(view.norm(x))[0]
+
+
+class StopStrings:
+    """Finds stop strings in the text of each row's newest tokens (decoding only a short tail)."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        self.tail = max((len(s) for s in self.stops), default=0) + 2  # tokens are >= 1 character mostly
+
+    def hit(self, tokens: list[int]) -> bool:
+        if not self.stops:
+            return False
+        text = self.tokenizer.decode(tokens[-self.tail:], skip_special_tokens=False)
+        return any(s in text for s in self.stops)
+
+
+class BuiltinGenerator:
+    """The built-in engine (Llama-family models). merge=True samples with LoRA merged into fresh
+    tensors (faster); merge=False calls the adapter layers as the trainer does."""
+
+    name = "builtin"
+
+    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, merge: bool = True, prompt_batch: int = 16,
+                 dtype: torch.dtype | None = None):
+        self.tokenizer, self.eos_ids, self.pad_id = tokenizer, eos_ids, pad_id
+        self.merge, self.prompt_batch, self.dtype = merge, prompt_batch, dtype
+
+    @torch.no_grad()
+    def sample(self, model, prompts: list[list[int]], n: int,
+               params: SamplingParams | Sequence[SamplingParams], seed: int) -> Rollout:
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling settings for {len(prompts)} prompts")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        was_training = model.training
+        model.eval()
+        try:
+            view = DecoderView.of(model, self.merge, self.dtype)
+            chunks = [self._sample_chunk(view, prompts[i:i + self.prompt_batch], n, per_prompt[i:i + self.prompt_batch],
+                                         seed + i) for i in range(0, len(prompts), self.prompt_batch)]
+        finally:
+            model.train(was_training)
+        return self._rollout(prompts, n, chunks)
+
+    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seed: int):
+        device = view.device
+        P, B = len(prompts), len(prompts) * G
+        rows = RowParams.per_row(per_prompt, G, device)
+        max_new = int(rows.max_new_A.max())
+        ids_PT, mask_PT = (x.to(device) for x in left_pad(prompts, self.pad_id))
+        cache = KVCache(view, P, G, max_new, view.dtype, device)
+        logits_A = prefill(view, ids_PT, mask_PT, cache).repeat_interleave(G, dim=0)
+        prompt_len_B = mask_PT.sum(-1).repeat_interleave(G)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        eos_V = torch.zeros(logits_A.shape[-1], dtype=torch.bool, device=device)
+        eos_V[self.eos_ids] = True
+        any_min_new = bool((rows.min_new_A > 0).any())
+        stops = StopStrings(self.tokenizer, per_prompt[0].stop)  # stop strings are per call, not per prompt
+        tokens_BT = torch.full((B, max_new), self.pad_id, dtype=torch.long)
+        logp_BT = torch.zeros(B, max_new)
+        length_B = torch.full((B,), max_new, dtype=torch.long)
+        reasons = ["length"] * B
+        active_A = torch.arange(B, device=device)
+        for t in range(max_new):
+            rows_now = rows.select(active_A)
+            banned_A = (rows_now.min_new_A > t) if any_min_new else None
+            token_A, logp_A = sample_tokens(logits_A, rows_now, generator, banned_A, self.eos_ids)
+            active_cpu = active_A.cpu()
+            tokens_BT[active_cpu, t], logp_BT[active_cpu, t] = token_A.cpu(), logp_A.float().cpu()
+            stopped_A = eos_V[token_A].cpu()
+            if stops.stops:
+                stopped_A |= torch.tensor([stops.hit(tokens_BT[row, :t + 1].tolist()) for row in active_cpu.tolist()])
+            done_A = stopped_A | (rows_now.max_new_A.cpu() <= t + 1)
+            for row in active_cpu[stopped_A].tolist():
+                reasons[row] = "stop"
+            length_B[active_cpu[done_A]] = t + 1
+            keep_A = ~done_A.to(device)
+            active_A, token_A = active_A[keep_A], token_A[keep_A]
+            if len(active_A) == 0 or t + 1 == max_new:
+                break
+            logits_A = decode_step(view, token_A, active_A, prompt_len_B[active_A] + t, t, cache, P, G)
+        return tokens_BT, logp_BT, length_B, reasons, rows.temperature_A.cpu()
+
+    def _rollout(self, prompts, n, chunks) -> Rollout:
+        width = max(c[0].shape[1] for c in chunks)
+        tokens_BT = torch.cat([F.pad(c[0], (0, width - c[0].shape[1]), value=self.pad_id) for c in chunks])
+        logp_BT = torch.cat([F.pad(c[1], (0, width - c[1].shape[1])) for c in chunks])
+        length_B = torch.cat([c[2] for c in chunks])
+        reasons = [r for c in chunks for r in c[3]]
+        keep = int(length_B.max())
+        mask_BT = (torch.arange(keep)[None] < length_B[:, None]).long()
+        tokens_BT = tokens_BT[:, :keep].masked_fill(mask_BT == 0, self.pad_id)
+        logp_BT = logp_BT[:, :keep] * mask_BT
+        texts = self.tokenizer.batch_decode([row[m.bool()] for row, m in zip(tokens_BT, mask_BT)], skip_special_tokens=True)
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)
+        return Rollout(
+            prompt_ids_BTp=prompt_ids, prompt_mask_BTp=prompt_mask, completion_ids_BTc=tokens_BT,
+            completion_mask_BTc=mask_BT, completions=texts, finish_reasons=reasons,
+            temperature_B=torch.cat([c[4] for c in chunks]), sampling_logp_BTc=logp_BT,
+        )

@@ -1,0 +1,125 @@
+"""Token sampling math, per row: temperature, top-k, top-p, min-p, greedy. Pure tensor functions.
+
+Order (as in Hugging Face's warpers): divide by temperature, keep the top-k logits, keep the smallest set
+of tokens whose probability (renormalised after top-k) reaches top-p, then drop tokens whose probability
+is below min-p times the most likely token's. The returned log-probability is that of the chosen token
+under the temperature-scaled, *untruncated* distribution: the quantity the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlora.types import SamplingParams
+
+
+@dataclass
+class RowParams:
+    """Sampling settings per row (A rows)."""
+
+    temperature_A: torch.Tensor  # float; 1.0 for greedy rows
+    top_k_A: torch.Tensor  # long, 0 = off
+    top_p_A: torch.Tensor  # float, 1.0 = off
+    min_p_A: torch.Tensor  # float, 0.0 = off
+    greedy_A: torch.Tensor  # bool
+    max_new_A: torch.Tensor  # long
+    min_new_A: torch.Tensor  # long
+
+    @classmethod
+    def per_row(cls, params: Sequence[SamplingParams], n: int, device=None) -> "RowParams":
+        """One SamplingParams per prompt -> n rows per prompt (prompt-major)."""
+        rows = [p for p in params for _ in range(n)]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature_A=col([1.0 if p.greedy else p.temperature for p in rows], torch.float32),
+            top_k_A=col([p.top_k for p in rows], torch.long),
+            top_p_A=col([p.top_p for p in rows], torch.float32),
+            min_p_A=col([p.min_p for p in rows], torch.float32),
+            greedy_A=col([p.greedy for p in rows], torch.bool),
+            max_new_A=col([p.max_new_tokens for p in rows], torch.long),
+            min_new_A=col([p.min_new_tokens for p in rows], torch.long),
+        )
+
+    def select(self, index: torch.Tensor) -> "RowParams":
+        return RowParams(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+
+CANDIDATES = 1024  # top-k/top-p look at this many most likely tokens first (a full vocabulary sort is slow)
+
+
+def truncate_logits(scaled_AV: torch.Tensor, top_k_A: torch.Tensor, top_p_A: torch.Tensor,
+                    min_p_A: torch.Tensor) -> torch.Tensor:
+    """Temperature-scaled logits -> the same with excluded tokens set to -inf (float32)."""
+    scaled_AV = scaled_AV.float()
+    k_on_A, p_on_A = top_k_A > 0, top_p_A < 1
+    if bool((k_on_A | p_on_A).any()):
+        scaled_AV = _top_k_top_p(scaled_AV, top_k_A, top_p_A, k_on_A, p_on_A)
+    if bool((min_p_A > 0).any()):
+        probs_AV = scaled_AV.softmax(-1)
+        drop_AV = probs_AV < min_p_A[:, None] * probs_AV.amax(-1, keepdim=True)
+        scaled_AV = scaled_AV.masked_fill(drop_AV, float("-inf"))
+    return scaled_AV
+
+
+def _top_k_top_p(scaled_AV, top_k_A, top_p_A, k_on_A, p_on_A):
+    """Top-k, then top-p on the top-k-renormalised distribution, decided among the C most likely tokens.
+    That is exact whenever those C tokens hold at least top_p of the mass (or top-k confines the row);
+    other rows are decided by a full sort."""
+    A, V = scaled_AV.shape
+    C = min(V, max(CANDIDATES, int(top_k_A.max())))
+    values_AC, index_AC = scaled_AV.topk(C, dim=-1)  # sorted, most likely first
+    rank_C = torch.arange(C, device=scaled_AV.device)
+    keep_AC = ~(k_on_A[:, None] & (rank_C >= top_k_A[:, None]))
+    lse_candidates = values_AC.masked_fill(~keep_AC, float("-inf")).logsumexp(-1, keepdim=True)
+    lse_all = scaled_AV.logsumexp(-1, keepdim=True)
+    probs_AC = (values_AC - torch.where(k_on_A[:, None], lse_candidates, lse_all)).exp() * keep_AC
+    before_AC = probs_AC.cumsum(-1) - probs_AC  # mass of the more likely tokens
+    keep_AC &= ~(p_on_A[:, None] & (before_AC >= top_p_A[:, None]))
+    keep_AC[:, 0] = True  # the most likely token always stays
+    truncated_AV = torch.full_like(scaled_AV, float("-inf")).scatter_(
+        -1, index_AC, values_AC.masked_fill(~keep_AC, float("-inf")))
+    out_AV = torch.where((k_on_A | p_on_A)[:, None], truncated_AV, scaled_AV)
+    uncovered_A = p_on_A & ~k_on_A & (probs_AC.sum(-1) < top_p_A)
+    if bool(uncovered_A.any()):
+        rows = uncovered_A.nonzero().squeeze(-1)
+        out_AV[rows] = truncate_by_sort(scaled_AV[rows], top_p_A[rows])
+    return out_AV
+
+
+def truncate_by_sort(scaled_AV: torch.Tensor, top_p_A: torch.Tensor) -> torch.Tensor:
+    """Top-p by sorting the whole vocabulary (the reference; used for rows whose nucleus is very wide)."""
+    sorted_AV, order_AV = scaled_AV.sort(dim=-1, descending=True)
+    probs_AV = sorted_AV.softmax(-1)
+    drop_AV = (probs_AV.cumsum(-1) - probs_AV) >= top_p_A[:, None]
+    drop_AV[:, 0] = False
+    return torch.empty_like(sorted_AV).scatter_(-1, order_AV, sorted_AV.masked_fill(drop_AV, float("-inf")))
+
+
+def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, generator: torch.Generator | None,
+                  banned_rows_A: torch.Tensor | None = None, banned_ids: list[int] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (token_A, logp_A). Rows where banned_rows_A is True may not draw banned_ids (min_new_tokens
+    blocks EOS this way); the log-prob stays that of the untruncated distribution."""
+    scaled_AV = logits_AV.float() / rows.temperature_A[:, None]
+    logsumexp_A1 = scaled_AV.logsumexp(-1, keepdim=True)
+    allowed_AV = truncate_logits(scaled_AV, rows.top_k_A, rows.top_p_A, rows.min_p_A)
+    if banned_rows_A is not None and bool(banned_rows_A.any()):
+        allowed_AV = allowed_AV.clone() if allowed_AV is scaled_AV else allowed_AV
+        ban_rows = banned_rows_A.nonzero()
+        allowed_AV[ban_rows, torch.tensor(banned_ids, device=allowed_AV.device)[None]] = float("-inf")
+    # Inverse-CDF draw: one uniform per row against the cumulative distribution, summed in float64 so
+    # that no token's share is lost to rounding; the first index whose cumulative mass exceeds u has p > 0.
+    normaliser_A1 = logsumexp_A1 if allowed_AV is scaled_AV else allowed_AV.logsumexp(-1, keepdim=True)
+    cdf_AV = torch.cumsum((allowed_AV - normaliser_A1).exp_(), -1, dtype=torch.float64)
+    u_A1 = torch.rand(cdf_AV.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf_AV.device)
+    token_A = torch.searchsorted(cdf_AV, u_A1 * cdf_AV[:, -1:], right=True).squeeze(-1).clamp(max=cdf_AV.shape[-1] - 1)
+    if bool(rows.greedy_A.any()):
+        token_A = torch.where(rows.greedy_A, allowed_AV.argmax(-1), token_A)
+    logp_A = scaled_AV.gather(-1, token_A[:, None]).squeeze(-1) - logsumexp_A1.squeeze(-1)
+    return token_A, logp_A

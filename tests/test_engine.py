@@ -1,0 +1,185 @@
+"""The built-in sampler against Hugging Face generate and against the trainer's log-probs, on tiny random
+Llama and Qwen2 models (Qwen2 has q/k/v biases, so fused projections must carry them)."""
+
+import pytest
+import torch
+from test_policy_model import make_policy, perturb_adapter
+
+from rlora.models.logprobs import completion_logprobs
+from rlora.models.tiny import build_random_model
+from rlora.rollout.backends import build_generator
+from rlora.config import RolloutConfig
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.rollout.generator import HFGenerator
+from rlora.types import SamplingParams
+
+TEXTS = ["What", "What is 3 + 4? The answer", "Hello, how are you today? a b c", "0 1 2"]
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    return str(build_random_model(tmp_path_factory.mktemp("qwen2") / "model", family="qwen2", tie=False, seed=3))
+
+
+def policy(model_dir, scale=0.3, seed=1, **lora):
+    tokenizer, tok, model = make_policy(model_dir, **lora)
+    perturb_adapter(model, scale=scale, seed=seed)
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    return tokenizer, tok, model, prompts
+
+
+def tokens_of(rollout, row):
+    return rollout.completion_ids_BTc[row][rollout.completion_mask_BTc[row].bool()].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("merge", [True, False])
+def test_greedy_matches_hf_generate_token_for_token(tiny_model_dir, qwen2_dir, family, merge):
+    model_dir = tiny_model_dir if family == "llama" else qwen2_dir
+    tokenizer, tok, model, prompts = policy(model_dir)
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+    ours = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge).sample(model, prompts, 2, greedy, seed=0)
+    hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    base_differs = False
+    for i, prompt in enumerate(prompts):
+        want = hf.sample(model, [prompt], 1, greedy, seed=0)  # one prompt at a time: no padding at all
+        assert tokens_of(ours, 2 * i) == tokens_of(want, 0) == tokens_of(ours, 2 * i + 1), (family, merge, i)
+        with model.disable_adapter():
+            base = hf.sample(model, [prompt], 1, greedy, seed=0)
+        base_differs |= tokens_of(base, 0) != tokens_of(want, 0)
+    assert base_differs, "the adapter must change some greedy completion, or this test proves nothing"
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_sampling_logprobs_agree_with_the_trainer(tiny_model_dir, merge):
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, top_p=0.9) for n, t in
+                  [(12, 0.7), (5, 1.0), (9, 1.3), (12, 0.7)]]  # ragged lengths, per-prompt temperatures
+    rollout = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge).sample(model, prompts, 3, per_prompt, seed=7)
+    assert rollout.completion_mask_BTc.sum(-1).tolist() == [12] * 3 + [5] * 3 + [9] * 3 + [12] * 3
+    assert rollout.temperature_B.tolist() == pytest.approx([0.7] * 3 + [1.0] * 3 + [1.3] * 3 + [0.7] * 3)
+    model.eval()
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
+    mask = rollout.completion_mask_BTc.bool()
+    gap = (trainer[mask] - rollout.sampling_logp_BTc[mask]).abs()
+    assert gap.mean() < 1e-4 and gap.max() < 1e-3, (gap.mean(), gap.max())
+    assert (rollout.sampling_logp_BTc[~mask] == 0).all()
+
+
+def test_the_adapter_changes_the_samples(tiny_model_dir):
+    """A sampler that silently ignored the adapter would give the base model's samples."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    adapted = engine.sample(model, prompts, 4, params, seed=3)
+    with model.disable_adapter():
+        base = engine.sample(model, prompts, 4, params, seed=3)
+    hf_base = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    differs = (adapted.completion_ids_BTc != base.completion_ids_BTc).any(-1).float().mean()
+    assert differs > 0.5
+    # with the adapter off, the engine samples the base model: its log-probs match the base's
+    with torch.no_grad(), model.disable_adapter():
+        model.eval()
+        base_logp, _ = completion_logprobs(model, base.select(slice(None)))
+    mask = base.completion_mask_BTc.bool()
+    assert (base_logp[mask] - base.sampling_logp_BTc[mask]).abs().max() < 1e-4
+    assert hf_base.name == "hf" and engine.name == "builtin"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_base_weights_bit_identical_after_50_merge_cycles(tiny_model_dir, dtype):
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    model.to(dtype)
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True)
+    for cycle in range(50):
+        perturb_adapter(model, scale=0.5, seed=cycle)  # a new adapter every cycle, as after each update
+        engine.sample(model, prompts[:2], 2, SamplingParams(max_new_tokens=2), seed=cycle)
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in base_before.items())
+
+
+def test_seeded_and_reproducible(tiny_model_dir):
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    a, b = (engine.sample(model, prompts, 4, params, seed=11) for _ in range(2))
+    c = engine.sample(model, prompts, 4, params, seed=12)
+    assert torch.equal(a.completion_ids_BTc, b.completion_ids_BTc)
+    assert torch.equal(a.sampling_logp_BTc, b.sampling_logp_BTc)
+    assert not torch.equal(a.completion_ids_BTc, c.completion_ids_BTc)
+
+
+def test_per_prompt_settings_and_finished_rows(tiny_model_dir):
+    """Greedy rows next to sampled rows and rows that stop early: the greedy ones still equal generate."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    settings = [SamplingParams(max_new_tokens=14, greedy=True), SamplingParams(max_new_tokens=3, temperature=1.5),
+                SamplingParams(max_new_tokens=14, greedy=True), SamplingParams(max_new_tokens=6, temperature=0.5)]
+    rollout = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, prompts, 2, settings, seed=0)
+    hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    for i in (0, 2):
+        want = tokens_of(hf.sample(model, [prompts[i]], 1, settings[i], seed=0), 0)
+        assert tokens_of(rollout, 2 * i) == want and tokens_of(rollout, 2 * i + 1) == want
+    assert rollout.completion_mask_BTc.sum(-1).tolist() == [14, 14, 3, 3, 14, 14, 6, 6]
+    assert rollout.finish_reasons == ["length"] * 8
+
+
+def test_stop_strings_end_completions_like_generate(tiny_model_dir):
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    free = engine.sample(model, prompts[1:2], 1, greedy, seed=0)
+    ids = tokens_of(free, 0)
+    stop = tokenizer.decode(ids[4:6])  # a string the greedy completion produces at its 6th token
+    assert stop.strip(), "pick a stop string with visible characters"
+    params = SamplingParams(max_new_tokens=16, greedy=True, stop=(stop,))
+    stopped = engine.sample(model, prompts[1:2], 1, params, seed=0)
+    hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, prompts[1:2], 1, params, seed=0)
+    first_hit = next(t for t in range(1, 17) if stop in tokenizer.decode(ids[:t]))
+    assert tokens_of(stopped, 0) == ids[:first_hit] == tokens_of(hf, 0)
+    assert stopped.finish_reasons == ["stop"] == hf.finish_reasons
+    assert stopped.completions[0].endswith(stop)
+
+
+def test_backend_choice_falls_back_for_unsupported_models(tiny_model_dir):
+    tokenizer, tok, model, _ = policy(tiny_model_dir)
+    builtin = build_generator(RolloutConfig(), model, tokenizer, tok.eos_ids, tok.pad_id, 100, 8)
+    assert builtin.name == "builtin"
+    assert build_generator(RolloutConfig(engine="hf"), model, tokenizer, tok.eos_ids, tok.pad_id, 100, 8).name == "hf"
+    model.get_base_model().config.model_type = "gpt2"  # an architecture the engine does not implement
+    try:
+        assert build_generator(RolloutConfig(), model, tokenizer, tok.eos_ids, tok.pad_id, 100, 8).name == "hf"
+    finally:
+        model.get_base_model().config.model_type = "llama"
+
+
+def test_quantized_or_variant_layers_are_called_as_modules(tiny_model_dir):
+    """DoRA cannot be merged as W + BA: those layers run as modules and still match generate."""
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from rlora.models.loading import load_base_model
+    from rlora.config import ModelConfig
+    base = load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir)
+    dora = get_peft_model(base, PeftLoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
+    perturb_adapter(dora, scale=0.3)
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    greedy = SamplingParams(max_new_tokens=10, greedy=True)
+    ours = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True).sample(dora, prompts, 1, greedy, seed=0)
+    hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(ours, i) == tokens_of(hf.sample(dora, [prompt], 1, greedy, seed=0), 0)
+
+
+def test_bf16_sampler_on_an_fp32_model(tiny_model_dir):
+    """Sampling from bf16 copies: close to the fp32 trainer, not equal; the model itself stays fp32."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, dtype=torch.bfloat16)
+    rollout = engine.sample(model, prompts, 4, SamplingParams(max_new_tokens=10, temperature=1.0), seed=0)
+    model.eval()
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
+    mask = rollout.completion_mask_BTc.bool()
+    gap = (trainer[mask] - rollout.sampling_logp_BTc[mask]).abs().mean()
+    assert 1e-4 < gap < 0.1, gap
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -1,0 +1,92 @@
+"""Sampling math: truncation equals Hugging Face's warpers, draws follow the truncated distribution, the
+returned log-prob is that of the untruncated temperature-scaled distribution."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from rlora.rollout import sampling
+from rlora.rollout.sampling import RowParams, sample_tokens, truncate_logits
+from rlora.types import SamplingParams
+
+
+def hf_truncate(logits, top_k, top_p, min_p):
+    out = logits.clone()
+    if top_k:
+        out = TopKLogitsWarper(top_k)(None, out)
+    if top_p < 1:
+        out = TopPLogitsWarper(top_p)(None, out)
+    if min_p:
+        out = MinPLogitsWarper(min_p)(None, out)
+    return out
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.9, 0), (50, 1.0, 0), (50, 0.8, 0), (0, 1.0, 0.1),
+                                               (10, 0.5, 0.2), (0, 0.999, 0), (0, 0.3, 0.05)])
+@pytest.mark.parametrize("candidates", [4096, 16])  # 16: most rows need the full-sort fallback
+def test_truncation_equals_hf_warpers(monkeypatch, top_k, top_p, min_p, candidates):
+    monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(0)) * 4
+    ours = truncate_logits(logits, torch.full((6,), top_k), torch.full((6,), top_p), torch.full((6,), float(min_p)))
+    want = hf_truncate(logits, top_k, top_p, min_p)
+    differ = torch.isinf(ours) != torch.isinf(want)
+    # Same rule, summed in a different order: they may only disagree on tokens that sit at the top-p
+    # boundary to rounding precision (mass of the more likely tokens == top_p within 1e-5).
+    if differ.any():
+        assert min_p == 0 and top_p < 1
+        kept_by_k = hf_truncate(logits, top_k, 1.0, 0).double()
+        probs = kept_by_k.softmax(-1)
+        for row, token in differ.nonzero().tolist():
+            before = probs[row][probs[row] > probs[row, token]].sum()  # mass of the more likely tokens
+            assert abs(float(before) - top_p) < 1e-5
+    assert differ.sum() <= 2
+    assert torch.equal(ours[torch.isfinite(ours)], logits[torch.isfinite(ours)])
+
+
+def test_rows_keep_their_own_settings():
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1)) * 3
+    ours = truncate_logits(logits, torch.tensor([5, 0, 0]), torch.tensor([1.0, 0.7, 1.0]), torch.tensor([0.0, 0.0, 0.0]))
+    assert int(torch.isfinite(ours[0]).sum()) == 5
+    assert torch.equal(torch.isinf(ours[1]), torch.isinf(hf_truncate(logits[1:2], 0, 0.7, 0)[0]))
+    assert torch.equal(ours[2], logits[2])  # no truncation at all
+
+
+def test_draws_follow_the_truncated_distribution():
+    """logits log([.5, .25, .15, .07, .03]) at top_p=0.8 keep tokens 0-2 (mass before token 2 is 0.75 <
+    0.8; before token 3 it is 0.9): probabilities .5/.9, .25/.9, .15/.9 = .556, .278, .167."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    n = 20000
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=1, top_p=0.8)], n)
+    token, logp = sample_tokens(probs.log().expand(n, 5), rows, torch.Generator().manual_seed(0))
+    freq = torch.bincount(token, minlength=5).float() / n
+    want = torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0]) / 0.9
+    assert (freq - want).abs().max() < 0.015  # ~4 standard errors at n=20000
+    assert torch.allclose(logp, probs.log()[token], atol=1e-6)  # untruncated log-prob
+
+
+def test_temperature_scales_the_distribution_and_its_logprob():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    n = 20000
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=1, temperature=0.5)], n)
+    token, logp = sample_tokens(probs.log().expand(n, 3), rows, torch.Generator().manual_seed(1))
+    sharpened = probs ** 2 / (probs ** 2).sum()  # softmax(log p / 0.5) = p^2 / sum p^2 = .783, .196, .022
+    freq = torch.bincount(token, minlength=3).float() / n
+    assert (freq - sharpened).abs().max() < 0.015
+    assert torch.allclose(logp, sharpened.log()[token], atol=1e-5)
+
+
+def test_greedy_rows_and_banned_tokens():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=1, greedy=True)], 2)
+    token, _ = sample_tokens(logits, rows, torch.Generator().manual_seed(0))
+    assert token.tolist() == [1, 1]
+    token, logp = sample_tokens(logits, rows, None, torch.tensor([True, False]), [1])
+    assert token.tolist() == [2, 1]
+    assert logp[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
+
+
+def test_zero_probability_tokens_are_never_drawn():
+    logits = torch.tensor([0.0, float("-inf"), 0.0, float("-inf")]).expand(5000, 4)
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=1, temperature=1.0)], 5000)
+    token, _ = sample_tokens(logits, rows, torch.Generator().manual_seed(2))
+    assert set(token.tolist()) == {0, 2}

@@ -59,6 +59,7 @@ class Work:
     max_time_s: float | None = None  # quality mode: stop after this much training time
     train_size: int = 512
     output_dir: str = ""
+    rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" samples from bf16 copies (not identical work)
 
     @property
     def total_steps(self) -> int:
@@ -95,6 +96,8 @@ def run_rlora(work: Work) -> dict:
         "rollout.num_generations": work.num_generations, "rollout.max_new_tokens": work.completion_len,
         "rollout.min_new_tokens": work.completion_len if work.fixed_length else 0,
         "rollout.temperature": work.temperature, "algo.beta": work.beta, "algo.loss_agg": work.loss_agg,
+        "rollout.sampler_dtype": work.rlora_sampler_dtype,
+        "algo.sampler_is_cap": None if work.rlora_sampler_dtype == "model" else 2.0,
         "train.steps": work.total_steps, "train.prompts_per_step": work.prompts_per_step,
         "train.micro_batch_size": work.micro_batch_size, "train.lr": work.lr, "train.seed": work.seed,
         "train.threads": work.threads, "train.output_dir": str(Path(work.output_dir) / "rlora"),
@@ -319,7 +322,8 @@ def compare_one(work: Work, repeats: int) -> dict:
 
 def print_timing_row(s: dict) -> None:
     w, a, b = s["work"], s["rlora"], s["trl"]
-    print(f"| {w['model']} | {w['completion_len']} | {w['num_generations']} | {w['beta']} | "
+    model = w["model"] + (" (rlora: bf16 sampler)" if w.get("rlora_sampler_dtype", "model") != "model" else "")
+    print(f"| {model} | {w['completion_len']} | {w['num_generations']} | {w['beta']} | "
           f"{a['step_s']:.2f} ({a['step_s_min']:.2f}-{a['step_s_max']:.2f}) | "
           f"{b['step_s']:.2f} ({b['step_s_min']:.2f}-{b['step_s_max']:.2f}) | {s['ratio_step_median']:.2f} | "
           f"{a['rollout_s']:.2f} / {b['rollout_s']:.2f} | {a['ref_s']:.2f} / {b['ref_s']:.2f} | "
@@ -342,7 +346,7 @@ def timing(args) -> None:
         prompts = max(1, -(-32 // gens))  # at least 32 completions per step
         work = Work(model=model, completion_len=length, num_generations=gens, beta=beta, prompts_per_step=prompts,
                     micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                    train_size=args.train_size)
+                    train_size=args.train_size, rlora_sampler_dtype=args.rlora_sampler_dtype)
         summary = compare_one(work, args.repeats)
         if summary["rlora"]["same_work"] != summary["trl"]["same_work"]:
             print(f"<!-- work differs: rlora {summary['rlora']['same_work']} TRL {summary['trl']['same_work']} -->")
@@ -362,7 +366,7 @@ def quality(args) -> None:
     work = Work(model=args.model, completion_len=args.completion_len, num_generations=8, prompts_per_step=args.prompts,
                 micro_batch_size=args.micro_batch_size, lr=args.lr, steps=10_000, warmup=0, fixed_length=False,
                 max_time_s=args.budget_s, threads=args.threads, train_size=args.train_size,
-                temperature=args.temperature)
+                temperature=args.temperature, rlora_sampler_dtype=args.rlora_sampler_dtype)
     with tempfile.TemporaryDirectory() as keep:
         results = {}
         for side in ("rlora", "trl"):
@@ -389,6 +393,8 @@ def main() -> int:
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--train-size", type=int, default=512)
     t.add_argument("--out", help="append one JSON summary per configuration")
+    t.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16"],
+                   help="rlora's sampler compute dtype; bfloat16 is not identical work (flagged in the output)")
     q = sub.add_parser("quality", help="held-out accuracy after equal wall-clock training")
     q.add_argument("--budget-s", type=float, default=300)
     q.add_argument("--model", default="smollm2")
@@ -400,6 +406,8 @@ def main() -> int:
     q.add_argument("--eval-size", type=int, default=100)
     q.add_argument("--train-size", type=int, default=1000)
     q.add_argument("--threads", type=int, default=2)
+    q.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16"],
+                   help="bfloat16: rlora samples from bf16 copies with truncated IS (the demo's setting)")
     w = sub.add_parser("worker", help="internal: run one side")
     w.add_argument("side", choices=["rlora", "trl"])
     w.add_argument("work")

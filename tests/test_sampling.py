@@ -90,3 +90,16 @@ def test_zero_probability_tokens_are_never_drawn():
     rows = RowParams.per_row([SamplingParams(max_new_tokens=1, temperature=1.0)], 5000)
     token, _ = sample_tokens(logits, rows, torch.Generator().manual_seed(2))
     assert set(token.tolist()) == {0, 2}
+
+
+def test_banned_tokens_leave_before_truncation():
+    """EOS dominates (p = .9) and top_p = 0.5 would keep only EOS; with EOS banned (min_new_tokens) the
+    nucleus is taken over the remaining tokens, as generate does: [.06, .03, .01] / .1 -> top_p .5 keeps
+    token 1 (0.6) only."""
+    probs = torch.tensor([0.9, 0.06, 0.03, 0.01])  # token 0 is EOS
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=4, top_p=0.5, min_new_tokens=4)], 200)
+    token, logp = sample_tokens(probs.log().expand(200, 4), rows, torch.Generator().manual_seed(0),
+                                torch.ones(200, dtype=torch.bool), [0])
+    assert set(token.tolist()) == {1}
+    assert torch.allclose(logp, torch.full((200,), float(probs.log()[1])), atol=1e-6)  # untruncated log-prob
+    assert torch.isfinite(logp).all()

@@ -89,7 +89,7 @@ class AlgoConfig(_Section):
     clip_high: float = Field(0.2, ge=0)
     num_iterations: int = Field(1, ge=1, description="Policy updates per rollout (mu)")
     sampler_is_cap: float | None = Field(
-        None, gt=0, description="Weight each token by min(pi_old / pi_sampler, cap) (truncated importance sampling)")
+        None, ge=1, description="Weight each token by min(pi_old / pi_sampler, cap) (truncated importance sampling)")
 
 
 class TrainConfig(_Section):
@@ -142,8 +142,13 @@ class RLConfig(_Section):
             raise ValueError("data.seed equals data.eval_seed: the held-out split would repeat the training problems")
         if rollout.min_new_tokens > rollout.max_new_tokens:
             raise ValueError("rollout.min_new_tokens must not exceed rollout.max_new_tokens")
-        if self.algo.sampler_is_cap is not None and rollout.engine == "hf":
-            raise ValueError("algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin")
+        if rollout.engine == "hf":
+            if self.algo.sampler_is_cap is not None:
+                raise ValueError("algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin")
+            if rollout.sampler_dtype != "model" or not rollout.merge_adapter:
+                raise ValueError("rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only")
+        if any(not s for s in rollout.stop):
+            raise ValueError("rollout.stop holds an empty string: every stop string needs at least one character")
         completions = train.prompts_per_step * rollout.num_generations
         if completions % train.micro_batch_size:
             raise ValueError(

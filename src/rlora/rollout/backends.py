@@ -13,8 +13,9 @@ from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import Generator, HFGenerator
 
 
-def _fast_bf16(model) -> bool:
-    """bf16 matmuls are fast on CUDA GPUs and on CPUs with AVX512-BF16 or AMX."""
+def _fast_half(model, dtype: torch.dtype) -> bool:
+    """Half-precision matmuls are fast on GPUs, and on CPUs with AVX512-BF16/AMX (bf16) or
+    AVX512-FP16/AMX-FP16 (fp16)."""
     device = next(model.parameters()).device
     if device.type != "cpu":
         return True
@@ -22,7 +23,8 @@ def _fast_bf16(model) -> bool:
         flags = open("/proc/cpuinfo").read()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    wanted = ("avx512_bf16", "amx_bf16") if dtype == torch.bfloat16 else ("avx512_fp16", "amx_fp16")
+    return any(flag in flags for flag in wanted)
 
 
 def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pad_id: int, max_length: int,
@@ -31,8 +33,10 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
         reason = unsupported_reason(model, max_length)
         if reason is None:
             dtype = None if cfg.sampler_dtype == "model" else DTYPES[cfg.sampler_dtype]
-            if dtype == torch.bfloat16 and not _fast_bf16(model):
-                info("rollout.sampler_dtype=bfloat16 on a CPU without AVX512-BF16/AMX: sampling will be slower, not faster")
+            if dtype in (torch.bfloat16, torch.float16) and not _fast_half(model, dtype):
+                info(f"rollout.sampler_dtype={cfg.sampler_dtype} on a CPU without native support for it: sampling "
+                     "will be slower, not faster")
             return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype)
-        info(f"rollout.engine=builtin does not support this model ({reason}); sampling with transformers generate")
+        info(f"rollout.engine=builtin does not support this model ({reason}); sampling with transformers generate "
+             "(rollout.sampler_dtype and merge_adapter do not apply)")
     return HFGenerator(tokenizer, eos_ids, pad_id, batch_size=batch_size)

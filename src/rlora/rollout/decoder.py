@@ -45,8 +45,9 @@ def _plain_linear(module: nn.Module) -> nn.Linear | None:
 
 
 def merged_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) equal to the module's linear map with its active LoRA merged, or None when the
-    module must be called as is. Returns the base tensors themselves (no copy) when no LoRA is active."""
+    """(weight, bias) of the module's linear map with its active LoRA merged (summed in float32, rounded
+    once to the base dtype: equal to the unmerged map up to that rounding), or None when the module must
+    be called as is. Returns the base tensors themselves (no copy) when no LoRA is active."""
     plain = _plain_linear(module)
     if plain is not None:
         return plain.weight, plain.bias

@@ -104,17 +104,20 @@ def decode_step(view: DecoderView, tokens_A, rows_A, positions_A, t: int, cache:
 
 
 class StopStrings:
-    """Finds stop strings in the text of each row's newest tokens (decoding only a short tail)."""
+    """Finds each row's stop strings in the text of its newest tokens (decoding only a short tail)."""
 
-    def __init__(self, tokenizer, stops: Sequence[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-        self.tail = max((len(s) for s in self.stops), default=0) + 2  # tokens are >= 1 character mostly
+    def __init__(self, tokenizer, stops_per_row: list[tuple[str, ...]]):
+        self.tokenizer = tokenizer
+        self.stops = [[s for s in stops if s] for stops in stops_per_row]
+        # a token decodes to >= 1 byte of text, so this many tokens always cover the longest stop string
+        self.tail = max((len(s.encode("utf-8")) for stops in self.stops for s in stops), default=0) + 2
+        self.any = any(self.stops)
 
-    def hit(self, tokens: list[int]) -> bool:
-        if not self.stops:
+    def hit(self, row: int, tokens: list[int]) -> bool:
+        if not self.stops[row]:
             return False
         text = self.tokenizer.decode(tokens[-self.tail:], skip_special_tokens=False)
-        return any(s in text for s in self.stops)
+        return any(s in text for s in self.stops[row])
 
 
 class BuiltinGenerator:
@@ -123,10 +126,10 @@ class BuiltinGenerator:
 
     name = "builtin"
 
-    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, merge: bool = True, prompt_batch: int = 16,
+    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, merge: bool = True, max_rows: int = 256,
                  dtype: torch.dtype | None = None):
         self.tokenizer, self.eos_ids, self.pad_id = tokenizer, eos_ids, pad_id
-        self.merge, self.prompt_batch, self.dtype = merge, prompt_batch, dtype
+        self.merge, self.max_rows, self.dtype = merge, max_rows, dtype
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,
@@ -140,13 +143,15 @@ class BuiltinGenerator:
         model.eval()
         try:
             view = DecoderView.of(model, self.merge, self.dtype)
-            chunks = [self._sample_chunk(view, prompts[i:i + self.prompt_batch], n, per_prompt[i:i + self.prompt_batch],
-                                         seed + i) for i in range(0, len(prompts), self.prompt_batch)]
+            per_chunk = max(1, self.max_rows // n)  # prompts decoded together: up to max_rows rows
+            generator = torch.Generator(device=view.device).manual_seed(seed)  # one stream for all chunks
+            chunks = [self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk], generator)
+                      for i in range(0, len(prompts), per_chunk)]
         finally:
             model.train(was_training)
         return self._rollout(prompts, n, chunks)
 
-    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seed: int):
+    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, generator: torch.Generator):
         device = view.device
         P, B = len(prompts), len(prompts) * G
         rows = RowParams.per_row(per_prompt, G, device)
@@ -155,11 +160,10 @@ class BuiltinGenerator:
         cache = KVCache(view, P, G, max_new, view.dtype, device)
         logits_A = prefill(view, ids_PT, mask_PT, cache).repeat_interleave(G, dim=0)
         prompt_len_B = mask_PT.sum(-1).repeat_interleave(G)
-        generator = torch.Generator(device=device).manual_seed(seed)
         eos_V = torch.zeros(logits_A.shape[-1], dtype=torch.bool, device=device)
         eos_V[self.eos_ids] = True
         any_min_new = bool((rows.min_new_A > 0).any())
-        stops = StopStrings(self.tokenizer, per_prompt[0].stop)  # stop strings are per call, not per prompt
+        stops = StopStrings(self.tokenizer, [p.stop for p in per_prompt for _ in range(G)])
         tokens_BT = torch.full((B, max_new), self.pad_id, dtype=torch.long)
         logp_BT = torch.zeros(B, max_new)
         length_B = torch.full((B,), max_new, dtype=torch.long)
@@ -172,8 +176,8 @@ class BuiltinGenerator:
             active_cpu = active_A.cpu()
             tokens_BT[active_cpu, t], logp_BT[active_cpu, t] = token_A.cpu(), logp_A.float().cpu()
             stopped_A = eos_V[token_A].cpu()
-            if stops.stops:
-                stopped_A |= torch.tensor([stops.hit(tokens_BT[row, :t + 1].tolist()) for row in active_cpu.tolist()])
+            if stops.any:
+                stopped_A |= torch.tensor([stops.hit(row, tokens_BT[row, :t + 1].tolist()) for row in active_cpu.tolist()])
             done_A = stopped_A | (rows_now.max_new_A.cpu() <= t + 1)
             for row in active_cpu[stopped_A].tolist():
                 reasons[row] = "stop"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from rlora.types import Rollout, SamplingParams
@@ -97,17 +98,14 @@ class HFGenerator:
                     ids, mask = prompt_ids_BTp[lo:hi], prompt_mask_BTp[lo:hi]
                     out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
                                          generation_config=self._generation_config(row_params[lo]))
-                    chunks.append(out[:, ids.shape[1]:])
+                    chunks.append(_masked(out[:, ids.shape[1]:], row_params[lo], self.tokenizer, self.eos_ids, self.pad_id))
         finally:
             model.train(was_training)
-        width = max(c.shape[1] for c in chunks)
-        completion_ids_BTc = torch.cat(
-            [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=self.pad_id) for c in chunks]
-        )
-        mask_BTc, reasons = completion_mask(completion_ids_BTc, self.eos_ids)
-        stops = [p.stop for p in row_params]
-        if any(stops):
-            mask_BTc, reasons = _cut_at_stop_strings(self.tokenizer, completion_ids_BTc, mask_BTc, reasons, stops)
+        # each call's masks are made before padding the calls to one width (pad may equal EOS)
+        width = max(ids.shape[1] for ids, _, _ in chunks)
+        completion_ids_BTc = torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=self.pad_id) for ids, _, _ in chunks])
+        mask_BTc = torch.cat([F.pad(mask, (0, width - mask.shape[1])) for _, mask, _ in chunks])
+        reasons = [r for _, _, chunk_reasons in chunks for r in chunk_reasons]
         completion_ids_BTc = completion_ids_BTc.masked_fill(mask_BTc == 0, self.pad_id)
         texts = self.tokenizer.batch_decode(
             [row[row_mask.bool()] for row, row_mask in zip(completion_ids_BTc, mask_BTc)], skip_special_tokens=True
@@ -120,6 +118,22 @@ class HFGenerator:
         )
 
 
+def _masked(ids_BT: torch.Tensor, params: SamplingParams, tokenizer, eos_ids: list[int], pad_id: int):
+    """Mask and finish reason of one generate call's completions: up to the first EOS, or up to the
+    token that completes a stop string. A row generate stopped for another reason (a stop string
+    that began in the prompt) is followed by padding: it ends before that padding."""
+    mask_BT, reasons = completion_mask(ids_BT, eos_ids)
+    if params.stop:
+        mask_BT, reasons = _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, params.stop)
+        for row, reason in enumerate(reasons):
+            length = int(mask_BT[row].sum())
+            if reason == "length" and length < params.max_new_tokens:
+                real = (ids_BT[row, :length] != pad_id).nonzero()
+                mask_BT[row, int(real[-1]) + 1 if len(real) else 0:] = 0
+                reasons[row] = "stop"
+    return ids_BT, mask_BT, reasons
+
+
 def _runs(row_params: list[SamplingParams], lo: int, hi: int) -> list[tuple[int, int]]:
     """[lo, hi) split into maximal runs of equal settings."""
     runs, start = [], lo
@@ -130,15 +144,15 @@ def _runs(row_params: list[SamplingParams], lo: int, hi: int) -> list[tuple[int,
     return runs
 
 
-def _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, stops):
-    """generate stops a batch when every row is done, so rows may run past their stop string: keep each
-    row's tokens up to the one that completes its first stop string."""
+def _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, stops: tuple[str, ...]):
+    """Keep each row's tokens up to the one that completes its first stop string (generate's stopping
+    criterion runs on token sequences; this is the text-level rule the built-in engine uses)."""
     mask_BT, reasons = mask_BT.clone(), list(reasons)
-    for row, row_stops in enumerate(stops):
+    for row in range(ids_BT.shape[0]):
         length = int(mask_BT[row].sum())
         for t in range(1, length + 1):
             text = tokenizer.decode(ids_BT[row, :t].tolist(), skip_special_tokens=False)
-            if any(s and s in text for s in row_stops):
+            if any(s and s in text for s in stops):
                 mask_BT[row, t:] = 0
                 reasons[row] = "stop"
                 break

@@ -107,12 +107,14 @@ def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, generator: torch.Gen
     """-> (token_A, logp_A). Rows where banned_rows_A is True may not draw banned_ids (min_new_tokens
     blocks EOS this way); the log-prob stays that of the untruncated distribution."""
     scaled_AV = logits_AV.float() / rows.temperature_A[:, None]
-    logsumexp_A1 = scaled_AV.logsumexp(-1, keepdim=True)
-    allowed_AV = truncate_logits(scaled_AV, rows.top_k_A, rows.top_p_A, rows.min_p_A)
+    logsumexp_A1 = scaled_AV.logsumexp(-1, keepdim=True)  # the log-prob's normaliser: nothing removed
+    candidates_AV = scaled_AV
     if banned_rows_A is not None and bool(banned_rows_A.any()):
-        allowed_AV = allowed_AV.clone() if allowed_AV is scaled_AV else allowed_AV
+        # Banned tokens leave before truncation (as in generate), so top-k/top-p/min-p pick among the rest.
+        candidates_AV = scaled_AV.clone()
         ban_rows = banned_rows_A.nonzero()
-        allowed_AV[ban_rows, torch.tensor(banned_ids, device=allowed_AV.device)[None]] = float("-inf")
+        candidates_AV[ban_rows, torch.tensor(banned_ids, device=scaled_AV.device)[None]] = float("-inf")
+    allowed_AV = truncate_logits(candidates_AV, rows.top_k_A, rows.top_p_A, rows.min_p_A)
     # Inverse-CDF draw: one uniform per row against the cumulative distribution, summed in float64 so
     # that no token's share is lost to rounding; the first index whose cumulative mass exceeds u has p > 0.
     normaliser_A1 = logsumexp_A1 if allowed_AV is scaled_AV else allowed_AV.logsumexp(-1, keepdim=True)

@@ -21,8 +21,8 @@ def columns_of(examples: list[Example], repeat: int = 1) -> dict[str, list]:
 
 @torch.no_grad()
 def evaluate(model, generator, examples, prompt_ids, prompt_texts, rewards: list[RewardFn],
-             max_new_tokens: int, batch_size: int, progress=None) -> tuple[dict, list[dict]]:
-    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+             max_new_tokens: int, batch_size: int, progress=None, stop: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, stop=stop)
     completions = []
     for start in range(0, len(examples), batch_size):
         rollout = generator.sample(model, prompt_ids[start:start + batch_size], 1, params, seed=0)

@@ -101,6 +101,9 @@ def prepare(cfg: RLConfig) -> Session:
     if cfg.rollout.sampler_dtype != "model":
         exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})
         eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+    if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None:
+        info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
+             "off-policy and nothing corrects for it (watch sampler_logp_gap)")
     if cfg.algo.sampler_is_cap is not None and generator.name != "builtin":
         raise UserError("algo.sampler_is_cap needs the sampler's log-probs, which only rollout.engine=builtin "
                         f"returns (this run samples with '{generator.name}'): unset algo.sampler_is_cap")
@@ -209,7 +212,7 @@ def run_eval(s: Session, label: str) -> dict | None:
     texts = [prompt_text(ex) for ex in s.prompts.eval]
     with progress_bar(f"eval ({label})", len(texts)) as update:
         result, samples = evaluate(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
-                                   max_new, s.cfg.eval.batch_size, progress=update)
+                                   max_new, s.cfg.eval.batch_size, progress=update, stop=tuple(s.cfg.rollout.stop))
     s.run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
     reward = "-" if result["reward_mean"] is None else f"{result['reward_mean']:.3f}"
     failures = f", {result['reward_failures']} reward failures" if result["reward_failures"] else ""

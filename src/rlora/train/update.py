@@ -84,8 +84,8 @@ def accumulate_policy_gradient(
 ) -> dict[str, float]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch.
     Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
-    sampler_logp_gap: mean |trainer log-prob - sampler log-prob| over those tokens (the sampler and the
-    trainer must agree on the distribution; a gap means the rollout is off-policy)."""
+    sampler_logp_gap: mean |old log-prob - sampler log-prob| over those tokens, where old is the trainer's
+    log-prob of the policy that sampled (the two must agree; a gap means the rollout is off-policy)."""
     rollout = scored.rollout
     totals = batch_totals(scored.loss_mask_BTc, constant_len)
     rows = rows_to_train(scored, cfg.beta)
@@ -113,7 +113,7 @@ def accumulate_policy_gradient(
         sums["entropy"] += float((entropy_BT * mask_BT).sum())
         sums["ratio"] += float((out.ratio_BT * mask_BT).sum())
         if sampled is not None:
-            sums["gap"] += float(((logp_BT.detach() - sampled[index, :width]).abs() * mask_BT).sum())
+            sums["gap"] += float(((old - sampled[index, :width]).abs() * mask_BT).sum())
         if out.kl_BT is not None:
             sums["kl"] += float((out.kl_BT.detach() * mask_BT).sum())
     trained = sums["tokens"]

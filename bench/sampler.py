@@ -57,7 +57,9 @@ def main() -> int:
     args = parser.parse_args()
     _quiet_libraries()
     tokenizer, tok, model = build(args.model, args.dtype)
-    rows = task_rows("train", train_size=max(args.prompts, 16))[:args.prompts]
+    rows = task_rows("train", train_size=1000)[:args.prompts]  # held-out problems are removed: draw plenty
+    if len(rows) < args.prompts:
+        parser.error(f"only {len(rows)} distinct training prompts available")
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True) for r in rows]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature,
@@ -70,7 +72,7 @@ def main() -> int:
     }
     sides = {k: v for k, v in sides.items() if k in args.sides.split(",")}
     print(f"# sampling: {args.model} {args.dtype}, {args.prompts} prompts x G={args.G} x {args.tokens} tokens "
-          f"({'to EOS' if args.natural else 'fixed length'}), prompt tokens {[len(p) for p in prompts]}, "
+          f"({'to EOS' if args.natural else 'fixed length'}), prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
     times = {name: [] for name in sides}
     tokens = {name: [] for name in sides}

@@ -26,3 +26,13 @@ def test_constant_schedule_and_optimizer_lr():
         scheduler.step()
     # warmup 0.05, 0.1, then cosine over 2 steps: 0.1 * 0.5 * (1 + cos(0)) = 0.1, 0.1 * 0.5 * (1 + cos(pi/2)) = 0.05
     assert lrs == pytest.approx([0.05, 0.1, 0.1, 0.05])
+
+
+def test_release_memory_sets_the_allocator_in_a_fresh_process():
+    """train.release_memory changes a process-wide glibc setting: check it in a child process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from rlora.system import return_freed_memory as r; print(r())"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ("True" if sys.platform.startswith("linux") else "False")

@@ -72,8 +72,12 @@ def _train(args: argparse.Namespace) -> int:
 
 def _quiet_libraries() -> None:
     """transformers' per-load progress bars and deprecation chatter would bury rlora's own output."""
+    import logging
     import warnings
 
+    # bitsandbytes (the quant extra) warns at import, on CPUs with AVX512-BF16, that an optional kernel
+    # package is missing; that package would fetch kernels from a hub at run time, which rlora never does
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     from transformers.utils import logging as hf_logging

@@ -114,6 +114,8 @@ class TrainConfig(_Section):
     logprob_chunk_tokens: int = Field(
         256, ge=0, description="Completion positions per output-layer chunk in log-prob passes (0: full logits)")
     gradient_checkpointing: bool = Field(False, description="Recompute decoder activations in backward (less memory)")
+    release_memory: bool = Field(
+        False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
 
 
 class EvalConfig(_Section):

@@ -25,6 +25,7 @@ from rlora.models.loading import (
 from rlora.rewards.scoring import RewardFn, Scores, resolve_rewards, score_completions
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
+from rlora.system import return_freed_memory
 from rlora.train.evaluate import columns_of, evaluate
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
@@ -229,6 +230,8 @@ def save_final(s: Session, name: str = "adapter") -> None:
 
 
 def run_grpo(cfg: RLConfig) -> dict:
+    if cfg.train.release_memory and not return_freed_memory():
+        info("train.release_memory has no effect here (needs glibc)")
     s = prepare(cfg)
     s.run_dir.create()
     s.run_dir.write_text("config.yaml", to_yaml(cfg))

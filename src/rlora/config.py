@@ -72,7 +72,9 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion (kept in it)")
     engine: Literal["builtin", "hf"] = Field(
         "builtin", description="builtin: rlora's sampler (Llama-family; others fall back to hf); hf: transformers generate")
-    merge_adapter: bool = Field(True, description="builtin engine: sample with LoRA merged into fresh weight copies")
+    merge_adapter: bool = Field(
+        True, description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
+        "copy of the linear weights during sampling; set false for models whose weights would not fit twice)")
     sampler_dtype: Literal["model", "bfloat16", "float16", "float32"] = Field(
         "model", description="builtin engine compute dtype; bfloat16 on a float32 model is ~2.5x faster on CPUs with "
         "AVX512-BF16 but samples slightly off-policy (pair with algo.sampler_is_cap)")
@@ -146,9 +148,11 @@ class RLConfig(_Section):
             raise ValueError("rollout.min_new_tokens must not exceed rollout.max_new_tokens")
         if rollout.engine == "hf":
             if self.algo.sampler_is_cap is not None:
-                raise ValueError("algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin")
+                raise ValueError("algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin "
+                                 "or set algo.sampler_is_cap=null")
             if rollout.sampler_dtype != "model" or not rollout.merge_adapter:
-                raise ValueError("rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only")
+                raise ValueError("rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only: "
+                                 "set rollout.sampler_dtype=model (and merge_adapter=true) with rollout.engine=hf")
         if any(not s for s in rollout.stop):
             raise ValueError("rollout.stop holds an empty string: every stop string needs at least one character")
         completions = train.prompts_per_step * rollout.num_generations

@@ -76,7 +76,7 @@ class RolloutConfig(_Section):
         True, description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
         "copy of the linear weights during sampling; set false for models whose weights would not fit twice)")
     sampler_dtype: Literal["model", "bfloat16", "float16", "float32"] = Field(
-        "model", description="builtin engine compute dtype; bfloat16 on a float32 model is ~2.5x faster on CPUs with "
+        "model", description="builtin engine compute dtype; bfloat16 on a float32 model is ~2.2-2.6x faster on CPUs with "
         "AVX512-BF16 but samples slightly off-policy (pair with algo.sampler_is_cap)")
 
 

@@ -15,7 +15,7 @@ def return_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
     which a training step's temporary tensors (logit chunks, activations, merged weights) stay in the heap
     and the peak resident memory ratchets up: on the SmolLM2 GRPO benchmark config 5.5 GB instead of 3.2 GB.
     The price is a page-fault and unmap per large allocation: the demo's training took 174 s instead of
-    137 s (docs/benchmarks.md). Returns False where it does not apply (not glibc)."""
+    116 s (docs/benchmarks.md). Returns False where it does not apply (not glibc)."""
     if not sys.platform.startswith("linux"):
         return False
     name = ctypes.util.find_library("c")

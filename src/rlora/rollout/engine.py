@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlora.rollout.decoder import DecoderView, LayerView
-from rlora.rollout.generator import left_pad, position_ids_from_mask
+from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
 from rlora.rollout.sampling import RowParams, sample_tokens
 from rlora.types import Rollout, SamplingParams
 
@@ -101,23 +101,6 @@ def decode_step(view: DecoderView, tokens_A, rows_A, positions_A, t: int, cache:
         x = x + layer.o_proj(attn)[0]
         x = x + _mlp(layer, x)
     return view.lm_head(view.norm(x))[0]
-
-
-class StopStrings:
-    """Finds each row's stop strings in the text of its newest tokens (decoding only a short tail)."""
-
-    def __init__(self, tokenizer, stops_per_row: list[tuple[str, ...]]):
-        self.tokenizer = tokenizer
-        self.stops = [[s for s in stops if s] for stops in stops_per_row]
-        # a token decodes to >= 1 byte of text, so this many tokens always cover the longest stop string
-        self.tail = max((len(s.encode("utf-8")) for stops in self.stops for s in stops), default=0) + 2
-        self.any = any(self.stops)
-
-    def hit(self, row: int, tokens: list[int]) -> bool:
-        if not self.stops[row]:
-            return False
-        text = self.tokenizer.decode(tokens[-self.tail:], skip_special_tokens=False)
-        return any(s in text for s in self.stops[row])
 
 
 class BuiltinGenerator:

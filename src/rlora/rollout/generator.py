@@ -146,14 +146,30 @@ def _runs(row_params: list[SamplingParams], lo: int, hi: int) -> list[tuple[int,
 
 def _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, stops: tuple[str, ...]):
     """Keep each row's tokens up to the one that completes its first stop string (generate's stopping
-    criterion runs on token sequences; this is the text-level rule the built-in engine uses)."""
+    criterion runs on token sequences; this applies the text-level rule of the built-in engine)."""
     mask_BT, reasons = mask_BT.clone(), list(reasons)
+    finder = StopStrings(tokenizer, [stops] * ids_BT.shape[0])
     for row in range(ids_BT.shape[0]):
-        length = int(mask_BT[row].sum())
-        for t in range(1, length + 1):
-            text = tokenizer.decode(ids_BT[row, :t].tolist(), skip_special_tokens=False)
-            if any(s and s in text for s in stops):
-                mask_BT[row, t:] = 0
-                reasons[row] = "stop"
-                break
+        tokens = ids_BT[row, :int(mask_BT[row].sum())].tolist()
+        end = next((t for t in range(1, len(tokens) + 1) if finder.hit(row, tokens[:t])), None)
+        if end is not None:
+            mask_BT[row, end:] = 0
+            reasons[row] = "stop"
     return mask_BT, reasons
+
+
+class StopStrings:
+    """Finds each row's stop strings in the text of its newest tokens (decoding only a short tail)."""
+
+    def __init__(self, tokenizer, stops_per_row: list[tuple[str, ...]]):
+        self.tokenizer = tokenizer
+        self.stops = [[s for s in stops if s] for stops in stops_per_row]
+        # a token decodes to >= 1 byte of text, so this many tokens always cover the longest stop string
+        self.tail = max((len(s.encode("utf-8")) for stops in self.stops for s in stops), default=0) + 2
+        self.any = any(self.stops)
+
+    def hit(self, row: int, tokens: list[int]) -> bool:
+        if not self.stops[row]:
+            return False
+        text = self.tokenizer.decode(tokens[-self.tail:], skip_special_tokens=False)
+        return any(s in text for s in self.stops[row])

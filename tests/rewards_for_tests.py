@@ -33,3 +33,13 @@ def fails_on_even_prompts(prompts, completions, answer, **columns):
     if int(answer[0]) % 4 == 0:
         raise ValueError("even prompt")
     return [0.0] * len(completions)
+
+
+def has_a(prompts, completions, **columns):
+    """1 if the completion contains the letter 'a', else 0: a binary reward, so some groups are all equal."""
+    return [float("a" in c) for c in completions]
+
+
+def constant(prompts, completions, **columns):
+    """The same reward for every completion: every group has zero variance."""
+    return [1.0 for _ in completions]

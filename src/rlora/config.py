@@ -9,12 +9,15 @@ from __future__ import annotations
 import difflib
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlora.errors import UserError
+
+if TYPE_CHECKING:
+    from rlora.types import ThinkPhase
 
 
 class _Section(BaseModel):
@@ -61,10 +64,24 @@ class RewardSpec(_Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function")
 
 
+class ThinkConfig(_Section):
+    """Phase-aware sampling: other settings while a completion is inside a thinking span."""
+
+    start: str = Field("<think>", min_length=1, description="Text that opens the thinking span")
+    end: str = Field("</think>", min_length=1, description="Text that closes it (its last token is still drawn inside)")
+    temperature: float = Field(1.0, gt=0, description="Temperature inside the span (rollout.temperature after it)")
+    top_p: float = Field(1.0, gt=0, le=1, description="top_p inside the span (rollout.top_p after it)")
+    starts_inside: bool = Field(
+        False, description="Completions begin inside the span (the prompt, e.g. the chat template, already opened it)")
+
+
 class RolloutConfig(_Section):
     num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt")
     max_new_tokens: int = Field(64, gt=0)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (at the first step, with a schedule)")
+    temperature_end: float | None = Field(None, gt=0, description="Temperature at the last step (None: constant)")
+    temperature_schedule: Literal["constant", "linear", "cosine", "exponential"] = Field(
+        "constant", description="How the temperature moves from temperature to temperature_end over train.steps")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed until this many tokens (benchmarks: = max)")
@@ -78,20 +95,79 @@ class RolloutConfig(_Section):
     sampler_dtype: Literal["model", "bfloat16", "float16", "float32"] = Field(
         "model", description="builtin engine compute dtype; bfloat16 on a float32 model is ~2.2-2.6x faster on CPUs with "
         "AVX512-BF16 but samples slightly off-policy (pair with algo.sampler_is_cap)")
+    think: ThinkConfig | None = Field(
+        None, description="builtin engine: sample the thinking span (start..end) with its own temperature/top_p; the "
+        "training log-probs use each token's own temperature (null: one setting for the whole completion)")
+
+    @model_validator(mode="after")
+    def _check_think(self) -> "RolloutConfig":
+        if self.think is not None and self.engine == "hf":
+            raise ValueError("rollout.think (phase-aware sampling) needs the built-in sampler: set rollout.engine=builtin "
+                             "or rollout.think=null")
+        return self
+
+    def think_phase(self) -> ThinkPhase | None:
+        """The think section as the sampler's ThinkPhase (None when off)."""
+        from rlora.types import ThinkPhase  # here, so that loading a config does not import torch
+
+        return None if self.think is None else ThinkPhase(**self.think.model_dump())
+
+
+class SamplingSetting(_Section):
+    temperature: float = Field(gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class AdaptiveConfig(_Section):
+    """Adaptive GRPO: resample groups that fail a condition with escalating sampling settings."""
+
+    enabled: bool = Field(False, description="Resample failing groups (on by default for algo.name=adaptive_grpo)")
+    condition: Literal["no_success", "zero_variance", "no_success_or_zero_variance"] = Field(
+        "no_success", description="When a group is resampled: no sample reaches success_reward, all rewards equal, or either")
+    success_reward: float = Field(1.0, description="A sample succeeds when its total reward is at least this")
+    schedule: list[SamplingSetting] = Field(
+        default_factory=lambda: [SamplingSetting(temperature=1.0), SamplingSetting(temperature=1.2)],
+        description="Settings of retry 1, 2, ... (the last one repeats for further retries)")
+    max_retries: int = Field(2, ge=1, description="Resamples of one group in one step")
+    step_budget: int | None = Field(None, ge=1, description="Most group resamples in one step (None: no cap)")
+    adv_stats: Literal["kept", "all"] = Field(
+        "kept", description="Advantage baseline/std from the kept attempt only, or from all attempts of the prompt")
+
+
+class ReplayConfig(_Section):
+    """Experience replay of informative groups, corrected by truncated importance weights."""
+
+    enabled: bool = False
+    capacity: int = Field(64, gt=0, description="Groups kept (oldest leave first)")
+    ratio: float = Field(0.25, gt=0, description="Replayed groups per fresh group in a step")
+    min_adv_abs: float = Field(1e-6, ge=0, description="Keep groups whose largest |advantage| exceeds this")
+    max_uses: int = Field(2, ge=1, description="Times a stored group can be replayed")
+    is_cap: float = Field(2.0, ge=1, description="Cap of the importance weight pi_old / pi_behaviour of replayed tokens")
 
 
 class AlgoConfig(_Section):
-    name: str = Field("grpo", description="Algorithm from rlora.algos.registry (grpo)")
-    beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference (adapter off)")
+    name: str = Field("grpo", description="Algorithm (see docs/algorithms.md): grpo, dr_grpo, dapo, gspo, cispo, "
+                      "rloo, reinforce_pp, reinforce_pp_baseline, adaptive_grpo; each presets the keys its paper uses")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference (adapter off): k3 in the loss, or "
+                        "k1 in the token reward for reinforce_pp")
     loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
     constant_norm: int | None = Field(None, gt=0, description="Tokens per sequence for loss_agg=constant (default max_new_tokens)")
     adv_scale: Literal["group", "batch", "none"] = Field("group", description="Divide advantages by this std")
     adv_eps: float = Field(1e-4, gt=0)
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    clip_high: float = Field(0.2, ge=0)
+    clip_low: float = Field(0.2, ge=0, le=1, description="Ratio clipped below at 1 - clip_low (1: no lower clip)")
+    clip_high: float = Field(0.2, ge=0, description="Ratio clipped above at 1 + clip_high")
     num_iterations: int = Field(1, ge=1, description="Policy updates per rollout (mu)")
     sampler_is_cap: float | None = Field(
         None, ge=1, description="Weight each token by min(pi_old / pi_sampler, cap) (truncated importance sampling)")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: subtract coef x entropy per token from the loss")
+    mask_truncated: bool = Field(False, description="Completions cut at max_new_tokens leave the loss (overlong filtering)")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal and sample more prompts until the step is full")
+    max_extra_rounds: int = Field(3, ge=0, description="Extra sampling rounds per step for dynamic_sampling")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalise the last this many tokens before max_new_tokens")
+    overlong_penalty: float = Field(1.0, ge=0, description="Penalty at max_new_tokens (linear from 0 over the buffer)")
+    adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
 
 
 class TrainConfig(_Section):
@@ -147,6 +223,9 @@ class RLConfig(_Section):
         if rollout.min_new_tokens > rollout.max_new_tokens:
             raise ValueError("rollout.min_new_tokens must not exceed rollout.max_new_tokens")
         if rollout.engine == "hf":
+            if self.algo.replay.enabled:
+                raise ValueError("algo.replay needs the sampler's log-probs: use rollout.engine=builtin "
+                                 "or set algo.replay.enabled=false")
             if self.algo.sampler_is_cap is not None:
                 raise ValueError("algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin "
                                  "or set algo.sampler_is_cap=null")
@@ -161,15 +240,45 @@ class RLConfig(_Section):
                 f"train.prompts_per_step x rollout.num_generations = {completions} is not divisible by "
                 f"train.micro_batch_size = {train.micro_batch_size}"
             )
+        self._apply_algorithm_presets()
+        self._check_algorithm()
+        if not self.rewards:
+            raise ValueError("no reward functions: add e.g. `rewards: [{fn: gym}]` to the config")
+        return self
+
+    def _apply_algorithm_presets(self) -> None:
+        """Fill the keys the chosen algorithm presets, where the user did not set them."""
         from rlora.algos.registry import ALGORITHMS
 
         if self.algo.name not in ALGORITHMS:
             close = difflib.get_close_matches(self.algo.name, list(ALGORITHMS), n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"available: {', '.join(ALGORITHMS)}"
             raise ValueError(f"unknown algo.name '{self.algo.name}' ({hint})")
-        if not self.rewards:
-            raise ValueError("no reward functions: add e.g. `rewards: [{fn: gym}]` to the config")
-        return self
+        for dotted, value in ALGORITHMS[self.algo.name].presets.items():
+            *path, key = dotted.split(".")
+            node: BaseModel = self
+            explicit = True
+            for part in path:
+                explicit = explicit and part in node.model_fields_set
+                node = getattr(node, part)
+            if not (explicit and key in node.model_fields_set):
+                setattr(node, key, value(self) if callable(value) else value)
+
+    def _check_algorithm(self) -> None:
+        algo, rollout = self.algo, self.rollout
+        if algo.overlong_buffer > rollout.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer={algo.overlong_buffer} exceeds rollout.max_new_tokens="
+                             f"{rollout.max_new_tokens}: the buffer is the last part of the length limit")
+        if algo.name == "gspo" and algo.loss_agg != "seq_mean":
+            raise ValueError("gspo clips one ratio per sequence: use algo.loss_agg=seq_mean")
+        if algo.adaptive.adv_stats == "all" and algo.name in ("reinforce_pp", "reinforce_pp_baseline"):
+            raise ValueError("algo.adaptive.adv_stats=all needs group advantages; reinforce_pp whitens over the batch: "
+                             "use algo.adaptive.adv_stats=kept")
+        if algo.replay.enabled and algo.name in ("reinforce_pp", "reinforce_pp_baseline"):
+            raise ValueError("algo.replay stores per-completion advantages; reinforce_pp's are per token and "
+                             "batch-whitened: disable algo.replay or pick another algorithm")
+        if rollout.temperature_schedule != "constant" and rollout.temperature_end is None:
+            raise ValueError(f"rollout.temperature_schedule={rollout.temperature_schedule} needs rollout.temperature_end")
 
     def constant_norm(self) -> int:
         """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit."""

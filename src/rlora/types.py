@@ -10,6 +10,25 @@ import torch
 
 
 @dataclass(frozen=True)
+class ThinkPhase:
+    """Sampling settings used while a sample is inside a thinking span (between `start` and `end` in its
+    text). top_k/min_p stay those of the SamplingParams."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    starts_inside: bool = False  # the prompt already opened the span (e.g. a chat template ending in <think>)
+
+    def __post_init__(self):
+        # an empty marker would be found in any text: the phase would flip on every token
+        if not self.start or not self.end:
+            raise ValueError("ThinkPhase markers must be non-empty strings")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1):
+            raise ValueError("ThinkPhase needs temperature > 0 and 0 < top_p <= 1")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
@@ -19,6 +38,7 @@ class SamplingParams:
     greedy: bool = False
     min_p: float = 0.0  # 0: off
     stop: tuple[str, ...] = ()  # a completion ends after the token that completes one of these strings
+    think: ThinkPhase | None = None  # other temperature/top_p inside a thinking span (built-in engine only)
 
 
 @dataclass
@@ -33,6 +53,8 @@ class Rollout:
     finish_reasons: list[str]  # "stop" (EOS or a stop string) or "length" (hit max_new_tokens)
     temperature_B: torch.Tensor  # temperature each row was drawn at (training log-probs use the same)
     sampling_logp_BTc: torch.Tensor | None = None  # the sampler's log-probs of its tokens (0 on padding)
+    # float32 temperature each token was drawn at (0 on padding); None: every token used temperature_B
+    temperature_BTc: torch.Tensor | None = None
 
     @property
     def num_completions(self) -> int:
@@ -42,6 +64,7 @@ class Rollout:
         return RolloutSlice(
             self.prompt_ids_BTp[index], self.prompt_mask_BTp[index],
             self.completion_ids_BTc[index], self.completion_mask_BTc[index], self.temperature_B[index],
+            None if self.temperature_BTc is None else self.temperature_BTc[index],
         )
 
 
@@ -54,6 +77,7 @@ class RolloutSlice:
     completion_ids_BTc: torch.Tensor
     completion_mask_BTc: torch.Tensor
     temperature_B: torch.Tensor
+    temperature_BTc: torch.Tensor | None = None  # per-token temperatures (None: temperature_B everywhere)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
-"""Group-relative advantages.
+"""Advantages: per completion (GRPO, RLOO) or per token (REINFORCE++), and DAPO's overlong shaping.
 
 GRPO: A_pg = (r_pg - mean_g r_pg) / (std + eps), with the std taken per group, over the whole batch, or
 not at all (Dr.GRPO). The std is the unbiased sample std (divides by n - 1), as in the GRPO paper's
 reference code and TRL. Groups whose rewards are all equal get A = 0: they carry no gradient.
+RLOO: A_pg = r_pg - mean of the *other* valid samples of the group (leave-one-out baseline).
+REINFORCE++: per-token return (outcome reward at the last token, -beta * KL on every token, gamma = 1),
+whitened over all completion tokens of the batch.
+NaN marks a sample whose reward failed: it is left out of every statistic and gets advantage 0.
 """
 
 from __future__ import annotations
@@ -26,6 +30,27 @@ def _nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Ten
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
+def _group_flags(rewards_P_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (failed_P_G, flat_P1): failed samples, and groups whose valid rewards are all equal (or none)."""
+    failed = torch.isnan(rewards_P_G)
+    valid_max = torch.where(failed, torch.full_like(rewards_P_G, -torch.inf), rewards_P_G).amax(dim=1, keepdim=True)
+    valid_min = torch.where(failed, torch.full_like(rewards_P_G, torch.inf), rewards_P_G).amin(dim=1, keepdim=True)
+    return failed, ~(valid_max > valid_min)
+
+
+def _scale(centred_P_G: torch.Tensor, rewards_P_G: torch.Tensor, scale: AdvScale, eps: float) -> torch.Tensor:
+    if scale == "group":
+        return centred_P_G / (_nan_std(rewards_P_G, dim=1, keepdim=True) + eps)
+    if scale == "batch":
+        return centred_P_G / (_nan_std(rewards_P_G) + eps)
+    return centred_P_G
+
+
+def _check_scale(scale: str) -> None:
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"unknown advantage scale {scale!r}; use group, batch or none")
+
+
 def group_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "group", eps: float = 1e-4) -> torch.Tensor:
     """rewards_P_G: P prompts x G samples -> advantages_P_G (float32).
 
@@ -33,18 +58,68 @@ def group_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "group", eps: 
     Groups whose valid rewards are all equal get exactly 0 (computed in float64, then forced), so float
     rounding never pushes a whole zero-variance group one way.
     """
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"unknown advantage scale {scale!r}; use group, batch or none")
+    _check_scale(scale)
     rewards = rewards_P_G.double()
-    failed = torch.isnan(rewards)
+    failed, flat_P1 = _group_flags(rewards)
     group_mean_P1 = torch.nanmean(rewards, dim=1, keepdim=True).nan_to_num(0.0)
-    centred_P_G = rewards - group_mean_P1
-    valid_max = torch.where(failed, torch.full_like(rewards, -torch.inf), rewards).amax(dim=1, keepdim=True)
-    valid_min = torch.where(failed, torch.full_like(rewards, torch.inf), rewards).amin(dim=1, keepdim=True)
-    flat_P1 = ~(valid_max > valid_min)
-    if scale == "group":
-        centred_P_G = centred_P_G / (_nan_std(rewards, dim=1, keepdim=True) + eps)
-    elif scale == "batch":
-        centred_P_G = centred_P_G / (_nan_std(rewards) + eps)
+    centred_P_G = _scale(rewards - group_mean_P1, rewards, scale, eps)
     centred_P_G = torch.where(failed | flat_P1, torch.zeros_like(centred_P_G), centred_P_G)
     return centred_P_G.float()
+
+
+def rloo_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "none", eps: float = 1e-4) -> torch.Tensor:
+    """Leave-one-out baseline (Ahmadian et al. 2024): A_i = r_i - (sum_valid r - r_i) / (n_valid - 1), which
+    equals n/(n-1) * (r_i - group mean). Optionally divided by a std like GRPO (default: not)."""
+    _check_scale(scale)
+    rewards = rewards_P_G.double()
+    failed, flat_P1 = _group_flags(rewards)
+    count_P1 = (~failed).sum(dim=1, keepdim=True)
+    total_P1 = torch.nansum(rewards, dim=1, keepdim=True)
+    others_mean_P_G = (total_P1 - rewards.nan_to_num(0.0)) / (count_P1 - 1).clamp(min=1)
+    centred_P_G = _scale(rewards - others_mean_P_G, rewards, scale, eps)
+    centred_P_G = torch.where(failed | flat_P1 | (count_P1 < 2), torch.zeros_like(centred_P_G), centred_P_G)
+    return centred_P_G.float()
+
+
+def token_returns(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float) -> torch.Tensor:
+    """REINFORCE++ returns with gamma = 1: token reward -beta * kl_t on every completion token plus the
+    outcome reward on the last one, summed from t to the end: G_t = r + sum_{s >= t} -beta * kl_s."""
+    mask = mask_BT.double()
+    token_reward_BT = torch.zeros_like(mask) if kl_BT is None or beta == 0 else -beta * kl_BT.double() * mask
+    lengths_B = mask.sum(-1).long()
+    rows = (lengths_B > 0).nonzero().squeeze(-1)
+    outcome_B = rewards_B.double().nan_to_num(0.0)
+    token_reward_BT[rows, lengths_B[rows] - 1] += outcome_B[rows]
+    return token_reward_BT.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole batch (unbiased std); 0 elsewhere."""
+    mask = mask_BT.double()
+    count = mask.sum()
+    if count < 2:
+        return torch.zeros_like(values_BT, dtype=torch.float32)
+    mean = (values_BT * mask).sum() / count
+    std = torch.sqrt((((values_BT - mean) * mask) ** 2).sum() / (count - 1))
+    return ((values_BT - mean) / (std + eps) * mask).float()
+
+
+def reinforce_pp_advantages(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float,
+                            eps: float = 1e-4, group_size: int | None = None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): token returns whitened over the batch -> advantages_BT. With group_size, the
+    group mean reward is subtracted first (REINFORCE++-baseline)."""
+    rewards = rewards_B.double()
+    if group_size is not None:
+        grouped = rewards.view(-1, group_size)
+        rewards = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
+    valid_BT = mask_BT * (~torch.isnan(rewards)).unsqueeze(-1)
+    return whiten(token_returns(rewards, valid_BT, kl_BT, beta), valid_BT, eps)
+
+
+def overlong_penalty(lengths_B: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer tokens, then falling linearly to -penalty at
+    max_len (completions cannot be longer here: the sampler stops at max_len)."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths_B, dtype=torch.float64)
+    excess_B = (lengths_B.double() - (max_len - buffer)).clamp(min=0)
+    return -penalty * (excess_B / buffer).clamp(max=1.0)

@@ -1,6 +1,8 @@
 """Per-token policy losses, the k3 KL estimator, and the one aggregation function.
 
-Losses return per-token tensors; `aggregate` turns them into the scalar that is back-propagated. The
+PPO-clip (GRPO, Dr.GRPO, DAPO, RLOO, REINFORCE++), GSPO (sequence-level ratio and clipping) and CISPO
+(clipped stop-gradient weight times the log-prob). Losses return per-token tensors; `aggregate` turns
+them into the scalar that is back-propagated. The
 normaliser comes from `BatchTotals`, counted over the *whole* batch (all micro-batches, later all ranks),
 so that summing micro-batch contributions gives exactly the full-batch loss and gradient.
 """
@@ -21,7 +23,7 @@ class LossInputs:
 
     logp_BT: torch.Tensor  # current policy log-probs of the sampled tokens (requires grad)
     old_logp_BT: torch.Tensor  # log-probs under the policy that sampled (detached)
-    advantages_B: torch.Tensor
+    advantages: torch.Tensor  # [B] one per completion, or [B, T] one per token (REINFORCE++)
     mask_BT: torch.Tensor  # 1.0 on completion tokens that count, 0.0 on padding
     ref_logp_BT: torch.Tensor | None = None  # reference (adapter off); None when beta == 0
     is_weight_BT: torch.Tensor | None = None  # sampler-mismatch weight on the surrogate (detached); None: 1
@@ -56,24 +58,60 @@ def truncated_is_weight(old_logp_BT: torch.Tensor, sampling_logp_BT: torch.Tenso
     return torch.exp(old_logp_BT - sampling_logp_BT).clamp(max=cap).detach()
 
 
-def grpo_token_loss(inp: LossInputs, clip_low: float, clip_high: float, beta: float) -> TokenLosses:
-    """PPO-clip surrogate with separate low/high clip, times the sampler-mismatch weight w (if any), plus
-    beta * k3 KL:  loss = -w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + beta * KL."""
-    ratio_BT = torch.exp(inp.logp_BT - inp.old_logp_BT)
-    adv_B1 = inp.advantages_B.unsqueeze(-1)
-    unclipped_BT = ratio_BT * adv_B1
-    clipped_ratio_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
-    clipped_obj_BT = clipped_ratio_BT * adv_B1
-    loss_BT = -torch.minimum(unclipped_BT, clipped_obj_BT)
-    if inp.is_weight_BT is not None:
-        loss_BT = loss_BT * inp.is_weight_BT
-    is_clipped_BT = (clipped_obj_BT < unclipped_BT).detach()
+def _advantages_BT(inp: LossInputs) -> torch.Tensor:
+    return inp.advantages if inp.advantages.dim() == 2 else inp.advantages.unsqueeze(-1)
+
+
+def _finish(inp: LossInputs, surrogate_BT, clipped_BT, ratio_BT, beta: float) -> TokenLosses:
+    """Apply the sampler-mismatch weight w (if any) to the surrogate, add beta * k3 KL (if a reference)."""
+    loss_BT = surrogate_BT if inp.is_weight_BT is None else surrogate_BT * inp.is_weight_BT
     kl_BT = None
     if inp.ref_logp_BT is not None:
         kl_BT = k3_kl(inp.logp_BT, inp.ref_logp_BT)
         if beta:
             loss_BT = loss_BT + beta * kl_BT
-    return TokenLosses(loss_BT=loss_BT, kl_BT=kl_BT, clipped_BT=is_clipped_BT, ratio_BT=ratio_BT.detach())
+    return TokenLosses(loss_BT=loss_BT, kl_BT=kl_BT, clipped_BT=clipped_BT.detach(), ratio_BT=ratio_BT.detach())
+
+
+def _ppo_clip(ratio_BT, adv_BT, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A), where the clipped branch is active)."""
+    unclipped_BT = ratio_BT * adv_BT
+    clipped_obj_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high) * adv_BT
+    return -torch.minimum(unclipped_BT, clipped_obj_BT), clipped_obj_BT < unclipped_BT
+
+
+def grpo_token_loss(inp: LossInputs, clip_low: float, clip_high: float, beta: float) -> TokenLosses:
+    """PPO-clip surrogate with separate low/high clip, times the sampler-mismatch weight w (if any), plus
+    beta * k3 KL:  loss = -w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + beta * KL."""
+    ratio_BT = torch.exp(inp.logp_BT - inp.old_logp_BT)
+    surrogate_BT, clipped_BT = _ppo_clip(ratio_BT, _advantages_BT(inp), clip_low, clip_high)
+    return _finish(inp, surrogate_BT, clipped_BT, ratio_BT, beta)
+
+
+def gspo_token_loss(inp: LossInputs, clip_low: float, clip_high: float, beta: float) -> TokenLosses:
+    """GSPO (Zheng et al. 2025): one ratio per sequence, s = exp(mean_t(logp - old_logp)) over its completion
+    tokens, clipped at sequence level: loss_i = -min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i).
+    Every token of sequence i holds loss_i, so loss_agg=seq_mean gives the paper's mean over sequences."""
+    if inp.advantages.dim() != 1:
+        raise ValueError("GSPO takes one advantage per completion, not per token")
+    mask_BT = inp.mask_BT
+    log_ratio_B = ((inp.logp_BT - inp.old_logp_BT) * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+    seq_ratio_B = torch.exp(log_ratio_B)
+    surrogate_B, clipped_B = _ppo_clip(seq_ratio_B, inp.advantages, clip_low, clip_high)
+    shape = inp.logp_BT.shape
+    return _finish(inp, surrogate_B[:, None].expand(shape), clipped_B[:, None].expand(shape),
+                   seq_ratio_B[:, None].expand(shape), beta)
+
+
+def cispo_token_loss(inp: LossInputs, clip_low: float, clip_high: float, beta: float) -> TokenLosses:
+    """CISPO (MiniMax-M1, 2025): loss = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * logp. Unlike
+    PPO-clip, every token keeps its gradient; the clip only bounds the (stop-gradient) importance weight.
+    `clipped` marks tokens whose weight was clipped."""
+    ratio_BT = torch.exp(inp.logp_BT - inp.old_logp_BT)
+    weight_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high).detach()
+    surrogate_BT = -weight_BT * _advantages_BT(inp) * inp.logp_BT
+    clipped_BT = (ratio_BT < 1.0 - clip_low) | (ratio_BT > 1.0 + clip_high)
+    return _finish(inp, surrogate_BT, clipped_BT, ratio_BT, beta)
 
 
 def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: LossAgg, totals: BatchTotals) -> torch.Tensor:

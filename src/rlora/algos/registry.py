@@ -1,30 +1,89 @@
-"""Algorithms by name: each is an advantage function and a per-token loss. A new one is one entry here."""
+"""Algorithms by name: an advantage function, a per-token loss, and the config values the algorithm's paper
+uses (its presets). A new algorithm is one entry here.
+
+Presets fill only keys the user did not set (config file or override), so `algo.name=dapo
+algo.clip_high=0.3` keeps 0.3; `rlora train --print-config` shows the resolved values.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from rlora.algos.advantages import group_advantages
-from rlora.algos.losses import LossInputs, TokenLosses, grpo_token_loss
+from rlora.algos.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
+from rlora.algos.losses import LossInputs, TokenLosses, cispo_token_loss, grpo_token_loss, gspo_token_loss
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What any advantage function may need; B = P x G completions, prompt-major."""
+
+    rewards_P_S: torch.Tensor  # float64, NaN where a reward failed or no sample; columns 0..G-1: the batch's
+    # rows, further columns: other samples of the same prompt that only enter the statistics (adaptive)
+    mask_BT: torch.Tensor  # completion tokens that count
+    scale: str  # algo.adv_scale
+    eps: float
+    beta: float
+    group_size: int  # G
+    kl_BT: torch.Tensor | None = None  # k1 = old - ref log-prob per token (only for kl_in_reward algorithms)
+
+
+def _group(inp: AdvantageInputs) -> torch.Tensor:
+    return group_advantages(inp.rewards_P_S, scale=inp.scale, eps=inp.eps)[:, :inp.group_size].reshape(-1)
+
+
+def _rloo(inp: AdvantageInputs) -> torch.Tensor:
+    return rloo_advantages(inp.rewards_P_S, scale=inp.scale, eps=inp.eps)[:, :inp.group_size].reshape(-1)
+
+
+def _reinforce_pp(inp: AdvantageInputs, baseline: bool = False) -> torch.Tensor:
+    G = inp.group_size
+    return reinforce_pp_advantages(inp.rewards_P_S[:, :G].reshape(-1), inp.mask_BT, inp.kl_BT, inp.beta, inp.eps,
+                                   group_size=G if baseline else None)
 
 
 @dataclass(frozen=True)
 class Algorithm:
     name: str
-    advantages: Callable[..., torch.Tensor]  # (rewards_P_G, scale, eps) -> advantages_P_G
+    paper: str
+    advantages: Callable[[AdvantageInputs], torch.Tensor]  # -> advantages [B] or [B, T]
     token_loss: Callable[..., TokenLosses]  # (LossInputs, clip_low, clip_high, beta) -> TokenLosses
+    # config keys (dotted, from the root) -> value, or a function of the config for values that depend on it
+    presets: dict[str, Any] = field(default_factory=dict)
+    kl_in_reward: bool = False  # the KL to the reference enters the token reward, not the loss (REINFORCE++)
 
 
-ALGORITHMS: dict[str, Algorithm] = {
-    "grpo": Algorithm("grpo", group_advantages, grpo_token_loss),
-}
+def _dapo_buffer(cfg) -> int:
+    # DAPO: 4096 of 20480 tokens (20 %) are the soft-punishment buffer
+    return max(1, cfg.rollout.max_new_tokens // 5)
+
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("grpo", "Shao et al. 2024, DeepSeekMath (arXiv:2402.03300)", _group, grpo_token_loss),
+    Algorithm("dr_grpo", "Liu et al. 2025, Understanding R1-Zero-Like Training (arXiv:2503.20783)", _group,
+              grpo_token_loss, {"algo.adv_scale": "none", "algo.loss_agg": "constant"}),
+    Algorithm("dapo", "Yu et al. 2025, DAPO (arXiv:2503.14476)", _group, grpo_token_loss,
+              {"algo.clip_low": 0.2, "algo.clip_high": 0.28, "algo.loss_agg": "token_mean",
+               "algo.dynamic_sampling": True, "algo.overlong_buffer": _dapo_buffer}),
+    Algorithm("gspo", "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv:2507.18071)", _group,
+              gspo_token_loss, {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4, "algo.loss_agg": "seq_mean"}),
+    Algorithm("cispo", "MiniMax 2025, MiniMax-M1 (arXiv:2506.13585)", _group, cispo_token_loss,
+              {"algo.clip_low": 1.0, "algo.clip_high": 0.2, "algo.loss_agg": "token_mean"}),
+    Algorithm("rloo", "Ahmadian et al. 2024, Back to Basics (arXiv:2402.14740)", _rloo, grpo_token_loss,
+              {"algo.adv_scale": "none"}),
+    Algorithm("reinforce_pp", "Hu 2025, REINFORCE++ (arXiv:2501.03262)", _reinforce_pp, grpo_token_loss,
+              {"algo.beta": 0.01}, kl_in_reward=True),
+    Algorithm("reinforce_pp_baseline", "Hu 2025, REINFORCE++ (arXiv:2501.03262), group-mean baseline",
+              lambda inp: _reinforce_pp(inp, baseline=True), grpo_token_loss, {"algo.beta": 0.01}, kl_in_reward=True),
+    Algorithm("adaptive_grpo", "rlora's corrected adaGRPO: GRPO that resamples failing groups", _group,
+              grpo_token_loss, {"algo.adaptive.enabled": True}),
+)}
 
 
 def get_algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "LossInputs", "get_algorithm"]
+__all__ = ["ALGORITHMS", "AdvantageInputs", "Algorithm", "LossInputs", "get_algorithm"]

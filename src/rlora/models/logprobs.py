@@ -7,7 +7,8 @@ Two paths give the same numbers:
   backward pass recomputes them. The output layer is called as a module, so a tied or LoRA-carrying head
   works unchanged.
 - full: the model's own forward with `logits_to_keep` (any architecture), materialising [B, Tc, vocab].
-Log-softmax is `logit - logsumexp` in float32, logits divided by each row's sampling temperature.
+Log-softmax is `logit - logsumexp` in float32, logits divided by the temperature each token was sampled at
+(the row's, or per token where the rollout carries temperature_BTc: phase-aware sampling).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ def supports_chunked(model) -> bool:
 
 
 def completion_logprobs(
-    model, batch: RolloutSlice, with_entropy: bool = False, chunk_tokens: int = 256
+    model, batch: RolloutSlice, with_entropy: bool = False, chunk_tokens: int = 256, *, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (logp_BTc, entropy_BTc or None). chunk_tokens=0 forces the full-logits path. On the chunked
-    path, positions outside the completion mask hold 0."""
+    path, positions outside the completion mask hold 0. The entropy carries no gradient unless
+    entropy_grad=True (an entropy bonus in the loss); that costs its graph, so it is off by default."""
     if chunk_tokens and supports_chunked(model):
-        return _chunked_logprobs(model, batch, with_entropy, chunk_tokens)
-    return _full_logprobs(model, batch, with_entropy)
+        return _chunked_logprobs(model, batch, with_entropy, chunk_tokens, entropy_grad)
+    return _full_logprobs(model, batch, with_entropy, entropy_grad)
 
 
 def _inputs(batch: RolloutSlice) -> dict:
@@ -44,37 +46,53 @@ def _inputs(batch: RolloutSlice) -> dict:
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
 
 
+def token_temperatures(batch: RolloutSlice) -> torch.Tensor:
+    """The temperature each completion token was drawn at, [B, Tc]. Padding gets the row's temperature,
+    so that no logit is ever divided by the 0 a rollout may hold there."""
+    B, Tc = batch.completion_ids_BTc.shape
+    row_BT = batch.temperature_B[:, None].expand(B, Tc)
+    if batch.temperature_BTc is None:
+        return row_BT
+    return torch.where(batch.completion_mask_BTc.bool(), batch.temperature_BTc[:, :Tc], row_BT)
+
+
 def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature_N: torch.Tensor,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target under softmax(logits / temperature), and (no gradient) the entropy."""
+                   with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target under softmax(logits / temperature), and the entropy (with a gradient only
+    if entropy_grad: the same numbers either way)."""
     scaled_NV = logits_NV.float() / temperature_N[..., None]
     logsumexp_N = torch.logsumexp(scaled_NV, dim=-1)
     logp_N = scaled_NV.gather(-1, targets_N[..., None]).squeeze(-1) - logsumexp_N
     entropy_N = None
     if with_entropy:
-        with torch.no_grad():
-            probs_NV = torch.softmax(scaled_NV.detach(), dim=-1)
-            entropy_N = logsumexp_N.detach() - (probs_NV * scaled_NV.detach()).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            scaled, logsumexp = (scaled_NV, logsumexp_N) if entropy_grad else (scaled_NV.detach(), logsumexp_N.detach())
+            entropy_N = logsumexp - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
     return logp_N, entropy_N
 
 
-def _full_logprobs(model, batch: RolloutSlice, with_entropy: bool):
+def _full_logprobs(model, batch: RolloutSlice, with_entropy: bool, entropy_grad: bool):
     num_completion = batch.completion_ids_BTc.shape[1]
     out = model(**_inputs(batch), logits_to_keep=num_completion + 1)
     logits_BTV = out.logits[:, :-1]  # position t predicts completion token t
-    temperature_BT = batch.temperature_B[:, None].expand_as(batch.completion_ids_BTc)
-    return token_logprobs(logits_BTV, batch.completion_ids_BTc, temperature_BT, with_entropy)
+    return token_logprobs(logits_BTV, batch.completion_ids_BTc, token_temperatures(batch), with_entropy, entropy_grad)
 
 
-def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_tokens: int):
+def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_tokens: int, entropy_grad: bool):
     hf = causal_lm(model)
     B, Tc = batch.completion_ids_BTc.shape
     hidden_BTH = hf.get_decoder()(**_inputs(batch)).last_hidden_state[:, -(Tc + 1):-1]
     keep_BT = batch.completion_mask_BTc.bool()
     hidden_NH = hidden_BTH[keep_BT]
     targets_N = batch.completion_ids_BTc[keep_BT]
-    temperature_N = batch.temperature_B[:, None].expand(B, Tc)[keep_BT]
+    temperature_N = token_temperatures(batch)[keep_BT]
     head = hf.get_output_embeddings()
+    checkpointed = torch.is_grad_enabled() and hidden_NH.requires_grad
+    chunks = [(hidden_NH[lo:lo + chunk_tokens], targets_N[lo:lo + chunk_tokens], temperature_N[lo:lo + chunk_tokens])
+              for lo in range(0, len(targets_N), chunk_tokens)]
+    if with_entropy and entropy_grad:
+        logp_N, entropy_N = _chunks_with_entropy_grad(head, chunks, checkpointed)
+        return _scatter(logp_N, keep_BT), _scatter(entropy_N, keep_BT)
     entropies, recording = [], [True]
 
     def chunk_logp(h_CH, targets_C, temperature_C):
@@ -83,11 +101,8 @@ def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_toke
             entropies.append(entropy_C)
         return logp_C
 
-    checkpointed = torch.is_grad_enabled() and hidden_NH.requires_grad
-    parts = []
-    for lo in range(0, len(targets_N), chunk_tokens):
-        args = (hidden_NH[lo:lo + chunk_tokens], targets_N[lo:lo + chunk_tokens], temperature_N[lo:lo + chunk_tokens])
-        parts.append(checkpoint(chunk_logp, *args, use_reentrant=False) if checkpointed else chunk_logp(*args))
+    parts = [checkpoint(chunk_logp, *args, use_reentrant=False) if checkpointed else chunk_logp(*args)
+             for args in chunks]
     recording[0] = False  # the backward pass re-runs chunk_logp: no entropy there
     logp_BT = hidden_BTH.new_zeros(B, Tc, dtype=torch.float32)
     logp_BT = logp_BT.index_put((keep_BT.nonzero(as_tuple=True)), torch.cat(parts) if parts else logp_BT[keep_BT])
@@ -96,3 +111,21 @@ def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_toke
         entropy_BT = hidden_BTH.new_zeros(B, Tc, dtype=torch.float32)
         entropy_BT[keep_BT] = torch.cat(entropies) if entropies else entropy_BT[keep_BT]
     return logp_BT, entropy_BT
+
+
+def _chunks_with_entropy_grad(head, chunks, checkpointed: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs and entropies of all chunks, both with gradients: one checkpointed function returns the
+    pair, so backward recomputes each chunk's logits once for both (no `recording` trick needed)."""
+    def chunk_fn(h_CH, targets_C, temperature_C):
+        return token_logprobs(head(h_CH), targets_C, temperature_C, True, entropy_grad=True)
+
+    outs = [checkpoint(chunk_fn, *args, use_reentrant=False) if checkpointed else chunk_fn(*args) for args in chunks]
+    if not outs:  # no completion tokens at all
+        return None, None
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def _scatter(values_N: torch.Tensor | None, keep_BT: torch.Tensor) -> torch.Tensor:
+    """Values of the kept positions -> [B, Tc] float32 with 0 elsewhere (differentiable)."""
+    out_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=keep_BT.device)
+    return out_BT if values_N is None else out_BT.index_put(keep_BT.nonzero(as_tuple=True), values_N)

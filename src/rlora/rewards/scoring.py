@@ -66,6 +66,22 @@ class Scores:
     failed_B: torch.Tensor  # bool
     errors: list[str] = field(default_factory=list)  # one message per failed (function, sample)
 
+    def select(self, index: list[int]) -> "Scores":
+        """The scores of some samples (error messages are kept whole: they name the sample of their call)."""
+        rows = torch.as_tensor(index, dtype=torch.long)
+        per_fn = {name: [values[i] for i in index] for name, values in self.per_fn.items()}
+        return Scores(self.total_B[rows], per_fn, self.failed_B[rows], list(self.errors))
+
+    @staticmethod
+    def concat(parts: list["Scores"]) -> "Scores":
+        names = list(parts[0].per_fn)
+        return Scores(
+            total_B=torch.cat([p.total_B for p in parts]),
+            per_fn={name: [v for p in parts for v in p.per_fn[name]] for name in names},
+            failed_B=torch.cat([p.failed_B for p in parts]),
+            errors=list(dict.fromkeys(e for p in parts for e in p.errors)),
+        )
+
 
 def _check_output(name: str, values: Any, expected: int) -> list:
     if not isinstance(values, (list, tuple)) or len(values) != expected:

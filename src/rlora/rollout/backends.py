@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlora.config import RolloutConfig
+from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.models.loading import DTYPES
 from rlora.rollout.decoder import unsupported_reason
@@ -37,6 +38,9 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
                 info(f"rollout.sampler_dtype={cfg.sampler_dtype} on a CPU without native support for it: sampling "
                      "will be slower, not faster")
             return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype)
+        if cfg.think is not None:
+            raise UserError(f"rollout.think (phase-aware sampling) needs the built-in engine, which does not support "
+                            f"this model ({reason}): remove rollout.think to sample with transformers generate")
         info(f"rollout.engine=builtin does not support this model ({reason}); sampling with transformers generate "
              "(rollout.sampler_dtype and merge_adapter do not apply)")
     return HFGenerator(tokenizer, eos_ids, pad_id, batch_size=batch_size)

@@ -11,6 +11,7 @@ small, with the finished rows' results discarded.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlora.rollout.decoder import DecoderView, LayerView
 from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
+from rlora.rollout.phase import ChunkPhases, think_phases
 from rlora.rollout.sampling import RowParams, sample_tokens
 from rlora.types import Rollout, SamplingParams
 
@@ -103,6 +105,15 @@ def decode_step(view: DecoderView, tokens_A, rows_A, positions_A, t: int, cache:
     return view.lm_head(view.norm(x))[0]
 
 
+class _Chunk(NamedTuple):
+    tokens_BT: torch.Tensor
+    logp_BT: torch.Tensor
+    length_B: torch.Tensor
+    reasons: list[str]
+    temperature_B: torch.Tensor
+    temperature_BT: torch.Tensor | None  # per-token temperatures, only when some row has a think phase
+
+
 class BuiltinGenerator:
     """The built-in engine (Llama-family models). merge=True samples with LoRA merged into fresh
     tensors (faster); merge=False calls the adapter layers as the trainer does."""
@@ -147,6 +158,8 @@ class BuiltinGenerator:
         eos_V[self.eos_ids] = True
         any_min_new = bool((rows.min_new_A > 0).any())
         stops = StopStrings(self.tokenizer, [p.stop for p in per_prompt for _ in range(G)])
+        phases = think_phases(per_prompt, G)
+        spans = ChunkPhases(self._decode, phases, rows, max_new) if any(phases) else None
         tokens_BT = torch.full((B, max_new), self.pad_id, dtype=torch.long)
         logp_BT = torch.zeros(B, max_new)
         length_B = torch.full((B,), max_new, dtype=torch.long)
@@ -154,6 +167,8 @@ class BuiltinGenerator:
         active_A = torch.arange(B, device=device)
         for t in range(max_new):
             rows_now = rows.select(active_A)
+            if spans is not None:
+                rows_now = spans.settings(rows_now, active_A, t)
             banned_A = (rows_now.min_new_A > t) if any_min_new else None
             token_A, logp_A = sample_tokens(logits_A, rows_now, generator, banned_A, self.eos_ids)
             active_cpu = active_A.cpu()
@@ -161,6 +176,8 @@ class BuiltinGenerator:
             stopped_A = eos_V[token_A].cpu()
             if stops.any:
                 stopped_A |= torch.tensor([stops.hit(row, tokens_BT[row, :t + 1].tolist()) for row in active_cpu.tolist()])
+            if spans is not None:
+                spans.advance(tokens_BT, active_cpu.tolist(), t)
             done_A = stopped_A | (rows_now.max_new_A.cpu() <= t + 1)
             for row in active_cpu[stopped_A].tolist():
                 reasons[row] = "stop"
@@ -170,14 +187,19 @@ class BuiltinGenerator:
             if len(active_A) == 0 or t + 1 == max_new:
                 break
             logits_A = decode_step(view, token_A, active_A, prompt_len_B[active_A] + t, t, cache, P, G)
-        return tokens_BT, logp_BT, length_B, reasons, rows.temperature_A.cpu()
+        return _Chunk(tokens_BT, logp_BT, length_B, reasons, rows.temperature_A.cpu(),
+                      None if spans is None else spans.temperature_BT)
 
-    def _rollout(self, prompts, n, chunks) -> Rollout:
-        width = max(c[0].shape[1] for c in chunks)
-        tokens_BT = torch.cat([F.pad(c[0], (0, width - c[0].shape[1]), value=self.pad_id) for c in chunks])
-        logp_BT = torch.cat([F.pad(c[1], (0, width - c[1].shape[1])) for c in chunks])
-        length_B = torch.cat([c[2] for c in chunks])
-        reasons = [r for c in chunks for r in c[3]]
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _rollout(self, prompts, n, chunks: list[_Chunk]) -> Rollout:
+        width = max(c.tokens_BT.shape[1] for c in chunks)
+        tokens_BT = torch.cat([F.pad(c.tokens_BT, (0, width - c.tokens_BT.shape[1]), value=self.pad_id)
+                               for c in chunks])
+        logp_BT = torch.cat([F.pad(c.logp_BT, (0, width - c.logp_BT.shape[1])) for c in chunks])
+        length_B = torch.cat([c.length_B for c in chunks])
+        reasons = [r for c in chunks for r in c.reasons]
         keep = int(length_B.max())
         mask_BT = (torch.arange(keep)[None] < length_B[:, None]).long()
         tokens_BT = tokens_BT[:, :keep].masked_fill(mask_BT == 0, self.pad_id)
@@ -187,5 +209,15 @@ class BuiltinGenerator:
         return Rollout(
             prompt_ids_BTp=prompt_ids, prompt_mask_BTp=prompt_mask, completion_ids_BTc=tokens_BT,
             completion_mask_BTc=mask_BT, completions=texts, finish_reasons=reasons,
-            temperature_B=torch.cat([c[4] for c in chunks]), sampling_logp_BTc=logp_BT,
+            temperature_B=torch.cat([c.temperature_B for c in chunks]), sampling_logp_BTc=logp_BT,
+            temperature_BTc=_token_temperatures(chunks, width, keep, mask_BT),
         )
+
+
+def _token_temperatures(chunks: list[_Chunk], width: int, keep: int, mask_BT: torch.Tensor) -> torch.Tensor | None:
+    """Per-token temperatures of all rows (0 on padding), or None when no row had a think phase."""
+    if all(c.temperature_BT is None for c in chunks):
+        return None
+    parts = [c.temperature_B[:, None].expand(-1, width) if c.temperature_BT is None
+             else F.pad(c.temperature_BT, (0, width - c.temperature_BT.shape[1])) for c in chunks]
+    return torch.cat(parts)[:, :keep] * mask_BT

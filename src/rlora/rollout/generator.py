@@ -84,6 +84,8 @@ class HFGenerator:
     def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams | Sequence[SamplingParams],
                seed: int) -> Rollout:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if any(p.think is not None for p in per_prompt):  # generate takes one temperature per call
+            raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")
         repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
         row_params = [p for p in per_prompt for _ in range(n)]
         prompt_ids_BTp, prompt_mask_BTp = left_pad(repeated, self.pad_id)

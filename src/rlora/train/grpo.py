@@ -13,28 +13,25 @@ import torch
 
 from rlora.algos.registry import Algorithm, get_algorithm
 from rlora.config import RLConfig, to_yaml
-from rlora.data.prompts import PromptOrder, PromptSets, load_prompt_sets, prompt_text, render_prompt
+from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render_prompt
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.logging.console import info, metrics_line, print_summary, progress_bar
 from rlora.models.loading import (
-    TokenizerInfo, adapter_disabled, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
+    TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
     load_tokenizer, quantization_config,
     resolve_model_path, save_adapter, trainable_parameters,
 )
-from rlora.rewards.scoring import RewardFn, Scores, resolve_rewards, score_completions
+from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.system import return_freed_memory
-from rlora.train.evaluate import columns_of, evaluate
+from rlora.train.evaluate import evaluate
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
-from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
-from rlora.types import Example, Rollout, SamplingParams
-
-
-class RewardFailure(UserError):
-    """Too many samples' rewards failed in one step; the run stops and keeps its last adapter."""
+from rlora.train.replay import ReplayBuffer
+from rlora.train.step import RewardFailure, grpo_step
+from rlora.types import Example
 
 
 @dataclass
@@ -105,105 +102,13 @@ def prepare(cfg: RLConfig) -> Session:
     if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None:
         info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
              "off-policy and nothing corrects for it (watch sampler_logp_gap)")
-    if cfg.algo.sampler_is_cap is not None and generator.name != "builtin":
-        raise UserError("algo.sampler_is_cap needs the sampler's log-probs, which only rollout.engine=builtin "
-                        f"returns (this run samples with '{generator.name}'): unset algo.sampler_is_cap")
+    for needs_logp, key in ((cfg.algo.sampler_is_cap is not None, "unset algo.sampler_is_cap"),
+                            (cfg.algo.replay.enabled, "set algo.replay.enabled=false")):
+        if needs_logp and generator.name != "builtin":
+            raise UserError(f"{key.split()[1].split('=')[0]} needs the sampler's log-probs, which only rollout.engine="
+                            f"builtin returns (this run samples with '{generator.name}'): {key}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
                    prompts, train_ids, eval_ids)
-
-
-def score_rollout(s: Session, rollout: Rollout, examples: list[Example]) -> Scores:
-    G = s.cfg.rollout.num_generations
-    texts = [prompt_text(ex) for ex in examples for _ in range(G)]
-    return score_completions(s.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
-
-
-def check_failures(s: Session, scores: Scores, step: int) -> None:
-    failed = int(scores.failed_B.sum())
-    if failed and failed / len(scores.failed_B) > s.cfg.train.max_reward_failure_frac:
-        raise RewardFailure(
-            f"stopped at step {step + 1}: rewards failed for {failed}/{len(scores.failed_B)} samples "
-            f"(limit train.max_reward_failure_frac={s.cfg.train.max_reward_failure_frac}); first: {scores.errors[0]}"
-        )
-
-
-def grpo_step(s: Session, step: int, optimizer, scheduler) -> tuple[dict, list[dict]]:
-    cfg, P, G = s.cfg, s.cfg.train.prompts_per_step, s.cfg.rollout.num_generations
-    t_start = time.perf_counter()
-    indices = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
-    examples = [s.prompts.train[i] for i in indices]
-    r = cfg.rollout
-    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.min_new_tokens, min_p=r.min_p,
-                            stop=tuple(r.stop))
-    rollout = s.generator.sample(s.model, [s.train_ids[i] for i in indices], G, params, seed=cfg.train.seed * 100_003 + step)
-    t_rollout = time.perf_counter()
-
-    scores = score_rollout(s, rollout, examples)
-    check_failures(s, scores, step)
-    rewards_P_G = scores.total_B.view(P, G)  # NaN where a reward failed: left out of the statistics
-    advantages_B = s.algo.advantages(rewards_P_G, scale=cfg.algo.adv_scale, eps=cfg.algo.adv_eps).view(-1)
-    loss_mask_BTc = rollout.completion_mask_BTc * (~scores.failed_B).unsqueeze(-1)
-    t_reward = time.perf_counter()
-
-    mb, chunk = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens
-    ref_logp = None
-    if cfg.algo.beta > 0:
-        with adapter_disabled(s.model):
-            ref_logp = batched_logprobs(s.model, rollout, mb, chunk)
-    t_ref = time.perf_counter()
-    old_logp = batched_logprobs(s.model, rollout, mb, chunk) if cfg.algo.num_iterations > 1 else None
-    t_old = time.perf_counter()
-
-    scored = ScoredRollout(rollout, advantages_B, loss_mask_BTc, old_logp, ref_logp)
-    params_list = trainable_parameters(s.model)
-    optim_s = 0.0
-    for _ in range(cfg.algo.num_iterations):
-        lr = scheduler.get_last_lr()[0]
-        stats = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk)
-        t_optim = time.perf_counter()
-        stats |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, stats["loss"])
-        optim_s += time.perf_counter() - t_optim
-    t_end = time.perf_counter()
-
-    valid = ~scores.failed_B
-    lengths = rollout.completion_mask_BTc.sum(-1).float()
-    metrics = {
-        "step": step + 1,
-        "reward_mean": float(scores.total_B[valid].mean()) if valid.any() else None,
-        "reward_std": float(scores.total_B[valid].std()) if valid.sum() > 1 else 0.0,
-        **{f"reward/{name}": _mean(values) for name, values in scores.per_fn.items()},
-        "kl": stats["kl"], "loss": stats["loss"], "clip_frac": stats["clip_frac"], "entropy": stats["entropy"],
-        "ratio_mean": stats["ratio_mean"], "trained_frac": stats["trained_frac"],
-        "sampler_logp_gap": stats["sampler_logp_gap"], "is_weight_mean": stats["is_weight_mean"], "grad_norm": stats["grad_norm"], "skipped_update": stats["skipped_update"],
-        "completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
-        "truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / len(rollout.finish_reasons),
-        "frac_groups_zero_std": float((advantages_B.view(P, G) == 0).all(dim=1).float().mean()),
-        "reward_failures": int(scores.failed_B.sum()),
-        "lr": lr, "gen_tokens": int(rollout.completion_mask_BTc.sum()),
-        "prompt_tokens": int(rollout.prompt_mask_BTp.sum()),
-        "step_s": t_end - t_start, "rollout_s": t_rollout - t_start, "reward_s": t_reward - t_rollout,
-        "ref_s": t_ref - t_reward, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s,
-        "optim_s": optim_s,
-    }
-    samples = [
-        {"step": step + 1, "prompt": prompt_text(examples[i // G]), "completion": rollout.completions[i],
-         "reward": _num(scores.total_B[i]), "advantage": float(advantages_B[i]),
-         **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}}
-        for i in range(rollout.num_completions)
-    ]
-    if scores.errors:
-        metrics["reward_errors"] = scores.errors[:5]
-    return metrics, samples
-
-
-def _num(value: torch.Tensor) -> float | None:
-    v = float(value)
-    return None if v != v else v
-
-
-def _mean(values: list) -> float | None:
-    finite = [v for v in values if v is not None and v == v]
-    return sum(finite) / len(finite) if finite else None
 
 
 def run_eval(s: Session, label: str) -> dict | None:
@@ -240,11 +145,12 @@ def run_grpo(cfg: RLConfig) -> dict:
          f"-> {s.run_dir.path}")
     evals = {"before": run_eval(s, "before") if cfg.eval.before else None}
     optimizer, scheduler = build_optimizer(trainable_parameters(s.model), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
+    replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed) if cfg.algo.replay.enabled else None
     t0, last, status = time.perf_counter(), {}, "completed"
     try:
         with progress_bar("train", cfg.train.steps) as update:
             for step in range(cfg.train.steps):
-                last, samples = grpo_step(s, step, optimizer, scheduler)
+                last, samples = grpo_step(s, step, optimizer, scheduler, replay)
                 s.run_dir.append_jsonl("metrics.jsonl", last)
                 if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
                     for row in samples:

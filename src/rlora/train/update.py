@@ -19,10 +19,15 @@ from rlora.types import Rollout, RolloutSlice
 @dataclass
 class ScoredRollout:
     rollout: Rollout
-    advantages_B: torch.Tensor
-    loss_mask_BTc: torch.Tensor  # completion mask with failed samples zeroed
+    advantages: torch.Tensor  # [B] per completion, or [B, Tc] per token
+    loss_mask_BTc: torch.Tensor  # completion mask with failed (and, if asked, truncated) samples zeroed
     old_logp_BTc: torch.Tensor | None = None  # None: the rollout is used once, old = current (detached)
     ref_logp_BTc: torch.Tensor | None = None  # None: no KL term
+    # Log-probs of the policy that actually drew each token, where a truncated importance weight
+    # min(pi_old / pi_behaviour, cap_B) corrects for it (bf16 sampler, replayed groups); NaN rows: weight 1.
+    behaviour_logp_BTc: torch.Tensor | None = None
+    is_cap_B: torch.Tensor | None = None
+    fresh_B: torch.Tensor | None = None  # bool: rows sampled by this step's policy (None: all)
 
 
 def trim(batch: RolloutSlice) -> RolloutSlice:
@@ -35,6 +40,7 @@ def trim(batch: RolloutSlice) -> RolloutSlice:
     return RolloutSlice(
         batch.prompt_ids_BTp[:, first:], batch.prompt_mask_BTp[:, first:],
         batch.completion_ids_BTc[:, :last], batch.completion_mask_BTc[:, :last], batch.temperature_B,
+        None if batch.temperature_BTc is None else batch.temperature_BTc[:, :last],
     )
 
 
@@ -68,14 +74,22 @@ def batch_totals(loss_mask_BTc: torch.Tensor, constant_len: int) -> BatchTotals:
     )
 
 
-def rows_to_train(scored: ScoredRollout, beta: float) -> torch.Tensor:
-    """Indices of completions whose loss can be non-zero. Without a KL term, a completion with advantage 0
-    has loss exactly 0 (ratio * 0), so skipping its forward/backward changes no gradient; the normalisers
-    still count it (BatchTotals), so the result is identical to training on every row."""
+def rows_to_train(scored: ScoredRollout, beta: float, entropy_coef: float = 0.0) -> torch.Tensor:
+    """Indices of completions whose loss can be non-zero. Without a KL term or entropy bonus, a completion
+    with advantage 0 has loss exactly 0 (every algorithm's surrogate is proportional to A), so skipping its
+    forward/backward changes no gradient; the normalisers still count it (BatchTotals), so the result is
+    identical to training on every row."""
     active_B = scored.loss_mask_BTc.sum(-1) > 0
-    if beta == 0:
-        active_B &= scored.advantages_B != 0
+    if beta == 0 and entropy_coef == 0:
+        adv = scored.advantages
+        active_B &= (adv != 0) if adv.dim() == 1 else ((adv != 0) & (scored.loss_mask_BTc > 0)).any(-1)
     return active_B.nonzero().squeeze(-1)
+
+
+def importance_weight(old_BT: torch.Tensor, behaviour_BT: torch.Tensor, cap_B: torch.Tensor) -> torch.Tensor:
+    """min(pi_old / pi_behaviour, cap) per token, 1 on rows without behaviour log-probs (NaN)."""
+    weight_BT = truncated_is_weight(old_BT, behaviour_BT.nan_to_num(0.0), cap_B[:, None])
+    return torch.where(torch.isnan(behaviour_BT), torch.ones_like(weight_BT), weight_BT)
 
 
 def accumulate_policy_gradient(
@@ -84,36 +98,48 @@ def accumulate_policy_gradient(
 ) -> dict[str, float]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch.
     Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
-    sampler_logp_gap: mean |old log-prob - sampler log-prob| over those tokens, where old is the trainer's
-    log-prob of the policy that sampled (the two must agree; a gap means the rollout is off-policy)."""
+    sampler_logp_gap: mean |old log-prob - sampler log-prob| over the fresh rows' trained tokens, where old
+    is the trainer's log-prob of the policy that sampled (the two must agree; a gap means the rollout is
+    off-policy)."""
     rollout = scored.rollout
     totals = batch_totals(scored.loss_mask_BTc, constant_len)
-    rows = rows_to_train(scored, cfg.beta)
-    sums = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "ratio": 0.0, "tokens": 0.0, "gap": 0.0, "is_weight": 0.0}
+    loss_beta = 0.0 if algo.kl_in_reward else cfg.beta  # REINFORCE++ puts the KL into the reward instead
+    rows = rows_to_train(scored, loss_beta, cfg.entropy_coef)
+    sums = dict.fromkeys(("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight",
+                          "weighted_tokens"), 0.0)
     sampled = rollout.sampling_logp_BTc
+    fresh_B = scored.fresh_B if scored.fresh_B is not None else torch.ones(rollout.num_completions, dtype=torch.bool)
     for start in range(0, len(rows), micro_batch_size):
         index = rows[start:start + micro_batch_size]
         micro = trim(rollout.select(index))
         width = micro.completion_ids_BTc.shape[1]
         mask_BT = scored.loss_mask_BTc[index, :width].float()
-        logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens)
+        logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
+                                                  entropy_grad=cfg.entropy_coef > 0)
         old = scored.old_logp_BTc[index, :width] if scored.old_logp_BTc is not None else logp_BT.detach()
         ref = scored.ref_logp_BTc[index, :width] if scored.ref_logp_BTc is not None else None
         is_weight = None
-        if cfg.sampler_is_cap is not None:
-            is_weight = truncated_is_weight(old, sampled[index, :width], cfg.sampler_is_cap)
-            sums["is_weight"] += float((is_weight * mask_BT).sum())
-        inputs = LossInputs(logp_BT, old, scored.advantages_B[index], mask_BT, ref, is_weight)
-        out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.beta)
-        loss = aggregate(out.loss_BT, mask_BT, cfg.loss_agg, totals)
+        if scored.behaviour_logp_BTc is not None:
+            is_weight = importance_weight(old, scored.behaviour_logp_BTc[index, :width], scored.is_cap_B[index])
+            weighted_BT = mask_BT * (~torch.isnan(scored.behaviour_logp_BTc[index, :width]))
+            sums["is_weight"] += float((is_weight * weighted_BT).sum())
+            sums["weighted_tokens"] += float(weighted_BT.sum())
+        advantages = scored.advantages[index]
+        inputs = LossInputs(logp_BT, old, advantages if advantages.dim() == 1 else advantages[:, :width], mask_BT, ref,
+                            is_weight)
+        out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=loss_beta)
+        loss_BT = out.loss_BT - cfg.entropy_coef * entropy_BT if cfg.entropy_coef else out.loss_BT
+        loss = aggregate(loss_BT, mask_BT, cfg.loss_agg, totals)
         loss.backward()
         sums["loss"] += loss.item()
         sums["tokens"] += float(mask_BT.sum())
         sums["clipped"] += float((out.clipped_BT * mask_BT).sum())
-        sums["entropy"] += float((entropy_BT * mask_BT).sum())
+        sums["entropy"] += float((entropy_BT.detach() * mask_BT).sum())
         sums["ratio"] += float((out.ratio_BT * mask_BT).sum())
         if sampled is not None:
-            sums["gap"] += float(((old - sampled[index, :width]).abs() * mask_BT).sum())
+            fresh_mask_BT = mask_BT * fresh_B[index, None]
+            sums["gap"] += float(((old - sampled[index, :width]).abs() * fresh_mask_BT).sum())
+            sums["gap_tokens"] += float(fresh_mask_BT.sum())
         if out.kl_BT is not None:
             sums["kl"] += float((out.kl_BT.detach() * mask_BT).sum())
     trained = sums["tokens"]
@@ -124,9 +150,9 @@ def accumulate_policy_gradient(
         "clip_frac": per_token("clipped"),
         "entropy": per_token("entropy"),
         "ratio_mean": per_token("ratio"),
-        "trained_frac": len(rows) / rollout.num_completions,
-        "sampler_logp_gap": per_token("gap") if sampled is not None else None,
-        "is_weight_mean": per_token("is_weight") if cfg.sampler_is_cap is not None else None,
+        "trained_frac": len(rows) / max(rollout.num_completions, 1),
+        "sampler_logp_gap": sums["gap"] / sums["gap_tokens"] if sums["gap_tokens"] else None,
+        "is_weight_mean": sums["is_weight"] / sums["weighted_tokens"] if sums["weighted_tokens"] else None,
     }
 
 

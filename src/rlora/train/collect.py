@@ -1,0 +1,165 @@
+"""The groups of one step: sample, resample groups that fail (adaptive GRPO), drop groups whose rewards are
+all equal and sample more prompts (DAPO's dynamic sampling).
+
+A group is the G completions of one prompt drawn with one setting. All sampling goes through a
+`SampleFn` (prompt indices, settings per prompt, seed -> rollout and scores), so this logic is tested
+with a scripted sampler. Retried groups are drawn at the schedule's temperature/top-p; each row keeps
+the temperature it was drawn at (Rollout.temperature_B), and the trainer's old and new log-probs of
+that row use the same temperature, so the ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rlora.algos.advantages import overlong_penalty
+from rlora.config import AdaptiveConfig, AlgoConfig
+from rlora.rewards.scoring import Scores
+from rlora.rollout.batching import concat_rollouts, select_rows
+from rlora.types import Rollout, SamplingParams
+
+SampleFn = Callable[[list[int], list[SamplingParams], int], tuple[Rollout, Scores]]
+
+
+@dataclass
+class Group:
+    prompt: int  # index into the training prompts
+    rollout: Rollout  # the kept attempt's G rows
+    scores: Scores  # its rewards (task rewards: what the adaptive and dynamic-sampling conditions look at)
+    shaping_G: torch.Tensor  # overlong penalty of each row (float64; 0 when off)
+    attempt_rewards: list[torch.Tensor] = field(default_factory=list)  # shaped rewards of every attempt, in order
+    retries: int = 0
+    failed_first: bool = False  # the first attempt failed the adaptive condition
+
+    @property
+    def rewards_G(self) -> torch.Tensor:
+        """Rewards the advantages use: task rewards plus the overlong shaping (NaN where a reward failed)."""
+        return self.scores.total_B + self.shaping_G
+
+
+def is_flat(rewards_G: torch.Tensor) -> bool:
+    """All valid rewards equal (or fewer than two valid): the group gives no GRPO gradient."""
+    valid = rewards_G[~torch.isnan(rewards_G)]
+    return len(valid) < 2 or bool(valid.max() == valid.min())
+
+
+def fails(rewards_G: torch.Tensor, cfg: AdaptiveConfig) -> bool:
+    valid = rewards_G[~torch.isnan(rewards_G)]
+    no_success = not bool((valid >= cfg.success_reward).any())
+    if cfg.condition == "no_success":
+        return no_success
+    if cfg.condition == "zero_variance":
+        return is_flat(rewards_G)
+    return no_success or is_flat(rewards_G)
+
+
+@dataclass
+class CollectStats:
+    sampling_rounds: int = 0
+    groups_sampled: int = 0  # groups drawn at their first attempt (all rounds)
+    groups_dropped: int = 0  # dynamic sampling: zero-variance groups left out
+    resamples: int = 0  # adaptive: group resamples
+    rescued: int = 0  # adaptive: groups that failed at first and pass after resampling
+    zero_var_before: int = 0  # groups with all-equal rewards at their first attempt
+    zero_var_after: int = 0  # ... after adaptive resampling (before dynamic filtering)
+    first_reward_sum: float = 0.0  # valid task rewards of every group's first attempt (reward_mean_sampled)
+    first_reward_count: int = 0
+
+
+class Collector:
+    """Collects the groups of one step. `seed` is the step's seed; round r, retry k draw with their own."""
+
+    def __init__(self, sample: SampleFn, base: SamplingParams, G: int, algo: AlgoConfig, seed: int):
+        self.sample, self.base, self.G, self.algo, self.seed = sample, base, G, algo, seed
+        self.stats = CollectStats()
+        self.budget = algo.adaptive.step_budget if algo.adaptive.step_budget is not None else math.inf
+
+    def _seed(self, round_index: int, retry: int) -> int:
+        # round 0, retry 0 keeps the step's seed (a run without resampling draws exactly as before)
+        return self.seed + 1_000_003 * (round_index * 64 + retry)
+
+    def _draw(self, prompts: list[int], params: SamplingParams, seed: int) -> list[Group]:
+        rollout, scores = self.sample(prompts, [params] * len(prompts), seed)
+        lengths_B = rollout.completion_mask_BTc.sum(-1)
+        shaping_B = overlong_penalty(lengths_B, params.max_new_tokens, self.algo.overlong_buffer, self.algo.overlong_penalty)
+        groups = []
+        for i, prompt in enumerate(prompts):
+            rows = list(range(i * self.G, (i + 1) * self.G))
+            group = Group(prompt, select_rows(rollout, rows), scores.select(rows), shaping_B[rows])
+            group.attempt_rewards.append(group.rewards_G)
+            groups.append(group)
+        return groups
+
+    def _resample_failing(self, groups: list[Group], round_index: int) -> None:
+        cfg = self.algo.adaptive
+        for group in groups:
+            group.failed_first = fails(group.scores.total_B, cfg)
+        for retry in range(1, cfg.max_retries + 1):
+            failing = [g for g in groups if fails(g.scores.total_B, cfg)]
+            failing = failing[:int(min(len(failing), self.budget))]
+            if not failing:
+                return
+            setting = cfg.schedule[min(retry, len(cfg.schedule)) - 1]
+            params = dataclasses.replace(self.base, temperature=setting.temperature, top_p=setting.top_p)
+            fresh = self._draw([g.prompt for g in failing], params, self._seed(round_index, retry))
+            for group, new in zip(failing, fresh):
+                # the newest attempt is kept: a group stops being resampled once it passes
+                group.rollout, group.scores, group.shaping_G = new.rollout, new.scores, new.shaping_G
+                group.attempt_rewards.append(new.rewards_G)
+                group.retries += 1
+            self.budget -= len(failing)
+            self.stats.resamples += len(failing)
+
+    def _round(self, prompts: list[int], round_index: int) -> list[Group]:
+        groups = self._draw(prompts, self.base, self._seed(round_index, 0))
+        self.stats.sampling_rounds += 1
+        self.stats.groups_sampled += len(groups)
+        self.stats.zero_var_before += sum(is_flat(g.scores.total_B) for g in groups)
+        for g in groups:
+            valid = g.scores.total_B[~torch.isnan(g.scores.total_B)]
+            self.stats.first_reward_sum += float(valid.sum())
+            self.stats.first_reward_count += len(valid)
+        if self.algo.adaptive.enabled:
+            self._resample_failing(groups, round_index)
+            self.stats.rescued += sum(g.failed_first and not fails(g.scores.total_B, self.algo.adaptive) for g in groups)
+        self.stats.zero_var_after += sum(is_flat(g.scores.total_B) for g in groups)
+        return groups
+
+    def collect(self, prompts: list[int], more_prompts: Callable[[int], list[int]]) -> list[Group]:
+        """Groups for the step. With dynamic sampling, zero-variance groups are dropped and round r = 1, 2, ...
+        samples `more_prompts(r)` until len(prompts) groups are kept or algo.max_extra_rounds is spent; then
+        the step trains on the groups it has (possibly fewer, possibly none)."""
+        groups = self._round(prompts, 0)
+        if not self.algo.dynamic_sampling:
+            return groups
+        kept = self._keep_informative(groups)
+        for round_index in range(1, self.algo.max_extra_rounds + 1):
+            if len(kept) >= len(prompts):
+                break
+            kept += self._keep_informative(self._round(more_prompts(round_index), round_index))
+        return kept[:len(prompts)]
+
+    def _keep_informative(self, groups: list[Group]) -> list[Group]:
+        kept = [g for g in groups if not is_flat(g.scores.total_B)]
+        self.stats.groups_dropped += len(groups) - len(kept)
+        return kept
+
+
+def assemble(groups: list[Group], pad_id: int, adv_stats: str) -> tuple[Rollout, Scores, torch.Tensor]:
+    """-> (rollout of all kept rows, their scores, rewards for the advantage statistics [P, S]). Columns
+    0..G-1 of the statistics are the kept rows' rewards; with adv_stats="all" the other attempts' rewards
+    follow (NaN-padded), so the group mean/std are taken over every sample drawn for the prompt."""
+    rollout = concat_rollouts([g.rollout for g in groups], pad_id)
+    scores = Scores.concat([g.scores for g in groups])
+    kept = [g.rewards_G for g in groups]
+    if adv_stats == "kept":
+        return rollout, scores, torch.stack(kept)
+    others = [torch.cat(g.attempt_rewards[:-1]) if len(g.attempt_rewards) > 1 else kept[0][:0] for g in groups]
+    width = max(len(k) + len(o) for k, o in zip(kept, others))
+    rows = [torch.cat([k, o, torch.full((width - len(k) - len(o),), math.nan, dtype=k.dtype)]) for k, o in zip(kept, others)]
+    return rollout, scores, torch.stack(rows)

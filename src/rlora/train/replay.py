@@ -1,0 +1,59 @@
+"""Experience replay: keep groups with informative advantages and mix them into later steps.
+
+A replayed group was drawn by an older policy. Its tokens' behaviour log-probs (the sampler's, stored
+with it) give the truncated importance weight min(pi_old / pi_behaviour, cap) that multiplies its
+surrogate, where pi_old is the policy at the start of the step that replays it; its advantages are the
+ones computed when it was sampled (its rewards do not change).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from rlora.config import ReplayConfig
+from rlora.types import Rollout
+
+
+@dataclass
+class StoredGroup:
+    rollout: Rollout  # G rows, with sampling_logp_BTc (the behaviour log-probs)
+    advantages_G: torch.Tensor
+    loss_mask_GT: torch.Tensor
+    step: int  # 1-based step it was sampled in
+    uses: int = 0
+
+
+class ReplayBuffer:
+    def __init__(self, cfg: ReplayConfig, seed: int):
+        self.cfg = cfg
+        self.seed = seed
+        self.groups: deque[StoredGroup] = deque()
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def add(self, group: StoredGroup) -> bool:
+        """Store the group if it is informative (some |advantage| above min_adv_abs, some token in the loss); the oldest leave beyond capacity. -> stored?"""
+        if group.rollout.sampling_logp_BTc is None:
+            raise ValueError("replay needs the sampler's log-probs (rollout.engine=builtin)")
+        if float(group.advantages_G.abs().max()) <= self.cfg.min_adv_abs or not bool(group.loss_mask_GT.any()):
+            return False
+        self.groups.append(group)
+        while len(self.groups) > self.cfg.capacity:
+            self.groups.popleft()
+        return True
+
+    def draw(self, num_groups: int, step: int) -> list[StoredGroup]:
+        """Up to num_groups stored groups, uniformly at random (seeded by step); each use is counted and a
+        group leaves after cfg.max_uses."""
+        if num_groups <= 0 or not self.groups:
+            return []
+        picked = random.Random(self.seed * 7_919 + step).sample(list(self.groups), min(num_groups, len(self.groups)))
+        for group in picked:
+            group.uses += 1
+        self.groups = deque(g for g in self.groups if g.uses < self.cfg.max_uses)
+        return picked

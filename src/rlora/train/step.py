@@ -1,0 +1,270 @@
+"""One RL step, top to bottom: collect groups (sampling, adaptive resampling, dynamic sampling) -> replayed
+groups -> reference/old log-probs -> advantages -> update(s) -> metrics. Any algorithm of the registry."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlora.algos.registry import AdvantageInputs
+from rlora.data.prompts import PromptOrder, prompt_text
+from rlora.models.loading import adapter_disabled, trainable_parameters
+from rlora.errors import UserError
+from rlora.rewards.scoring import Scores, score_completions
+from rlora.train.evaluate import columns_of
+from rlora.rollout.batching import concat_rollouts, select_rows
+from rlora.train.collect import CollectStats, Collector, Group, assemble
+from rlora.train.replay import ReplayBuffer, StoredGroup
+from rlora.train.schedules import progress_of, scheduled_value
+from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
+from rlora.types import Example, Rollout, SamplingParams
+
+
+class RewardFailure(UserError):
+    """Too many samples' rewards failed in one step; the run stops and keeps its last adapter."""
+
+
+def score_rollout(s, rollout: Rollout, examples: list[Example]) -> Scores:
+    G = s.cfg.rollout.num_generations
+    texts = [prompt_text(ex) for ex in examples for _ in range(G)]
+    return score_completions(s.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
+
+
+def check_failures(s, scores: Scores, step: int) -> None:
+    failed = int(scores.failed_B.sum())
+    if failed and failed / len(scores.failed_B) > s.cfg.train.max_reward_failure_frac:
+        raise RewardFailure(
+            f"stopped at step {step + 1}: rewards failed for {failed}/{len(scores.failed_B)} samples "
+            f"(limit train.max_reward_failure_frac={s.cfg.train.max_reward_failure_frac}); first: {scores.errors[0]}"
+        )
+
+
+@dataclass
+class Timings:
+    rollout_s: float = 0.0
+    reward_s: float = 0.0
+
+
+@dataclass
+class Batch:
+    """What one step trains on: fresh groups, then replayed ones."""
+
+    rollout: Rollout
+    scores: Scores  # fresh rows only
+    stats_rewards_P_S: torch.Tensor  # rewards for the advantage statistics of the fresh groups
+    groups: list[Group]
+    replayed: list[StoredGroup] = field(default_factory=list)
+
+    @property
+    def num_fresh(self) -> int:
+        return len(self.scores.total_B)
+
+
+def step_params(cfg, step: int) -> SamplingParams:
+    r = cfg.rollout
+    temperature = scheduled_value(r.temperature_schedule, r.temperature, r.temperature_end, progress_of(step, cfg.train.steps))
+    return SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.min_new_tokens, min_p=r.min_p,
+                          stop=tuple(r.stop), think=r.think_phase())
+
+
+def step_seed(cfg, step: int) -> int:
+    return cfg.train.seed * 100_003 + step
+
+
+def _sampler(s, step: int, timings: Timings):
+    """SampleFn over the run's model, generator and reward functions; counts time spent in each."""
+    def sample(prompts: list[int], params: list[SamplingParams], seed: int):
+        t0 = time.perf_counter()
+        rollout = s.generator.sample(s.model, [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations, params, seed)
+        t1 = time.perf_counter()
+        scores = score_rollout(s, rollout, [s.prompts.train[i] for i in prompts])
+        check_failures(s, scores, step)
+        timings.rollout_s += t1 - t0
+        timings.reward_s += time.perf_counter() - t1
+        return rollout, scores
+
+    return sample
+
+
+def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
+    cfg, P = s.cfg, s.cfg.train.prompts_per_step
+    order = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle)
+    # extra prompts of dynamic sampling come from their own seeded order: a pure function of (step, round)
+    extra = PromptOrder(len(s.train_ids), P, cfg.data.seed + 7_919, cfg.data.shuffle)
+    collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
+                          step_seed(cfg, step))
+    groups = collector.collect(order.indices(step), lambda r: extra.indices(step * cfg.algo.max_extra_rounds + r - 1))
+    if not groups:
+        return None, collector.stats
+    rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
+    replayed = replay.draw(round(cfg.algo.replay.ratio * len(groups)), step) if replay is not None else []
+    if replayed:
+        rollout = concat_rollouts([rollout] + [g.rollout for g in replayed], s.tok.pad_id)
+    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats
+
+
+def loss_mask(s, batch: Batch) -> torch.Tensor:
+    """Completion tokens that enter the loss: failed rewards out, and truncated completions if asked."""
+    fresh = batch.rollout.completion_mask_BTc[:batch.num_fresh] * (~batch.scores.failed_B).unsqueeze(-1)
+    if s.cfg.algo.mask_truncated:
+        truncated_B = torch.tensor([r == "length" for r in batch.rollout.finish_reasons[:batch.num_fresh]])
+        fresh = fresh * (~truncated_B).unsqueeze(-1)
+    width = batch.rollout.completion_mask_BTc.shape[1]
+    stored = [torch.nn.functional.pad(g.loss_mask_GT, (0, width - g.loss_mask_GT.shape[1])) for g in batch.replayed]
+    return torch.cat([fresh] + stored) if stored else fresh
+
+
+def advantages_of(s, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
+    """Fresh rows' advantages from the algorithm, then the replayed rows' stored ones."""
+    cfg, G = s.cfg.algo, s.cfg.rollout.num_generations
+    fresh = slice(0, batch.num_fresh)
+    kl_BT = None
+    if s.algo.kl_in_reward and ref_logp is not None:
+        kl_BT = old_logp[fresh] - ref_logp[fresh]  # k1 estimate of KL(pi_old || ref) per token
+    inputs = AdvantageInputs(batch.stats_rewards_P_S, mask_BT[fresh], cfg.adv_scale, cfg.adv_eps, cfg.beta, G, kl_BT)
+    advantages = s.algo.advantages(inputs)
+    if not batch.replayed:
+        return advantages
+    return torch.cat([advantages] + [g.advantages_G for g in batch.replayed])
+
+
+def behaviour(s, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Behaviour log-probs and per-row caps for the truncated importance weights: the bf16 sampler's
+    (algo.sampler_is_cap) on fresh rows, the stored sampler's (algo.replay.is_cap) on replayed rows."""
+    cfg, rollout = s.cfg.algo, batch.rollout
+    if cfg.sampler_is_cap is None and not batch.replayed:
+        return None, None
+    behaviour_BT = rollout.sampling_logp_BTc.clone()
+    cap_B = torch.full((rollout.num_completions,), cfg.replay.is_cap)
+    if cfg.sampler_is_cap is None:
+        behaviour_BT[:batch.num_fresh] = float("nan")
+    else:
+        cap_B[:batch.num_fresh] = cfg.sampler_is_cap
+    return behaviour_BT, cap_B
+
+
+def store_groups(s, batch: Batch, advantages, mask_BT, replay: ReplayBuffer, step: int) -> int:
+    G = s.cfg.rollout.num_generations
+    stored = 0
+    for g in range(len(batch.groups)):
+        rows = list(range(g * G, (g + 1) * G))
+        group = StoredGroup(select_rows(batch.rollout, rows), advantages[rows], mask_BT[rows], step + 1)
+        stored += replay.add(group)
+    return stored
+
+
+def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = None) -> tuple[dict, list[dict]]:
+    cfg = s.cfg
+    t_start, timings = time.perf_counter(), Timings()
+    batch, stats = collect_batch(s, step, replay, timings)
+    t_collected = time.perf_counter()
+    if batch is None:  # dynamic sampling kept no group: nothing to learn from this step
+        for _ in range(cfg.algo.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        return {"step": step + 1, "skipped_update": 1, "trained_frac": 0.0, **_collect_metrics(stats, cfg),
+                "step_s": t_collected - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}, []
+    rollout = batch.rollout
+    mask_BT = loss_mask(s, batch)
+
+    mb, chunk = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens
+    ref_logp = None
+    if cfg.algo.beta > 0:
+        with adapter_disabled(s.model):
+            ref_logp = batched_logprobs(s.model, rollout, mb, chunk)
+    t_ref = time.perf_counter()
+    need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and ref_logp is not None)
+    old_logp = batched_logprobs(s.model, rollout, mb, chunk) if need_old else None
+    t_old = time.perf_counter()
+
+    advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
+    behaviour_BT, cap_B = behaviour(s, batch)
+    fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
+    scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B)
+    params_list = trainable_parameters(s.model)
+    optim_s = 0.0
+    for _ in range(cfg.algo.num_iterations):
+        lr = scheduler.get_last_lr()[0]
+        update = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk)
+        t_optim = time.perf_counter()
+        update |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, update["loss"])
+        optim_s += time.perf_counter() - t_optim
+    t_end = time.perf_counter()
+    stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
+
+    metrics = {
+        "step": step + 1, **_reward_metrics(batch), **update,
+        **_rollout_metrics(batch, advantages), **_collect_metrics(stats, cfg), "lr": lr,
+        "temperature": step_params(cfg, step).temperature,
+        "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
+        "ref_s": t_ref - t_collected, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
+    }
+    if replay is not None:
+        metrics |= {"replay_groups": len(batch.replayed), "replay_stored": stored, "replay_buffer": len(replay)}
+    if batch.scores.errors:
+        metrics["reward_errors"] = batch.scores.errors[:5]
+    return metrics, _samples(s, batch, advantages, step)
+
+
+def _reward_metrics(batch: Batch) -> dict:
+    scores = batch.scores
+    valid = ~scores.failed_B
+    total = scores.total_B
+    return {
+        "reward_mean": float(total[valid].mean()) if valid.any() else None,
+        "reward_std": float(total[valid].std()) if valid.sum() > 1 else 0.0,
+        **{f"reward/{name}": _mean(values) for name, values in scores.per_fn.items()},
+        "reward_failures": int(scores.failed_B.sum()),
+    }
+
+
+def _rollout_metrics(batch: Batch, advantages) -> dict:
+    rollout, n = batch.rollout, batch.num_fresh
+    lengths = rollout.completion_mask_BTc[:n].sum(-1).float()
+    shaping = torch.cat([g.shaping_G for g in batch.groups])
+    per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(-1)
+    G = len(batch.groups[0].shaping_G)
+    return {
+        "completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
+        "truncated_frac": sum(r == "length" for r in rollout.finish_reasons[:n]) / n,
+        "frac_groups_zero_std": float((per_row[:n].view(-1, G) == 0).all(dim=1).float().mean()),
+        "overlong_penalty_mean": float(shaping.mean()) if bool((shaping != 0).any()) else 0.0,
+        "gen_tokens": int(rollout.completion_mask_BTc[:n].sum()), "prompt_tokens": int(rollout.prompt_mask_BTp[:n].sum()),
+    }
+
+
+def _collect_metrics(stats: CollectStats, cfg) -> dict:
+    out = {"sampling_rounds": stats.sampling_rounds, "groups_sampled": stats.groups_sampled,
+           "reward_mean_sampled": stats.first_reward_sum / stats.first_reward_count if stats.first_reward_count else None,
+           "frac_zero_var_first": stats.zero_var_before / max(stats.groups_sampled, 1)}
+    if cfg.algo.dynamic_sampling:
+        out["groups_dropped"] = stats.groups_dropped
+    if cfg.algo.adaptive.enabled:
+        out |= {"resamples": stats.resamples, "rescued_groups": stats.rescued,
+                "frac_zero_var_after_resample": stats.zero_var_after / max(stats.groups_sampled, 1)}
+    return out
+
+
+def _samples(s, batch: Batch, advantages, step: int) -> list[dict]:
+    G, scores, rollout = s.cfg.rollout.num_generations, batch.scores, batch.rollout
+    per_row = advantages if advantages.dim() == 1 else advantages[:, 0]
+    rows = []
+    for i in range(batch.num_fresh):
+        group = batch.groups[i // G]
+        rows.append({"step": step + 1, "prompt": prompt_text(s.prompts.train[group.prompt]), "completion": rollout.completions[i],
+                     "reward": _num(scores.total_B[i]), "advantage": float(per_row[i]),
+                     "temperature": float(rollout.temperature_B[i]), "retries": group.retries,
+                     **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}})
+    return rows
+
+
+def _num(value: torch.Tensor) -> float | None:
+    v = float(value)
+    return None if v != v else v
+
+
+def _mean(values: list) -> float | None:
+    finite = [v for v in values if v is not None and v == v]
+    return sum(finite) / len(finite) if finite else None

@@ -1,0 +1,166 @@
+"""Every algorithm end to end on the tiny model, the replay buffer, the entropy bonus's gradient."""
+
+import json
+import math
+
+import pytest
+import torch
+from test_policy_model import make_policy, perturb_adapter, sample
+
+from conftest import tiny_overrides
+from rlora.algos.registry import ALGORITHMS, get_algorithm
+from rlora.cli import main
+from rlora.config import AlgoConfig, ReplayConfig
+from rlora.models.loading import trainable_parameters
+from rlora.rollout.batching import concat_rollouts, select_rows
+from rlora.train.replay import ReplayBuffer, StoredGroup
+from rlora.train.update import ScoredRollout, accumulate_policy_gradient
+
+
+def run(model_dir, data, out, **extra):
+    values = {"eval.before": "false", "eval.after": "false", **extra}
+    code = main(["train", *tiny_overrides(model_dir, data, str(out), **values)])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return code, rows
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_each_algorithm_trains_two_steps(name, tiny_model_dir, prompts_file, tmp_path):
+    extra = {"algo.name": name, "train.lr": 0.01}
+    if name in ("dapo", "adaptive_grpo"):  # a binary reward, so that some groups are all equal or all failing
+        extra["rewards"] = "[{fn: rewards_for_tests.has_a}]"
+    code, rows = run(tiny_model_dir, prompts_file, tmp_path / "run", **extra)
+    assert code == 0 and [r["step"] for r in rows] == [1, 2]
+    last = rows[-1]
+    assert last["skipped_update"] == 0 or name == "dapo"
+    if name == "dapo":
+        assert all(r["sampling_rounds"] >= 1 and "groups_dropped" in r for r in rows)
+    if name == "adaptive_grpo":
+        assert all("resamples" in r and "rescued_groups" in r and "frac_zero_var_after_resample" in r for r in rows)
+    if name.startswith("reinforce_pp"):
+        assert last["kl"] is not None  # the reference ran: its KL went into the token reward
+    if name not in ("dapo", "adaptive_grpo"):
+        assert last["grad_norm"] > 0
+
+
+def test_dynamic_sampling_and_adaptive_counts_in_a_real_run(tiny_model_dir, prompts_file, tmp_path):
+    # success_reward 2 is out of reach of has_a (0 or 1): every group is resampled max_retries = 2 times
+    code, rows = run(tiny_model_dir, prompts_file, tmp_path / "run", **{
+        "algo.name": "adaptive_grpo", "algo.dynamic_sampling": "true", "algo.adaptive.success_reward": 2.0,
+        "rewards": "[{fn: rewards_for_tests.has_a}]", "train.steps": 3, "rollout.temperature": 0.3})
+    assert code == 0
+    for r in rows:
+        assert r["sampling_rounds"] >= 1
+        assert r["groups_sampled"] == 2 * r["sampling_rounds"]
+        assert r["resamples"] == 2 * r["groups_sampled"] and r["rescued_groups"] == 0
+
+
+def test_dynamic_sampling_with_only_flat_groups_skips_the_update(tiny_model_dir, prompts_file, tmp_path):
+    code, rows = run(tiny_model_dir, prompts_file, tmp_path / "run", **{
+        "algo.name": "dapo", "algo.max_extra_rounds": 1, "rewards": "[{fn: rewards_for_tests.constant}]"})
+    assert code == 0
+    for r in rows:
+        assert r["skipped_update"] == 1 and r["sampling_rounds"] == 2 and r["groups_dropped"] == 4
+        assert r["reward_mean_sampled"] == 1.0
+    from safetensors.torch import load_file
+    weights = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert all(float(w.abs().sum()) == 0 for name, w in weights.items() if "lora_B" in name)  # never updated
+
+
+def test_replay_mixes_stored_groups_with_importance_weights(tiny_model_dir, prompts_file, tmp_path):
+    code, rows = run(tiny_model_dir, prompts_file, tmp_path / "run", **{
+        "algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "train.steps": 3, "train.lr": 0.01})
+    assert code == 0
+    assert rows[0]["replay_groups"] == 0 and rows[0]["replay_stored"] > 0
+    assert rows[1]["replay_groups"] > 0 and rows[1]["is_weight_mean"] is not None
+    assert rows[2]["replay_buffer"] <= 64
+
+
+def test_replay_needs_the_builtin_sampler(tiny_model_dir, prompts_file, tmp_path, capsys):
+    code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"), **{
+        "algo.replay.enabled": "true", "rollout.engine": "hf", "rollout.sampler_dtype": "model",
+        "algo.sampler_is_cap": "null"})])
+    assert code == 2 and "algo.replay" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    (["algo.name=gspo", "algo.loss_agg=token_mean"], "gspo clips one ratio per sequence"),
+    (["algo.overlong_buffer=100"], "exceeds rollout.max_new_tokens"),
+    (["rollout.temperature_schedule=linear"], "needs rollout.temperature_end"),
+    (["algo.name=reinforce_pp", "algo.replay.enabled=true"], "disable algo.replay"),
+    (["algo.name=reinforce_pp", "algo.adaptive.adv_stats=all"], "adv_stats=kept"),
+    (["algo.name=drgrpo"], "did you mean 'dr_grpo'"),
+])
+def test_bad_algorithm_combinations_are_one_line_errors(override, message, capsys):
+    assert main(["train", *override, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def _group(rollout, rows, adv, step):
+    return StoredGroup(select_rows(rollout, rows), torch.tensor(adv), rollout.completion_mask_BTc[rows], step)
+
+
+def test_replay_buffer_keeps_informative_groups_evicts_oldest_and_counts_uses(tiny_model_dir):
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    rollout = sample(model, tokenizer, tok, n_prompts=2, G=2)
+    rollout.sampling_logp_BTc = torch.zeros(rollout.completion_ids_BTc.shape)
+    buffer = ReplayBuffer(ReplayConfig(capacity=2, max_uses=2), seed=0)
+    assert not buffer.add(_group(rollout, [0, 1], [0.0, 0.0], 1))  # zero advantages: nothing to learn
+    assert buffer.add(_group(rollout, [0, 1], [0.5, -0.5], 1))
+    assert buffer.add(_group(rollout, [2, 3], [1.0, -1.0], 2))
+    assert buffer.add(_group(rollout, [0, 1], [0.2, -0.2], 3))
+    assert len(buffer) == 2 and [g.step for g in buffer.groups] == [2, 3]  # step 1 left: capacity 2
+    first = buffer.draw(1, step=4)
+    again = ReplayBuffer(ReplayConfig(capacity=2, max_uses=2), seed=0)
+    again.groups.extend(_group(rollout, [0, 1], [0.1, -0.1], s) for s in (2, 3))
+    assert [g.step for g in again.draw(1, step=4)] == [g.step for g in first]  # seeded by (seed, step)
+    buffer.draw(2, step=5)
+    assert len(buffer) == 1 and buffer.groups[0].uses == 1  # the group used twice has left
+    rollout.sampling_logp_BTc = None
+    with pytest.raises(ValueError, match="sampler's log-probs"):
+        buffer.add(_group(rollout, [0, 1], [0.5, -0.5], 6))
+
+
+def test_concat_rollouts_keeps_every_row_aligned(tiny_model_dir):
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    a = sample(model, tokenizer, tok, n_prompts=1, G=2, max_new=3)
+    b = sample(model, tokenizer, tok, n_prompts=2, G=2, max_new=6, seed=1)
+    joined = concat_rollouts([a, b], tok.pad_id)
+    assert joined.num_completions == 6
+    for part, offset in ((a, 0), (b, 2)):
+        for row in range(part.num_completions):
+            got, want = joined.completion_ids_BTc[offset + row], part.completion_ids_BTc[row]
+            assert got[joined.completion_mask_BTc[offset + row].bool()].tolist() == want[part.completion_mask_BTc[row].bool()].tolist()
+            got_prompt = joined.prompt_ids_BTp[offset + row][joined.prompt_mask_BTp[offset + row].bool()]
+            assert got_prompt.tolist() == part.prompt_ids_BTp[row][part.prompt_mask_BTp[row].bool()].tolist()
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in trainable_parameters(model)])
+
+
+def test_entropy_bonus_adds_minus_coef_times_entropy_gradient(tiny_model_dir):
+    """grad(loss with bonus c) = grad(loss) - c * grad(token-mean entropy), checked with c = 0 and c = 1."""
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model, scale=0.2)
+    rollout = sample(model, tokenizer, tok, n_prompts=2, G=2, max_new=5)
+    scored = ScoredRollout(rollout, torch.tensor([0.5, -0.5, 1.0, -1.0]), rollout.completion_mask_BTc)
+    grads = {}
+    for coef in (0.0, 1.0, 2.0):
+        model.zero_grad(set_to_none=True)
+        accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(entropy_coef=coef), scored, 2, 5)
+        grads[coef] = _grads(model)
+    bonus_1, bonus_2 = grads[0.0] - grads[1.0], grads[0.0] - grads[2.0]
+    assert bonus_1.abs().max() > 1e-6  # the entropy term moves the gradient
+    # float32 differences of gradients: compare relative to the largest entry
+    tol = 1e-3 * float(bonus_1.abs().max())
+    assert torch.allclose(bonus_2, 2 * bonus_1, rtol=1e-3, atol=tol)
+    # and it is the gradient of the token-mean entropy: compare with a direct computation
+    from rlora.models.logprobs import completion_logprobs
+    model.zero_grad(set_to_none=True)
+    _, entropy = completion_logprobs(model, rollout.select(slice(None)), with_entropy=True, chunk_tokens=0, entropy_grad=True)
+    mask = rollout.completion_mask_BTc.float()
+    ((entropy * mask).sum() / mask.sum()).backward()
+    assert torch.allclose(bonus_1, _grads(model), rtol=1e-3, atol=tol)
+    assert math.isfinite(float(bonus_1.sum()))

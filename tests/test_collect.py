@@ -1,0 +1,220 @@
+"""Dynamic sampling (DAPO) and adaptive resampling (adaptive GRPO) with a scripted sampler: exact counts of
+sampling rounds, which groups are resampled with which settings, what is kept, and the advantage statistics."""
+
+import math
+
+import pytest
+import torch
+
+from rlora.algos.advantages import group_advantages
+from rlora.config import AlgoConfig
+from rlora.rewards.scoring import Scores
+from rlora.train.collect import Collector, assemble, fails, is_flat
+from rlora.types import Rollout, SamplingParams
+
+G = 4
+BASE = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.95)
+
+
+class ScriptedSampler:
+    """Returns, call after call, the scripted rewards of each prompt (a dict prompt -> list of reward rows,
+    consumed in order); completions are `length` tokens long. Records every call."""
+
+    def __init__(self, script: dict[int, list[list[float]]], length: int = 3):
+        self.script = {p: list(rows) for p, rows in script.items()}
+        self.length = length
+        self.calls = []
+
+    def __call__(self, prompts, params, seed):
+        self.calls.append((list(prompts), [(p.temperature, p.top_p) for p in params], seed))
+        rewards = [r for p in prompts for r in self.script[p].pop(0)]
+        B = len(rewards)
+        rollout = Rollout(
+            prompt_ids_BTp=torch.tensor([[p + 10] for p in prompts for _ in range(G)]),
+            prompt_mask_BTp=torch.ones(B, 1, dtype=torch.long),
+            completion_ids_BTc=torch.full((B, self.length), 3), completion_mask_BTc=torch.ones(B, self.length, dtype=torch.long),
+            completions=[f"p{p}" for p in prompts for _ in range(G)], finish_reasons=["stop"] * B,
+            temperature_B=torch.tensor([prm.temperature for prm in params for _ in range(G)]),
+            sampling_logp_BTc=torch.zeros(B, self.length),
+        )
+        total = torch.tensor(rewards, dtype=torch.float64)
+        return rollout, Scores(total, {"r": rewards}, torch.isnan(total))
+
+
+def algo(**values) -> AlgoConfig:
+    return AlgoConfig(**values)
+
+
+def test_conditions():
+    cfg = algo().adaptive
+    assert fails(torch.tensor([0.0, 0.5, 0.0]), cfg) and not fails(torch.tensor([0.0, 1.0, 0.0]), cfg)
+    assert is_flat(torch.tensor([1.0, 1.0, math.nan])) and not is_flat(torch.tensor([1.0, 0.0]))
+    zero_var = cfg.model_copy(update={"condition": "zero_variance"})
+    assert fails(torch.tensor([1.0, 1.0]), zero_var) and not fails(torch.tensor([0.0, 0.5]), zero_var)
+    either = cfg.model_copy(update={"condition": "no_success_or_zero_variance"})
+    assert fails(torch.tensor([1.0, 1.0]), either) and fails(torch.tensor([0.0, 0.5]), either)
+    assert not fails(torch.tensor([1.0, 0.0]), either)
+
+
+def test_without_resampling_one_round_with_the_step_seed():
+    sampler = ScriptedSampler({0: [[1, 0, 0, 0]], 1: [[1, 1, 1, 1]]})
+    collector = Collector(sampler, BASE, G, algo(), seed=123)
+    groups = collector.collect([0, 1], lambda r: pytest.fail("no extra round expected"))
+    assert [g.prompt for g in groups] == [0, 1]
+    assert sampler.calls == [([0, 1], [(0.7, 0.95)] * 2, 123)]
+    assert collector.stats.sampling_rounds == 1 and collector.stats.zero_var_before == 1
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills():
+    # round 0: prompt 0 flat, prompt 1 mixed -> 1 kept; round 1 (prompts 2, 3): 2 flat, 3 mixed -> 2 kept: stop
+    sampler = ScriptedSampler({0: [[1, 1, 1, 1]], 1: [[1, 0, 0, 1]], 2: [[0, 0, 0, 0]], 3: [[0, 0.5, 0, 0]]})
+    collector = Collector(sampler, BASE, G, algo(dynamic_sampling=True, max_extra_rounds=3), seed=5)
+    groups = collector.collect([0, 1], lambda r: {1: [2, 3]}[r])
+    assert [g.prompt for g in groups] == [1, 3]
+    assert [c[0] for c in sampler.calls] == [[0, 1], [2, 3]]
+    assert collector.stats.sampling_rounds == 2 and collector.stats.groups_dropped == 2
+    assert len({c[2] for c in sampler.calls}) == 2  # each round draws with its own seed
+
+
+def test_dynamic_sampling_keeps_only_a_full_batch():
+    sampler = ScriptedSampler({0: [[1, 1, 1, 1]], 1: [[1, 0, 0, 1]], 2: [[0, 1, 0, 0]], 3: [[0, 0.5, 0, 0]]})
+    collector = Collector(sampler, BASE, G, algo(dynamic_sampling=True), seed=5)
+    groups = collector.collect([0, 1], lambda r: [2, 3])
+    assert [g.prompt for g in groups] == [1, 2]  # 3 was informative too, but the step is full
+
+
+def test_dynamic_sampling_stops_at_the_round_cap():
+    script = {p: [[0.5] * G] for p in range(8)}
+    sampler = ScriptedSampler(script)
+    collector = Collector(sampler, BASE, G, algo(dynamic_sampling=True, max_extra_rounds=2), seed=0)
+    groups = collector.collect([0, 1], lambda r: [2 * r, 2 * r + 1])
+    assert groups == [] and len(sampler.calls) == 3  # the first round + 2 extra rounds, then train on nothing
+    assert collector.stats.groups_dropped == 6
+
+
+def test_adaptive_resamples_only_failing_groups_with_the_schedule():
+    # group 0 has a success; 1 is rescued by retry 1 (temperature 1.0); 2 fails twice (retry 2 at 1.2, top-p 1.0)
+    sampler = ScriptedSampler({
+        0: [[1, 0, 0, 0]],
+        1: [[0, 0, 0, 0], [0, 1, 0, 0]],
+        2: [[0, 0.5, 0, 0], [0, 0, 0, 0], [0.5, 0.5, 0, 0]],
+    })
+    cfg = algo(adaptive={"enabled": True, "schedule": [{"temperature": 1.0}, {"temperature": 1.2, "top_p": 1.0}]})
+    collector = Collector(sampler, BASE, G, cfg, seed=9)
+    groups = collector.collect([0, 1, 2], lambda r: pytest.fail("no extra round"))
+    assert [(c[0], c[1]) for c in sampler.calls] == [
+        ([0, 1, 2], [(0.7, 0.95)] * 3), ([1, 2], [(1.0, 1.0)] * 2), ([2], [(1.2, 1.0)])]
+    assert [g.retries for g in groups] == [0, 1, 2]
+    assert collector.stats.resamples == 3 and collector.stats.rescued == 1
+    # the kept rows are the last attempt's, and each row carries the temperature it was drawn at
+    assert groups[1].scores.total_B.tolist() == [0, 1, 0, 0]
+    assert groups[2].scores.total_B.tolist() == [0.5, 0.5, 0, 0]
+    rollout, _, _ = assemble(groups, pad_id=0, adv_stats="kept")
+    assert rollout.temperature_B.tolist() == pytest.approx([0.7] * 4 + [1.0] * 4 + [1.2] * 4)
+    # zero-variance groups: 1 (group 1) at the first attempt, 0 after resampling
+    assert collector.stats.zero_var_before == 1 and collector.stats.zero_var_after == 0
+
+
+def test_adaptive_step_budget_caps_resamples():
+    sampler = ScriptedSampler({0: [[0] * G, [0] * G, [0] * G], 1: [[0] * G, [0] * G]})
+    cfg = algo(adaptive={"enabled": True, "max_retries": 3, "step_budget": 2})
+    collector = Collector(sampler, BASE, G, cfg, seed=0)
+    collector.collect([0, 1], lambda r: [])
+    assert [c[0] for c in sampler.calls] == [[0, 1], [0, 1]]  # budget 2 spent by the first retry of both
+    assert collector.stats.resamples == 2
+
+
+def test_adaptive_with_dynamic_sampling_resamples_refill_rounds_too():
+    sampler = ScriptedSampler({0: [[0] * G, [0] * G], 1: [[1, 0, 0, 0]], 2: [[0] * G, [0, 0, 1, 0]]})
+    cfg = algo(dynamic_sampling=True, adaptive={"enabled": True, "max_retries": 1})
+    collector = Collector(sampler, BASE, G, cfg, seed=0)
+    groups = collector.collect([0, 1], lambda r: [2])
+    assert [g.prompt for g in groups] == [1, 2]
+    assert [c[0] for c in sampler.calls] == [[0, 1], [0], [2], [2]]
+
+
+def test_advantage_statistics_of_all_attempts():
+    # prompt 0: first attempt all 0, retry [1, 0, 0, 0] kept. "kept": stats of the kept 4 only;
+    # "all": stats of all 8 samples: mean 0.125, unbiased std sqrt(0.125) = 0.353553
+    sampler = ScriptedSampler({0: [[0] * G, [1, 0, 0, 0]]})
+    collector = Collector(sampler, BASE, G, algo(adaptive={"enabled": True}), seed=0)
+    groups = collector.collect([0], lambda r: [])
+    _, _, kept = assemble(groups, 0, "kept")
+    _, _, every = assemble(groups, 0, "all")
+    assert kept.shape == (1, 4) and every.shape == (1, 8)
+    adv_all = group_advantages(every)[:, :G]
+    std = math.sqrt(0.125)
+    assert torch.allclose(adv_all, torch.tensor([[0.875, -0.125, -0.125, -0.125]]) / (std + 1e-4), atol=1e-5)
+    adv_kept = group_advantages(kept)
+    assert torch.allclose(adv_kept, torch.tensor([[0.75, -0.25, -0.25, -0.25]]) / (0.5 + 1e-4), atol=1e-5)
+
+
+def test_overlong_shaping_enters_the_advantage_rewards_not_the_conditions():
+    # length 9 of limit 10 with a buffer of 4: penalty -(9 - 6) / 4 = -0.75 on every row
+    sampler = ScriptedSampler({0: [[1, 1, 1, 1]]}, length=9)
+    collector = Collector(sampler, BASE, G, algo(dynamic_sampling=True, max_extra_rounds=0, overlong_buffer=4), seed=0)
+    assert collector.collect([0], lambda r: []) == []  # still a flat group for dynamic sampling
+    sampler = ScriptedSampler({0: [[1, 0, 1, 1]]}, length=9)
+    groups = Collector(sampler, BASE, G, algo(overlong_buffer=4), seed=0).collect([0], lambda r: [])
+    assert groups[0].rewards_G.tolist() == [0.25, -0.75, 0.25, 0.25]
+
+
+def test_retried_rows_are_trained_at_the_temperature_they_were_drawn_at(tiny_model_dir):
+    """Adaptive resampling on the real engine: the retried group's sampler log-probs (at temperature 1.6)
+    equal the trainer's recomputed ones, which divide that row's logits by 1.6; recomputing at the base
+    temperature instead would be off-policy by a wide margin."""
+    from test_engine import policy
+
+    from rlora.rollout.engine import BuiltinGenerator
+    from rlora.train.update import batched_logprobs
+
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+
+    def sample(indices, params, seed):
+        rollout = engine.sample(model, [prompts[i] for i in indices], G, params, seed)
+        # prompt 0 always "fails" at first, prompt 1 always succeeds
+        total = torch.tensor([float(i == 1) * (j == 0) for i in indices for j in range(G)], dtype=torch.float64)
+        if rollout.temperature_B[0] != BASE.temperature:
+            total[::G] = 1.0
+        return rollout, Scores(total, {"r": total.tolist()}, torch.zeros(len(total), dtype=torch.bool))
+
+    cfg = algo(adaptive={"enabled": True, "schedule": [{"temperature": 1.6}]})
+    groups = Collector(sample, SamplingParams(max_new_tokens=12, temperature=0.7), G, cfg, seed=0).collect([0, 1], lambda r: [])
+    rollout, _, _ = assemble(groups, tok.pad_id, "kept")
+    assert rollout.temperature_B.tolist() == pytest.approx([1.6] * G + [0.7] * G)
+    mask = rollout.completion_mask_BTc.bool()
+    trainer = batched_logprobs(model, rollout, micro_batch_size=4)
+    gap = (trainer - rollout.sampling_logp_BTc)[mask].abs()
+    assert gap.mean() < 1e-4 and gap.max() < 1e-3
+    rollout.temperature_B = torch.full_like(rollout.temperature_B, 0.7)  # pretend every row was drawn at 0.7
+    wrong = (batched_logprobs(model, rollout, micro_batch_size=4) - rollout.sampling_logp_BTc)[:G][mask[:G]].abs()
+    assert wrong.mean() > 0.05
+
+
+def test_loss_mask_and_behaviour_of_a_batch_with_replayed_groups():
+    """Fresh rows: failed rewards and (with mask_truncated) truncated completions leave the loss; the bf16
+    sampler's cap applies to fresh rows, replay.is_cap to replayed ones; without sampler_is_cap fresh rows
+    are unweighted (NaN behaviour)."""
+    from types import SimpleNamespace
+
+    from rlora.config import RLConfig
+    from rlora.rollout.batching import concat_rollouts
+    from rlora.train.replay import StoredGroup
+    from rlora.train.step import Batch, behaviour, loss_mask
+
+    sampler = ScriptedSampler({0: [[1.0, math.nan, 0.0, 0.0]], 1: [[0, 1, 0, 0]]})
+    fresh, scores = sampler([0], [BASE], 0)
+    fresh.finish_reasons = ["stop", "stop", "length", "stop"]
+    old, _ = sampler([1], [BASE], 0)
+    stored = StoredGroup(old, torch.tensor([-0.5, 1.5, -0.5, -0.5]), old.completion_mask_BTc, step=1)
+    batch = Batch(concat_rollouts([fresh, old], 0), scores, torch.zeros(1, G), [], [stored])
+    cfg = RLConfig.model_validate({"data": {"task": "chain_sum"}, "rewards": [{"fn": "gym"}],
+                                   "algo": {"mask_truncated": True, "sampler_is_cap": 3.0, "replay": {"is_cap": 1.5}}})
+    s = SimpleNamespace(cfg=cfg)
+    assert loss_mask(s, batch).sum(-1).tolist() == [3, 0, 0, 3, 3, 3, 3, 3]
+    behaviour_BT, cap_B = behaviour(s, batch)
+    assert cap_B.tolist() == [3.0] * 4 + [1.5] * 4 and not torch.isnan(behaviour_BT).any()
+    s.cfg = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"sampler_is_cap": None})})
+    behaviour_BT, cap_B = behaviour(s, batch)
+    assert torch.isnan(behaviour_BT[:4]).all() and not torch.isnan(behaviour_BT[4:]).any()

@@ -42,7 +42,7 @@ def run_one(algo: str, seed: int, budget_s: float, eval_before: bool, overrides:
             "before": evals["before"]["accuracy"] if evals.get("before") else None,
             "after": evals["after"]["accuracy"], "zero_std_trained": mean("frac_groups_zero_std"),
             "zero_var_first": mean("frac_zero_var_first"), "rounds": mean("sampling_rounds"),
-            "resamples": mean("resamples"), "completions": sum(r.get("groups_sampled", 0) for r in rows)}
+            "resamples": mean("resamples"), "groups": sum(r.get("groups_sampled", 0) for r in rows)}
 
 
 def fmt(value, spec=".2f") -> str:
@@ -69,7 +69,7 @@ def main() -> int:
           "zero-var groups trained | sampling rounds/step | resamples/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['algo']} | {r['seed']} | {r['steps']} | {r['completions']} | {r['after']:.2f} | "
+        print(f"| {r['algo']} | {r['seed']} | {r['steps']} | {r["groups"]} | {r['after']:.2f} | "
               f"{fmt(r['zero_var_first'])} | {fmt(r['zero_std_trained'])} | {fmt(r['rounds'])} | {fmt(r['resamples'])} |")
     return 0
 

@@ -43,3 +43,11 @@ def has_a(prompts, completions, **columns):
 def constant(prompts, completions, **columns):
     """The same reward for every completion: every group has zero variance."""
     return [1.0 for _ in completions]
+
+
+def hangs(prompts, completions, **columns):
+    """Never returns (until interrupted): a reward server that stopped answering."""
+    import time
+
+    while True:
+        time.sleep(0.01)

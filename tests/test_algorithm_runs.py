@@ -26,21 +26,17 @@ def run(model_dir, data, out, **extra):
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_each_algorithm_trains_two_steps(name, tiny_model_dir, prompts_file, tmp_path):
-    extra = {"algo.name": name, "train.lr": 0.01}
-    if name in ("dapo", "adaptive_grpo"):  # a binary reward, so that some groups are all equal or all failing
-        extra["rewards"] = "[{fn: rewards_for_tests.has_a}]"
-    code, rows = run(tiny_model_dir, prompts_file, tmp_path / "run", **extra)
+    # count_a (share of the letter a) is dense: groups are rarely flat and never fully successful
+    code, rows = run(tiny_model_dir, prompts_file, tmp_path / "run", **{"algo.name": name, "train.lr": 0.01})
     assert code == 0 and [r["step"] for r in rows] == [1, 2]
-    last = rows[-1]
-    assert last["skipped_update"] == 0 or name == "dapo"
+    for r in rows:
+        assert r["skipped_update"] == 0 and r["grad_norm"] > 0
     if name == "dapo":
         assert all(r["sampling_rounds"] >= 1 and "groups_dropped" in r for r in rows)
-    if name == "adaptive_grpo":
-        assert all("resamples" in r and "rescued_groups" in r and "frac_zero_var_after_resample" in r for r in rows)
+    if name == "adaptive_grpo":  # no sample reaches reward 1: every group is resampled max_retries = 2 times
+        assert all(r["resamples"] == 2 * r["groups_sampled"] for r in rows)
     if name.startswith("reinforce_pp"):
-        assert last["kl"] is not None  # the reference ran: its KL went into the token reward
-    if name not in ("dapo", "adaptive_grpo"):
-        assert last["grad_norm"] > 0
+        assert rows[-1]["kl"] is not None  # the reference ran: its KL went into the token reward
 
 
 def test_dynamic_sampling_and_adaptive_counts_in_a_real_run(tiny_model_dir, prompts_file, tmp_path):
@@ -134,6 +130,51 @@ def test_concat_rollouts_keeps_every_row_aligned(tiny_model_dir):
             assert got[joined.completion_mask_BTc[offset + row].bool()].tolist() == want[part.completion_mask_BTc[row].bool()].tolist()
             got_prompt = joined.prompt_ids_BTp[offset + row][joined.prompt_mask_BTp[offset + row].bool()]
             assert got_prompt.tolist() == part.prompt_ids_BTp[row][part.prompt_mask_BTp[row].bool()].tolist()
+
+
+def test_reinforce_pp_puts_no_kl_into_the_loss(tiny_model_dir):
+    """kl_in_reward: with a reference and beta > 0 the loss gradient equals the beta = 0 one (the KL is in
+    the advantages instead), while GRPO with the same beta adds the k3 term."""
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model, scale=0.2)
+    rollout = sample(model, tokenizer, tok, n_prompts=2, G=2, max_new=5)
+    adv = torch.randn(rollout.completion_ids_BTc.shape)
+    ref = torch.randn(rollout.completion_ids_BTc.shape) - 3.0
+    grads = {}
+    for label, algo, beta, ref_logp in (("pp", "reinforce_pp", 0.5, ref), ("none", "grpo", 0.0, None),
+                                         ("grpo", "grpo", 0.5, ref)):
+        model.zero_grad(set_to_none=True)
+        scored = ScoredRollout(rollout, adv, rollout.completion_mask_BTc, ref_logp_BTc=ref_logp)
+        accumulate_policy_gradient(model, get_algorithm(algo), AlgoConfig(name=algo, beta=beta), scored, 2, 5)
+        grads[label] = _grads(model)
+    assert torch.equal(grads["pp"], grads["none"])
+    assert not torch.allclose(grads["grpo"], grads["none"])
+
+
+def test_replayed_groups_of_other_widths_train_with_their_weights(tiny_model_dir):
+    """A batch of fresh rows and replayed rows of another prompt and completion width: the replayed rows'
+    loss is weighted by min(exp(old - behaviour), cap), and their gradient equals the weighted per-row one."""
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model, scale=0.2)
+    fresh = sample(model, tokenizer, tok, n_prompts=1, G=2, max_new=3)
+    old = sample(model, tokenizer, tok, n_prompts=2, G=1, max_new=7, seed=5)
+    joined = concat_rollouts([fresh, old], tok.pad_id)
+    assert joined.completion_ids_BTc.shape[1] == max(fresh.completion_ids_BTc.shape[1], old.completion_ids_BTc.shape[1])
+    B, T = joined.completion_ids_BTc.shape
+    behaviour = torch.full((B, T), float("nan"))
+    behaviour[2:] = -50.0  # far below any real log-prob: the weight hits the cap
+    scored = ScoredRollout(joined, torch.tensor([0.5, -0.5, 1.0, -1.0]), joined.completion_mask_BTc,
+                           behaviour_logp_BTc=behaviour, is_cap_B=torch.tensor([9.0, 9.0, 1.5, 1.5]),
+                           fresh_B=torch.tensor([True, True, False, False]))
+    model.zero_grad(set_to_none=True)
+    stats = accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(), scored, 4, 7)
+    weighted = _grads(model)
+    assert stats["is_weight_mean"] == pytest.approx(1.5)  # only the replayed rows are weighted, all at the cap
+    # the same batch without weights, replayed rows' advantages scaled by 1.5 instead: the same gradient
+    model.zero_grad(set_to_none=True)
+    plain = ScoredRollout(joined, torch.tensor([0.5, -0.5, 1.5, -1.5]), joined.completion_mask_BTc)
+    accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(), plain, 4, 7)
+    assert torch.allclose(weighted, _grads(model), rtol=1e-5, atol=1e-8)
 
 
 def _grads(model):

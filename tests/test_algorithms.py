@@ -90,7 +90,8 @@ def naive_reinforce_pp(rewards, masks, kls, beta, eps, group=None):
     values = [v for row, mask in zip(returns, masks) for v, m in zip(row, mask) if m]
     mean = sum(values) / len(values)
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    return [[(v - mean) / (std + eps) if m else 0.0 for v, m in zip(row, mask)] for row, mask in zip(returns, masks)]
+    shift = 0.0 if group else mean  # the baseline variant divides by the std without re-centring
+    return [[(v - shift) / (std + eps) if m else 0.0 for v, m in zip(row, mask)] for row, mask in zip(returns, masks)]
 
 
 @pytest.mark.parametrize("group", [None, 2])
@@ -101,6 +102,13 @@ def test_reinforce_pp_equals_naive_loop(group):
     got = reinforce_pp_advantages(torch.tensor(rewards), torch.tensor(masks), torch.tensor(kls), 0.1, 1e-4, group_size=group)
     want = naive_reinforce_pp(rewards, masks, kls, 0.1, 1e-4, group)
     assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+
+
+def test_reinforce_pp_baseline_gives_all_equal_groups_no_gradient():
+    # group 0: both correct, different lengths; group 1: mixed. Without KL, group 0's advantages are exactly 0.
+    masks = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    got = reinforce_pp_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0]), masks, None, 0.0, group_size=2)
+    assert got[:2].abs().sum() == 0 and got[2:].abs().sum() > 0
 
 
 def test_reinforce_pp_failed_sample_is_left_out():
@@ -185,6 +193,13 @@ def test_extreme_ratios_and_empty_rows_stay_finite(loss_fn):
     assert logp.grad[1].abs().sum() == 0  # the masked row contributes nothing
 
 
+def test_constant_aggregation_counts_masked_rows():
+    # Dr.GRPO: 18 / (3 rows * 4), the third row fully masked (failed or truncated) still counts
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert aggregate(values, mask, "constant", BatchTotals(5, 2, 4, num_rows=3)).item() == pytest.approx(1.5)
+
+
 def test_importance_weight_per_row_caps_and_unweighted_rows():
     old = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
     behaviour = torch.tensor([[-1.0, 0.5], [NAN, NAN]])
@@ -209,6 +224,11 @@ def test_every_algorithm_is_selectable_and_presets_yield_to_user_values():
     assert load_config(None, ["algo.name=adaptive_grpo"]).algo.adaptive.enabled
     assert not load_config(None, ["algo.name=adaptive_grpo", "algo.adaptive.enabled=false"]).algo.adaptive.enabled
     assert load_config(None, ["algo.name=reinforce_pp"]).algo.beta == 0.01
+    cispo = load_config(None, ["algo.name=cispo", "algo.clip_high=2.0"]).algo
+    assert (cispo.clip_low, cispo.clip_high, cispo.loss_agg) == (1.0, 2.0, "token_mean")
+    assert load_config(None, ["algo.name=rloo", "algo.adv_scale=group"]).algo.adv_scale == "group"
+    assert load_config(None, ["algo.name=rloo"]).algo.adv_scale == "none"
+    assert load_config(None, ["algo.name=gspo", "algo.clip_low=0.001"]).algo.clip_low == 0.001
 
 
 # ---------------------------------------------------------------- schedules

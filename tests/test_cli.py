@@ -188,3 +188,36 @@ def test_module_entry_point_and_help():
     assert done.returncode == 2
     assert done.stderr.strip() == "rlora: error: unknown config key 'lora.rnak' (did you mean 'lora.rank'?)"
     assert Path(sys.executable).with_name("rlora").exists()
+
+
+def test_hanging_reward_times_out_with_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **{
+        "rewards": "[{fn: rewards_for_tests.hangs, timeout_s: 0.5}]", "eval.before": "false"})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 2 and "rlora: error: reward fn 'hangs' did not return within 0.5 s" in err
+    assert (tmp_path / "o" / "adapter" / "adapter_model.safetensors").is_file()  # what was learnt is kept
+
+
+def test_debug_shows_the_traceback(capsys):
+    code, err = run_cli(["train", "train.stpes=2", "--debug"], capsys)
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("rlora: error: unknown config key")
+
+
+def test_truncated_adapter_file_and_adapter_for_another_base(tiny_model_dir, prompts_file, tmp_path, capsys):
+    from rlora.models.tiny import build_random_model
+
+    first = tmp_path / "first"
+    assert run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(first), **{
+        "train.steps": 1, "eval.before": "false", "eval.after": "false"})], capsys)[0] == 0
+    adapter = first / "adapter"
+    other = str(build_random_model(tmp_path / "qwen", family="qwen2", hidden=96, seed=2))
+    code, err = run_cli(["train", *tiny_overrides(other, prompts_file, str(tmp_path / "o1"), **{
+        "lora.init_from": str(adapter)})], capsys)
+    assert code == 2 and "does not fit model" in err and len(err.strip().splitlines()) == 1, err
+    weights = adapter / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    for cut in (100, len(data) - 64):  # inside the header; inside the tensor data
+        weights.write_bytes(data[:cut])
+        code, err = run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o2"), **{
+            "lora.init_from": str(adapter)})], capsys)
+        assert code == 2 and "is damaged" in err and len(err.strip().splitlines()) == 1, err

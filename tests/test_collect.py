@@ -203,18 +203,39 @@ def test_loss_mask_and_behaviour_of_a_batch_with_replayed_groups():
     from rlora.train.replay import StoredGroup
     from rlora.train.step import Batch, behaviour, loss_mask
 
-    sampler = ScriptedSampler({0: [[1.0, math.nan, 0.0, 0.0]], 1: [[0, 1, 0, 0]]})
-    fresh, scores = sampler([0], [BASE], 0)
+    fresh, scores = ScriptedSampler({0: [[1.0, math.nan, 0.0, 0.0]]})([0], [BASE], 0)
     fresh.finish_reasons = ["stop", "stop", "length", "stop"]
-    old, _ = sampler([1], [BASE], 0)
+    old, _ = ScriptedSampler({1: [[0, 1, 0, 0]]}, length=5)([1], [BASE], 0)  # another completion width
     stored = StoredGroup(old, torch.tensor([-0.5, 1.5, -0.5, -0.5]), old.completion_mask_BTc, step=1)
     batch = Batch(concat_rollouts([fresh, old], 0), scores, torch.zeros(1, G), [], [stored])
     cfg = RLConfig.model_validate({"data": {"task": "chain_sum"}, "rewards": [{"fn": "gym"}],
                                    "algo": {"mask_truncated": True, "sampler_is_cap": 3.0, "replay": {"is_cap": 1.5}}})
     s = SimpleNamespace(cfg=cfg)
-    assert loss_mask(s, batch).sum(-1).tolist() == [3, 0, 0, 3, 3, 3, 3, 3]
+    mask = loss_mask(s, batch)
+    assert mask.shape == (8, 5) and mask.sum(-1).tolist() == [3, 0, 0, 3, 5, 5, 5, 5]
     behaviour_BT, cap_B = behaviour(s, batch)
     assert cap_B.tolist() == [3.0] * 4 + [1.5] * 4 and not torch.isnan(behaviour_BT).any()
     s.cfg = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"sampler_is_cap": None})})
     behaviour_BT, cap_B = behaviour(s, batch)
     assert torch.isnan(behaviour_BT[:4]).all() and not torch.isnan(behaviour_BT[4:]).any()
+
+
+def test_extra_prompts_never_repeat_within_a_step_and_are_seeded():
+    from rlora.train.step import ExtraPrompts
+
+    extra = ExtraPrompts(num_prompts=10, count=3, seed=0, step=4, first=[0, 1, 2])
+    rounds = [extra(1), extra(2)]
+    drawn = [p for r in rounds for p in r]
+    assert len(drawn) == 6 and len(set(drawn)) == 6 and not set(drawn) & {0, 1, 2}
+    again = ExtraPrompts(num_prompts=10, count=3, seed=0, step=4, first=[0, 1, 2])
+    assert [again(1), again(2)] == rounds
+    assert ExtraPrompts(10, 3, 0, 5, [0, 1, 2])(1) != rounds[0] or ExtraPrompts(10, 3, 0, 6, [0, 1, 2])(1) != rounds[0]
+
+
+def test_replay_count_rounds_stochastically_to_the_expected_number():
+    from rlora.train.step import replay_count
+
+    counts = [replay_count(0.5, seed=0, step=s) for s in range(400)]
+    assert set(counts) == {0, 1} and abs(sum(counts) / 400 - 0.5) < 0.08
+    assert [replay_count(2.0, 0, s) for s in range(5)] == [2] * 5
+    assert replay_count(0.5, 0, 7) == replay_count(0.5, 0, 7)

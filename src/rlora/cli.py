@@ -1,6 +1,7 @@
 """`rlora <command>`: thin — parse arguments, load and validate the config, call the recipe.
 
-Bad input (UserError) prints one line `rlora: error: ...` and exits with code 2, no traceback.
+Bad input (UserError) prints one line `rlora: error: ...` and exits with code 2, no traceback (--debug
+prints the traceback too).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ examples:
   rlora train train.steps=5 lora.rank=8        # the demo with overrides
   rlora train my.yaml algo.beta=0.04           # your config with overrides
   rlora train --print-config                   # show the resolved config and exit
+  rlora train algo.name=dapo                   # another algorithm (docs/algorithms.md)
+  rlora train my.yaml train.checkpoint_every=10   # resumable checkpoints in OUTPUT/checkpoints ...
+  rlora train my.yaml train.output_dir=OUTPUT train.resume=auto   # ... and continuing from the newest
 
 stable override keys: model.path lora.rank lora.alpha lora.target_modules rollout.num_generations
   rollout.max_new_tokens rollout.temperature algo.beta algo.loss_agg train.steps train.prompts_per_step
@@ -42,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                        help="an optional YAML config file, then dotted overrides")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
     return parser
 
 
@@ -93,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
     except UserError as err:
+        if getattr(args, "debug", False):
+            import traceback
+
+            traceback.print_exc()
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

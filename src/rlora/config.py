@@ -62,6 +62,8 @@ class RewardSpec(_Section):
     fn: str = Field(description="Built-in name (gym, format, math) or dotted import path module.function")
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function")
+    timeout_s: float | None = Field(
+        300.0, gt=0, description="A call (one batch) that runs longer stops the run with an error (None: no limit)")
 
 
 class ThinkConfig(_Section):
@@ -126,9 +128,9 @@ class AdaptiveConfig(_Section):
         "no_success", description="When a group is resampled: no sample reaches success_reward, all rewards equal, or either")
     success_reward: float = Field(1.0, description="A sample succeeds when its total reward is at least this")
     schedule: list[SamplingSetting] = Field(
-        default_factory=lambda: [SamplingSetting(temperature=1.0), SamplingSetting(temperature=1.2)],
+        default_factory=lambda: [SamplingSetting(temperature=1.0), SamplingSetting(temperature=1.2)], min_length=1,
         description="Settings of retry 1, 2, ... (the last one repeats for further retries)")
-    max_retries: int = Field(2, ge=1, description="Resamples of one group in one step")
+    max_retries: int = Field(2, ge=1, le=16, description="Resamples of one group in one step")
     step_budget: int | None = Field(None, ge=1, description="Most group resamples in one step (None: no cap)")
     adv_stats: Literal["kept", "all"] = Field(
         "kept", description="Advantage baseline/std from the kept attempt only, or from all attempts of the prompt")
@@ -185,6 +187,13 @@ class TrainConfig(_Section):
     output_dir: str | None = Field(None, description="Default: runs/train-YYYYmmdd-HHMMSS")
     overwrite: bool = Field(False, description="Allow writing into an existing non-empty output_dir")
     save_every: int = Field(0, ge=0, description="Save adapter-stepN every N steps (0: only at the end)")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Write a resumable checkpoint (adapter, optimizer, scheduler, RNG, step) every N steps "
+        "and at the end (0: never)")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in output_dir/checkpoints (oldest removed)")
+    resume: str | None = Field(
+        None, description="'auto': continue from the newest valid checkpoint in output_dir (or start fresh if none); "
+        "or a checkpoints/step-N folder")
     sample_every: int = Field(5, ge=0, description="Write sample completions every N steps (0: never)")
     max_reward_failure_frac: float = Field(0.25, ge=0, le=1, description="Stop if more samples' rewards fail in a step")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
@@ -279,6 +288,9 @@ class RLConfig(_Section):
                              "batch-whitened: disable algo.replay or pick another algorithm")
         if rollout.temperature_schedule != "constant" and rollout.temperature_end is None:
             raise ValueError(f"rollout.temperature_schedule={rollout.temperature_schedule} needs rollout.temperature_end")
+        if rollout.temperature_schedule == "constant" and rollout.temperature_end is not None:
+            raise ValueError("rollout.temperature_end is set but rollout.temperature_schedule is constant: choose "
+                             "linear, cosine or exponential (or unset temperature_end)")
 
     def constant_norm(self) -> int:
         """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit."""

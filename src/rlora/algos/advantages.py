@@ -93,27 +93,31 @@ def token_returns(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.T
     return token_reward_BT.flip(-1).cumsum(-1).flip(-1) * mask
 
 
-def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole batch (unbiased std); 0 elsewhere."""
+def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float, center: bool = True) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole batch (unbiased std); 0 elsewhere.
+    center=False only divides by the std (the std is still taken around the mean)."""
     mask = mask_BT.double()
     count = mask.sum()
     if count < 2:
         return torch.zeros_like(values_BT, dtype=torch.float32)
     mean = (values_BT * mask).sum() / count
     std = torch.sqrt((((values_BT - mean) * mask) ** 2).sum() / (count - 1))
-    return ((values_BT - mean) / (std + eps) * mask).float()
+    shifted = values_BT - mean if center else values_BT
+    return (shifted / (std + eps) * mask).float()
 
 
 def reinforce_pp_advantages(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float,
                             eps: float = 1e-4, group_size: int | None = None) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): token returns whitened over the batch -> advantages_BT. With group_size, the
-    group mean reward is subtracted first (REINFORCE++-baseline)."""
+    group mean reward is subtracted first (REINFORCE++-baseline) and the returns are only divided by the
+    batch std, not re-centred: re-centring with a token-weighted mean would give a group whose rewards are
+    all equal a gradient whenever its completions differ in length."""
     rewards = rewards_B.double()
     if group_size is not None:
         grouped = rewards.view(-1, group_size)
         rewards = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
     valid_BT = mask_BT * (~torch.isnan(rewards)).unsqueeze(-1)
-    return whiten(token_returns(rewards, valid_BT, kl_BT, beta), valid_BT, eps)
+    return whiten(token_returns(rewards, valid_BT, kl_BT, beta), valid_BT, eps, center=group_size is None)
 
 
 def overlong_penalty(lengths_B: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:

@@ -42,8 +42,9 @@ class BatchTotals:
     """Global counts of the full batch (summed over micro-batches and ranks) used as normalisers."""
 
     num_tokens: float  # completion tokens that count
-    num_seqs: int  # completions
+    num_seqs: int  # completions with at least one such token (seq_mean)
     constant_len: int  # tokens per sequence for loss_agg="constant" (Dr.GRPO)
+    num_rows: int | None = None  # all completions of the batch, masked ones too (constant); None: num_seqs
 
 
 def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,8 @@ def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: LossAgg, tot
 
     token_mean: sum over all tokens / total tokens of the batch            (DAPO)
     seq_mean:   sum over sequences of (token sum / own length) / sequences  (GRPO paper)
-    constant:   sum over all tokens / (sequences * constant_len)            (Dr.GRPO)
+    constant:   sum over all tokens / (rows * constant_len)                 (Dr.GRPO: a true constant, the batch
+                size times the length limit, whatever is masked)
     """
     masked_BT = values_BT * mask_BT
     if mode == "token_mean":
@@ -128,5 +130,6 @@ def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: LossAgg, tot
         per_seq_B = masked_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
         return per_seq_B.sum() / totals.num_seqs
     if mode == "constant":
-        return masked_BT.sum() / (totals.num_seqs * totals.constant_len)
+        rows = totals.num_rows if totals.num_rows is not None else totals.num_seqs
+        return masked_BT.sum() / (rows * totals.constant_len)
     raise ValueError(f"unknown loss aggregation {mode!r}; use token_mean, seq_mean or constant")

@@ -109,6 +109,16 @@ def check_adapter_folder(folder: str) -> None:
         json.loads((path / "adapter_config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{folder}/adapter_config.json is not valid JSON") from None
+    weights = path / "adapter_model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(weights), framework="pt") as handle:
+                for key in handle.keys():  # reading every tensor catches a file cut short
+                    handle.get_tensor(key)
+        except Exception as err:  # noqa: BLE001 - header or data unreadable
+            raise UserError(f"{weights} is damaged (truncated or not safetensors): {first_line(err)}") from None
 
 
 def attach_lora(base: torch.nn.Module, cfg: LoraConfig):

@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,6 +28,30 @@ class RewardFn:
     fn: Callable[..., list]
     weight: float
     args: dict[str, Any]
+    timeout_s: float | None = None
+
+
+@contextmanager
+def time_limit(reward: RewardFn, size: int):
+    """Raise UserError if the call takes longer than reward.timeout_s. SIGALRM interrupts Python code (a call
+    blocked inside C code is interrupted when it returns to Python); only in the main thread on Unix, which is
+    where training runs — elsewhere no limit applies."""
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not reward.timeout_s or not usable:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise UserError(f"reward fn '{reward.name}' did not return within {reward.timeout_s:g} s for {size} "
+                        "completions (rewards[].timeout_s): it hangs or is too slow")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, reward.timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def import_callable(dotted: str) -> Callable:
@@ -55,7 +82,7 @@ def resolve_rewards(specs: list[RewardSpec], has_task: bool) -> list[RewardFn]:
         base = spec.fn.replace(":", ".").rpartition(".")[2]
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}_{seen[base]}"
-        resolved.append(RewardFn(name=name, fn=fn, weight=spec.weight, args=dict(spec.args)))
+        resolved.append(RewardFn(name=name, fn=fn, weight=spec.weight, args=dict(spec.args), timeout_s=spec.timeout_s))
     return resolved
 
 
@@ -98,7 +125,8 @@ def _call_one_by_one(reward: RewardFn, prompts, completions, columns) -> tuple[l
     for i in range(len(completions)):
         one_columns = {k: [v[i]] for k, v in columns.items()}
         try:
-            out = _check_output(reward.name, reward.fn([prompts[i]], [completions[i]], **one_columns, **reward.args), 1)
+            with time_limit(reward, 1):
+                out = _check_output(reward.name, reward.fn([prompts[i]], [completions[i]], **one_columns, **reward.args), 1)
             values.append(out[0])
         except UserError:
             raise
@@ -118,7 +146,8 @@ def score_completions(
     per_fn, errors = {}, []
     for reward in rewards:
         try:
-            values = _check_output(reward.name, reward.fn(prompts, completions, **columns, **reward.args), n)
+            with time_limit(reward, n):
+                values = _check_output(reward.name, reward.fn(prompts, completions, **columns, **reward.args), n)
         except UserError:
             raise
         except Exception:  # noqa: BLE001 - find the failing samples one by one

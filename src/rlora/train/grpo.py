@@ -30,6 +30,7 @@ from rlora.train.evaluate import evaluate
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
+from rlora.train.resume import check_same_run, find_checkpoint, restore_training_state, save_training_state
 from rlora.train.step import RewardFailure, grpo_step
 from rlora.types import Example
 
@@ -48,6 +49,7 @@ class Session:
     prompts: PromptSets
     train_ids: list[list[int]]
     eval_ids: list[list[int]]
+    resume_from: Path | None = None  # checkpoint this run continues from
 
 
 def seed_everything(seed: int) -> None:
@@ -56,12 +58,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_inputs(cfg: RLConfig) -> tuple[RunDir, list[RewardFn]]:
+def check_inputs(cfg: RLConfig) -> tuple[RunDir, list[RewardFn], Path | None]:
     """Everything that can be checked without loading the model, so bad input fails in a second."""
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite)
-    run_dir.check_writable()
+    resume_from = find_checkpoint(cfg)
+    if resume_from is None or not run_dir.holds_checkpoint(resume_from):
+        run_dir.check_writable()
+    if resume_from is not None:
+        check_same_run(cfg, resume_from)
     if cfg.data.task is not None:
         check_task(cfg.data.task, cfg.data.task_args)
     for path in (cfg.data.path, cfg.data.eval_path):
@@ -71,11 +77,11 @@ def check_inputs(cfg: RLConfig) -> tuple[RunDir, list[RewardFn]]:
         check_adapter_folder(cfg.lora.init_from)
     quantization_config(cfg.model)  # bitsandbytes missing: say so before loading anything
     rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
-    return run_dir, rewards
+    return run_dir, rewards, resume_from
 
 
 def prepare(cfg: RLConfig) -> Session:
-    run_dir, rewards = check_inputs(cfg)
+    run_dir, rewards, resume_from = check_inputs(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -108,7 +114,7 @@ def prepare(cfg: RLConfig) -> Session:
             raise UserError(f"{key.split()[1].split('=')[0]} needs the sampler's log-probs, which only rollout.engine="
                             f"builtin returns (this run samples with '{generator.name}'): {key}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids)
+                   prompts, train_ids, eval_ids, resume_from)
 
 
 def run_eval(s: Session, label: str) -> dict | None:
@@ -134,22 +140,46 @@ def save_final(s: Session, name: str = "adapter") -> None:
     s.run_dir.write_folder(name, lambda folder: save_adapter(s.model, folder))
 
 
+def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
+    """A fresh run: create the folder and evaluate before training. A resumed one: put the checkpoint's
+    state back and drop log lines of steps after it. -> (first step, training time so far, evaluations)."""
+    cfg = s.cfg
+    if s.resume_from is None or not s.run_dir.holds_checkpoint(s.resume_from):
+        s.run_dir.create()
+    s.run_dir.write_text("config.yaml", to_yaml(cfg))
+    if s.resume_from is None:
+        return 0, 0.0, {"before": run_eval(s, "before") if cfg.eval.before else None}
+    state = check_same_run(cfg, s.resume_from)
+    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay)
+    s.run_dir.drop_steps_after(state["step"], ("metrics.jsonl", "samples.jsonl"))
+    info(f"resuming from {s.resume_from} after step {state['step']}")
+    return state["step"], state["train_s"], {"before": state["eval_before"]}
+
+
 def run_grpo(cfg: RLConfig) -> dict:
     if cfg.train.release_memory and not return_freed_memory():
         info("train.release_memory has no effect here (needs glibc)")
     s = prepare(cfg)
-    s.run_dir.create()
-    s.run_dir.write_text("config.yaml", to_yaml(cfg))
     n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
     info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters, {len(s.train_ids)} prompts "
-         f"-> {s.run_dir.path}")
-    evals = {"before": run_eval(s, "before") if cfg.eval.before else None}
+         f"-> {cfg.train.output_dir}")
     optimizer, scheduler = build_optimizer(trainable_parameters(s.model), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed) if cfg.algo.replay.enabled else None
-    t0, last, status = time.perf_counter(), {}, "completed"
+    first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)
+    t0, last, status = time.perf_counter() - train_s_before, {}, "completed"
+
+    def checkpoint(done: int) -> None:
+        try:
+            save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, replay,
+                                time.perf_counter() - t0, evals["before"])
+        except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
+            raise UserError(f"could not write the checkpoint after step {done} ({err.strerror or err}); the previous "
+                            "checkpoint stays valid: fix the cause and continue with train.resume=auto") from None
+
     try:
         with progress_bar("train", cfg.train.steps) as update:
-            for step in range(cfg.train.steps):
+            update(first_step, "")
+            for step in range(first_step, cfg.train.steps):
                 last, samples = grpo_step(s, step, optimizer, scheduler, replay)
                 s.run_dir.append_jsonl("metrics.jsonl", last)
                 if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
@@ -157,6 +187,8 @@ def run_grpo(cfg: RLConfig) -> dict:
                         s.run_dir.append_jsonl("samples.jsonl", row)
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                     save_final(s, f"adapter-step{step + 1}")
+                if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
+                    checkpoint(step + 1)
                 update(step + 1, metrics_line(last))
                 if cfg.train.max_time_s and time.perf_counter() - t0 >= cfg.train.max_time_s:
                     info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
@@ -168,15 +200,21 @@ def run_grpo(cfg: RLConfig) -> dict:
             status = "stopped: reward failures"
         else:
             status = f"failed: {type(stop).__name__}: {stop}"
-        save_final(s)
-        s.run_dir.write_json("summary.json", {"status": status, "last_metrics": last, "eval": evals})
+        try:
+            save_final(s)
+            s.run_dir.write_json("summary.json", {"status": status, "last_metrics": last, "eval": evals})
+        except OSError as err:  # e.g. the disk is full: say so, and let the original error through
+            info(f"could not save the adapter after the failure: {err}")
         raise
     save_final(s)
+    done = last.get("step", first_step)
+    if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every:
+        checkpoint(done)  # the end of the run is a checkpoint too: `train.steps=more train.resume=auto` extends it
     train_s = time.perf_counter() - t0
     evals["after"] = run_eval(s, "after") if cfg.eval.after else None
     if any(evals.values()):
         s.run_dir.write_json("eval.json", evals)
-    summary = {"status": status, "steps": last.get("step", 0), "train_s": train_s, "adapter_params": n_trainable, "last_metrics": last, "eval": evals}
+    summary = {"status": status, "steps": done, "train_s": train_s, "adapter_params": n_trainable, "last_metrics": last, "eval": evals}
     s.run_dir.write_json("summary.json", summary)
     _print_final(s, summary)
     return summary

@@ -17,7 +17,7 @@ from rlora.errors import UserError
 
 RUN_FILES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval_before.jsonl", "eval_after.jsonl",
              "summary.json"}
-RUN_FOLDER_PREFIXES = ("adapter", ".adapter")
+RUN_FOLDER_PREFIXES = ("adapter", ".adapter", "checkpoints")
 
 
 def finite_or_none(obj: Any) -> Any:
@@ -39,7 +39,8 @@ def default_output_dir(prefix: str = "train") -> str:
     return str(Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: so that renames inside it are on disk)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -73,6 +74,20 @@ class RunDir:
             for child in self.path.iterdir():
                 if child.name in RUN_FILES or child.name.startswith(RUN_FOLDER_PREFIXES):
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def holds_checkpoint(self, checkpoint: Path) -> bool:
+        """The checkpoint belongs to this run folder (a resume continues here rather than starting anew)."""
+        return checkpoint.resolve().parent.parent == self.path.resolve()
+
+    def drop_steps_after(self, step: int, names: tuple[str, ...]) -> None:
+        """Remove JSONL lines of steps after `step` (logged by a run that died before its next checkpoint)."""
+        for name in names:
+            path = self.path / name
+            if path.is_file():
+                lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+                kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+                if len(kept) != len(lines):
+                    self.write_text(name, "".join(kept))
 
     def write_text(self, name: str, text: str) -> None:
         target = self.path / name
@@ -110,7 +125,7 @@ class RunDir:
                 old = self.path / f".{name}.old-{os.getpid()}"
                 os.replace(target, old)
             os.replace(tmp, target)
-            _fsync_dir(self.path)
+            fsync_path(self.path)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException:

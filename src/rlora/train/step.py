@@ -3,7 +3,9 @@ groups -> reference/old log-probs -> advantages -> update(s) -> metrics. Any alg
 
 from __future__ import annotations
 
+import random
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +17,7 @@ from rlora.errors import UserError
 from rlora.rewards.scoring import Scores, score_completions
 from rlora.train.evaluate import columns_of
 from rlora.rollout.batching import concat_rollouts, select_rows
-from rlora.train.collect import CollectStats, Collector, Group, assemble
+from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.train.schedules import progress_of, scheduled_value
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
@@ -90,19 +92,40 @@ def _sampler(s, step: int, timings: Timings):
 
 def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
-    order = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle)
-    # extra prompts of dynamic sampling come from their own seeded order: a pure function of (step, round)
-    extra = PromptOrder(len(s.train_ids), P, cfg.data.seed + 7_919, cfg.data.shuffle)
+    first = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
                           step_seed(cfg, step))
-    groups = collector.collect(order.indices(step), lambda r: extra.indices(step * cfg.algo.max_extra_rounds + r - 1))
+    groups = collector.collect(first, ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, first))
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
-    replayed = replay.draw(round(cfg.algo.replay.ratio * len(groups)), step) if replay is not None else []
+    replayed = replay.draw(replay_count(cfg.algo.replay.ratio * len(groups), cfg.train.seed, step), step) if replay else []
     if replayed:
         rollout = concat_rollouts([rollout] + [g.rollout for g in replayed], s.tok.pad_id)
     return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats
+
+
+class ExtraPrompts:
+    """Prompts for dynamic sampling's extra rounds: drawn at random (seeded by data seed, step and round)
+    from the prompts this step has not sampled yet, so a dropped prompt is never redrawn in the same step."""
+
+    def __init__(self, num_prompts: int, count: int, seed: int, step: int, first: list[int]):
+        self.num_prompts, self.count, self.seed, self.step = num_prompts, count, seed, step
+        self.used = set(first)
+
+    def __call__(self, round_index: int) -> list[int]:
+        fresh = [i for i in range(self.num_prompts) if i not in self.used] or list(range(self.num_prompts))
+        rng = random.Random(f"extra-{self.seed}-{self.step}-{round_index}")
+        picked = rng.sample(fresh, min(self.count, len(fresh)))
+        self.used.update(picked)
+        return picked
+
+
+def replay_count(expected: float, seed: int, step: int) -> int:
+    """Stochastic rounding (seeded by step): on average `expected` replayed groups per step, also when it is
+    below 1 (round() would give 0 for ratio 0.25 x 2 groups and never replay)."""
+    whole = int(expected)
+    return whole + (random.Random(f"replay-{seed}-{step}").random() < expected - whole)
 
 
 def loss_mask(s, batch: Batch) -> torch.Tensor:
@@ -160,12 +183,15 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     t_start, timings = time.perf_counter(), Timings()
     batch, stats = collect_batch(s, step, replay, timings)
     t_collected = time.perf_counter()
-    if batch is None:  # dynamic sampling kept no group: nothing to learn from this step
-        for _ in range(cfg.algo.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-        return {"step": step + 1, "skipped_update": 1, "trained_frac": 0.0, **_collect_metrics(stats, cfg),
-                "step_s": t_collected - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}, []
+    if batch is None:  # dynamic sampling kept no group: nothing to learn from this step (replay waits too)
+        lr = scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():  # the schedule advances as if the update had run; torch warns about that
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(cfg.algo.num_iterations):
+                scheduler.step()
+        return {"step": step + 1, "skipped_update": 1, "trained_frac": 0.0, **_collect_metrics(stats, cfg), "lr": lr,
+                "temperature": step_params(cfg, step).temperature, "step_s": t_collected - t_start,
+                "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}, []
     rollout = batch.rollout
     mask_BT = loss_mask(s, batch)
 
@@ -196,7 +222,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
 
     metrics = {
         "step": step + 1, **_reward_metrics(batch), **update,
-        **_rollout_metrics(batch, advantages), **_collect_metrics(stats, cfg), "lr": lr,
+        **_rollout_metrics(batch), **_collect_metrics(stats, cfg), "lr": lr,
         "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "ref_s": t_ref - t_collected, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
@@ -220,16 +246,15 @@ def _reward_metrics(batch: Batch) -> dict:
     }
 
 
-def _rollout_metrics(batch: Batch, advantages) -> dict:
+def _rollout_metrics(batch: Batch) -> dict:
     rollout, n = batch.rollout, batch.num_fresh
     lengths = rollout.completion_mask_BTc[:n].sum(-1).float()
     shaping = torch.cat([g.shaping_G for g in batch.groups])
-    per_row = advantages if advantages.dim() == 1 else advantages.abs().amax(-1)
-    G = len(batch.groups[0].shaping_G)
     return {
         "completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
         "truncated_frac": sum(r == "length" for r in rollout.finish_reasons[:n]) / n,
-        "frac_groups_zero_std": float((per_row[:n].view(-1, G) == 0).all(dim=1).float().mean()),
+        # groups of the trained batch whose task rewards are all equal (what GRPO-style advantages zero out)
+        "frac_groups_zero_std": sum(is_flat(g.scores.total_B) for g in batch.groups) / len(batch.groups),
         "overlong_penalty_mean": float(shaping.mean()) if bool((shaping != 0).any()) else 0.0,
         "gen_tokens": int(rollout.completion_mask_BTc[:n].sum()), "prompt_tokens": int(rollout.prompt_mask_BTp[:n].sum()),
     }

@@ -71,6 +71,7 @@ def batch_totals(loss_mask_BTc: torch.Tensor, constant_len: int) -> BatchTotals:
         num_tokens=float(loss_mask_BTc.sum()),
         num_seqs=int((loss_mask_BTc.sum(-1) > 0).sum()),
         constant_len=constant_len,
+        num_rows=loss_mask_BTc.shape[0],
     )
 
 

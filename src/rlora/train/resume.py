@@ -1,0 +1,146 @@
+"""What a training checkpoint holds, and putting it back.
+
+    adapter/          the PEFT adapter (safetensors), loaded back into the live model's adapter parameters
+    trainer.pt        optimizer and scheduler state, RNG states of python/numpy/torch (and CUDA), read back
+                      with torch.load(weights_only=True): no pickled code is ever executed
+    replay.pt         the experience-replay buffer, when the run uses one
+    state.json        step, training time so far, the evaluation before training, the run's config
+
+Data order and sampling seeds are pure functions of (seed, step), so the step number is the data position.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rlora.config import to_yaml
+from rlora.errors import UserError
+from rlora.models.loading import save_adapter
+from rlora.rollout.batching import select_rows
+from rlora.train.checkpoint import latest_valid, verify, write_checkpoint
+from rlora.train.replay import ReplayBuffer, StoredGroup
+from rlora.types import Rollout
+
+CHECKPOINTS = "checkpoints"
+# sections whose change makes a checkpoint meaningless for the run (train.* may change: e.g. more steps)
+MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo")
+
+
+def rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _replay_state(buffer: ReplayBuffer) -> list[dict]:
+    return [{"rollout": vars(g.rollout), "advantages_G": g.advantages_G, "loss_mask_GT": g.loss_mask_GT,
+             "step": g.step, "uses": g.uses} for g in buffer.groups]
+
+
+def _load_replay(buffer: ReplayBuffer, groups: list[dict]) -> None:
+    buffer.groups.clear()
+    for g in groups:
+        rollout = Rollout(**g["rollout"])
+        buffer.groups.append(StoredGroup(select_rows(rollout, list(range(rollout.num_completions))),
+                                         g["advantages_G"], g["loss_mask_GT"], g["step"], g["uses"]))
+
+
+def save_training_state(run_path: Path, step: int, cfg, model, optimizer, scheduler, replay: ReplayBuffer | None,
+                        train_s: float, eval_before: dict | None) -> Path:
+    """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints)."""
+
+    def fill(folder: Path) -> None:
+        save_adapter(model, folder / "adapter")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+                   folder / "trainer.pt")
+        if replay is not None:
+            torch.save(_replay_state(replay), folder / "replay.pt")
+        state = {"step": step, "train_s": train_s, "eval_before": eval_before, "config": to_yaml(cfg)}
+        (folder / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+
+    return write_checkpoint(run_path / CHECKPOINTS, step, fill, cfg.train.keep_checkpoints)
+
+
+def find_checkpoint(cfg) -> Path | None:
+    """The checkpoint train.resume names: None (start fresh), 'auto' (the newest valid one in the output
+    folder, if any) or a checkpoint folder (must be valid)."""
+    resume = cfg.train.resume
+    if resume is None:
+        return None
+    if resume == "auto":
+        return latest_valid(Path(cfg.train.output_dir) / CHECKPOINTS)
+    folder = Path(resume)
+    if not folder.is_dir():
+        raise UserError(f"train.resume: no checkpoint folder at '{resume}' (use 'auto' or a checkpoints/step-N folder)")
+    if verify(folder) is None:
+        raise UserError(f"train.resume: '{resume}' is not a complete checkpoint (missing or damaged files): "
+                        f"use an older one or train.resume=auto")
+    return folder
+
+
+def check_same_run(cfg, folder: Path) -> dict:
+    """-> the checkpoint's state; refuses a checkpoint made with other model/LoRA/data/reward/algorithm settings."""
+    state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    saved = yaml.safe_load(state["config"])
+    current = yaml.safe_load(to_yaml(cfg))
+    for section in MUST_MATCH:
+        if saved.get(section) != current.get(section):
+            key = _first_difference(saved.get(section), current.get(section), section)
+            raise UserError(f"train.resume: checkpoint {folder} was made with a different {key}: resume with the "
+                            "run's settings (only train.* may change)")
+    if state["step"] > cfg.train.steps:
+        raise UserError(f"train.resume: checkpoint is at step {state['step']}, beyond train.steps={cfg.train.steps}")
+    return state
+
+
+def _first_difference(a, b, path: str) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}.{key}")
+    return f"{path} ({a!r} there, {b!r} now)"
+
+
+def restore_training_state(folder: Path, model, optimizer, scheduler, replay: ReplayBuffer | None) -> None:
+    from peft import set_peft_model_state_dict
+
+    weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights)
+    missing = [k for k in getattr(result, "unexpected_keys", [])]
+    if missing:
+        raise UserError(f"train.resume: the checkpoint's adapter does not fit this model ({missing[0]})")
+    trainer = _safe_load(folder / "trainer.pt")
+    optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    set_rng_state(trainer["rng"])
+    if replay is not None and (folder / "replay.pt").is_file():
+        _load_replay(replay, _safe_load(folder / "replay.pt"))
+
+
+def _safe_load(path: Path):
+    """torch.load with weights_only=True: tensors and plain containers only; a file that would need to
+    unpickle arbitrary objects (i.e. run code) is refused."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - UnpicklingError and friends: one line for the user
+        raise UserError(f"train.resume: refused to load {path}: it is not a plain tensor file "
+                        f"({type(err).__name__}); only checkpoints written by rlora can be resumed") from None

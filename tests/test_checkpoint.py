@@ -1,0 +1,197 @@
+"""Checkpoints: atomic folders that survive SIGKILL at any moment, exact resume, and bad resumes."""
+
+import json
+import random
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_overrides
+from rlora.cli import main
+from rlora.train.checkpoint import checkpoints, latest_valid, verify, write_checkpoint
+
+
+def _fill(step: int, size: int = 50_000):
+    def fill(folder):
+        save_file({"w": torch.full((size,), float(step))}, str(folder / "weights.safetensors"))
+        (folder / "sub").mkdir()
+        torch.save({"step": torch.tensor(step), "note": "x" * 1000}, folder / "sub" / "state.pt")
+    return fill
+
+
+def test_write_verify_keep_and_skip_damaged(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        write_checkpoint(root, step, _fill(step), keep=2)
+    assert [p.name for p in checkpoints(root)] == ["step-0000002", "step-0000003"]
+    assert latest_valid(root).name == "step-0000003" and verify(root / "step-0000003")["step"] == 3
+    # a truncated file in the newest checkpoint: it is skipped for the previous one
+    path = root / "step-0000003" / "weights.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    assert verify(root / "step-0000003") is None and latest_valid(root).name == "step-0000002"
+    # a leftover of an interrupted write is ignored, then cleaned up by the next write
+    (root / ".tmp-step-0000004-x").mkdir()
+    assert latest_valid(root).name == "step-0000002"
+    write_checkpoint(root, 4, _fill(4), keep=2)
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+    assert latest_valid(root).name == "step-0000004"
+
+
+CHILD = """
+import sys
+from pathlib import Path
+from rlora.train.checkpoint import write_checkpoint
+
+def fill(step):
+    def write(folder):
+        (folder / "weights.bin").write_bytes(step.to_bytes(4, "little") * 200_000)  # 800 kB
+        (folder / "sub").mkdir()
+        (folder / "sub" / "state.txt").write_text(str(step))
+    return write
+
+root, step = Path(sys.argv[1]), int(sys.argv[2])
+print("ready", flush=True)
+while True:
+    step += 1
+    write_checkpoint(root, step, fill(step), keep=2)
+"""
+
+
+def _bytes_step(folder) -> int:
+    data = (folder / "weights.bin").read_bytes()
+    step = int.from_bytes(data[:4], "little")
+    assert data == step.to_bytes(4, "little") * 200_000 and int((folder / "sub" / "state.txt").read_text()) == step
+    return step
+
+
+def test_sigkill_at_random_moments_always_leaves_a_valid_checkpoint(tmp_path):
+    """A process writes checkpoints in a loop (the same write_checkpoint the trainer uses) and is killed
+    with SIGKILL at a random moment, 25 times; after every kill the newest valid checkpoint holds one
+    consistent step, at least as new as the one before."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 1, lambda f: ((f / "weights.bin").write_bytes((1).to_bytes(4, "little") * 200_000),
+                                         (f / "sub").mkdir(), (f / "sub" / "state.txt").write_text("1")), keep=2)
+    rng = random.Random(0)
+    step, kills_during_write = 1, 0
+    for _ in range(25):
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(step)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.1))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        kills_during_write += any(p.name.startswith(".tmp-") for p in root.iterdir())
+        newest = latest_valid(root)
+        assert newest is not None
+        new_step = _bytes_step(newest)
+        assert new_step >= step and verify(newest)["step"] == new_step
+        step = new_step
+    assert step > 25, "the writer must have completed checkpoints between kills"
+    assert kills_during_write >= 3, "some kills must land in the middle of a write, or this proves little"
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(out):
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def test_resume_continues_exactly(tiny_model_dir, prompts_file, tmp_path, capsys):
+    """4 steps straight == 3 steps (checkpoints at 2 and 3), the step-3 checkpoint lost, resume from 2, on to 4:
+    same adapter (<= 1e-6) and the same sampled completions; step 3's log lines appear once."""
+    common = {"train.checkpoint_every": 2, "train.sample_every": 1, "train.lr": 0.01, "algo.beta": 0.04,
+              "eval.after": "false", "algo.name": "dapo"}
+    straight = tmp_path / "straight"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(straight), **common, **{"train.steps": 4})]) == 0
+    resumed = tmp_path / "resumed"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{"train.steps": 3})]) == 0
+    assert [p.name for p in checkpoints(resumed / "checkpoints")] == ["step-0000002", "step-0000003"]
+    import shutil
+    shutil.rmtree(resumed / "checkpoints" / "step-0000003")  # as if killed after step 3 was logged
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
+        "train.steps": 4, "train.resume": "auto"})]) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert [m["step"] for m in _metrics(resumed)] == [1, 2, 3, 4]
+    a, b = _adapter(straight), _adapter(resumed)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    samples = [(out / "samples.jsonl").read_text().splitlines() for out in (straight, resumed)]
+    completions = [[(json.loads(s)["step"], json.loads(s)["completion"]) for s in rows] for rows in samples]
+    assert completions[0] == completions[1]
+    assert json.loads((resumed / "eval.json").read_text())["before"] == json.loads((straight / "eval.json").read_text())["before"]
+
+
+@pytest.mark.parametrize("case", ["missing", "damaged", "other settings", "pickle", "folder without checkpoint"])
+def test_bad_resume_is_one_line_exit_2(case, tiny_model_dir, prompts_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    base = {"train.checkpoint_every": 1, "train.steps": 1, "eval.before": "false", "eval.after": "false"}
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(run), **base)]) == 0
+    capsys.readouterr()
+    ckpt = run / "checkpoints" / "step-0000001"
+    marker = tmp_path / "unpickling-ran-code"
+    extra, message = {"train.resume": str(ckpt), "train.steps": 2}, None
+    if case == "missing":
+        extra["train.resume"], message = str(tmp_path / "nope"), "no checkpoint folder"
+    elif case == "damaged":
+        (ckpt / "trainer.pt").write_bytes(b"garbage")
+        message = "not a complete checkpoint"
+    elif case == "other settings":
+        extra["lora.rank"], message = 8, "different lora.rank"
+    elif case == "pickle":
+        torch.save({"optimizer": _Evil(marker)}, ckpt / "trainer.pt")  # a pickle that would run code when loaded
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        from rlora.train.checkpoint import _sha256
+        manifest["files"]["trainer.pt"] = {"bytes": (ckpt / "trainer.pt").stat().st_size, "sha256": _sha256(ckpt / "trainer.pt")}
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        message = "refused to load"
+    else:
+        (run / "checkpoints").rename(tmp_path / "elsewhere")
+        extra["train.resume"], message = "auto", "already holds files"
+    code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(run), **{**base, **extra})])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlora: error:")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert not marker.exists(), "the pickled payload must never run"
+
+
+class _Evil:
+    """Unpickling this calls open(marker, 'w'): a stand-in for arbitrary code in a malicious checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tiny_model_dir, prompts_file, tmp_path, capsys,
+                                                                       monkeypatch):
+    import rlora.train.resume as resume
+
+    calls = []
+
+    def save_then_fill_the_disk(model, folder):
+        calls.append(folder)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real_save(model, folder)
+
+    real_save = resume.save_adapter
+    monkeypatch.setattr(resume, "save_adapter", save_then_fill_the_disk)
+    run = tmp_path / "run"
+    code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(run), **{
+        "train.checkpoint_every": 1, "train.steps": 3, "eval.before": "false", "eval.after": "false"})])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlora: error:")]
+    assert code == 2 and len(lines) == 1 and "No space left on device" in lines[0] and "step 2" in lines[0], err
+    assert [p.name for p in checkpoints(run / "checkpoints")] == ["step-0000001"]
+    assert latest_valid(run / "checkpoints").name == "step-0000001"
+    assert not any(p.name.startswith(".tmp-") for p in (run / "checkpoints").iterdir())
+    assert json.loads((run / "summary.json").read_text())["status"].startswith("failed: UserError")

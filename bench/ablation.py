@@ -69,7 +69,7 @@ def main() -> int:
           "zero-var groups trained | sampling rounds/step | resamples/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['algo']} | {r['seed']} | {r['steps']} | {r["groups"]} | {r['after']:.2f} | "
+        print(f"| {r['algo']} | {r['seed']} | {r['steps']} | {r['groups']} | {r['after']:.2f} | "
               f"{fmt(r['zero_var_first'])} | {fmt(r['zero_std_trained'])} | {fmt(r['rounds'])} | {fmt(r['resamples'])} |")
     return 0
 

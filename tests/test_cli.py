@@ -151,6 +151,8 @@ BAD_INPUTS = [
     ("IS correction without sampler log-probs", lambda t, m, p: tiny_overrides(
         m, p, str(t / "o"), **{"rollout.engine": "hf", "algo.sampler_is_cap": 2}), "needs the sampler's log-probs"),
     ("unknown engine", lambda t, m, p: ["rollout.engine=vllm"], "invalid value for rollout.engine"),
+    ("humaneval scored by gym", lambda t, m, p: ["data.task=humaneval", "data.task_args={}", f"train.output_dir={t / 'o'}"],
+     "use rewards: [{fn: code}]"),
 ]
 
 

@@ -53,8 +53,8 @@ def test_greedy_matches_hf_generate_token_for_token(tiny_model_dir, qwen2_dir, f
 @pytest.mark.parametrize("merge", [True, False])
 def test_sampling_logprobs_agree_with_the_trainer(tiny_model_dir, merge):
     tokenizer, tok, model, prompts = policy(tiny_model_dir)
-    per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, top_p=0.9) for n, t in
-                  [(12, 0.7), (5, 1.0), (9, 1.3), (12, 0.7)]]  # ragged lengths, per-prompt temperatures
+    per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, top_p=0.9, min_new_tokens=n) for n, t in
+                  [(12, 0.7), (5, 1.0), (9, 1.3), (12, 0.7)]]  # ragged lengths (EOS held off), per-prompt temperatures
     rollout = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge).sample(model, prompts, 3, per_prompt, seed=7)
     assert rollout.completion_mask_BTc.sum(-1).tolist() == [12] * 3 + [5] * 3 + [9] * 3 + [12] * 3
     assert rollout.temperature_B.tolist() == pytest.approx([0.7] * 3 + [1.0] * 3 + [1.3] * 3 + [0.7] * 3)

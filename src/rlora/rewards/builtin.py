@@ -66,4 +66,11 @@ def math_reward(prompts, completions, answer, **_columns) -> list[float]:
     return scores
 
 
-BUILTIN_REWARDS = {"gym": gym_reward, "format": format_reward, "math": math_reward}
+def code_reward(prompts, completions, **columns) -> list[float]:
+    """Runs the completion's program against its unit tests in a sandboxed process (rewards/code.py)."""
+    from rlora.rewards.code import code_reward as run
+
+    return run(prompts, completions, **columns)
+
+
+BUILTIN_REWARDS = {"gym": gym_reward, "format": format_reward, "math": math_reward, "code": code_reward}

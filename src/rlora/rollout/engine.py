@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from rlora.rollout.decoder import DecoderView, LayerView
 from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
 from rlora.rollout.phase import ChunkPhases, think_phases
-from rlora.rollout.sampling import RowParams, sample_tokens
+from rlora.rollout.sampling import RowParams, counter_uniform, sample_tokens
 from rlora.types import Rollout, SamplingParams
 
 
@@ -127,8 +127,11 @@ class BuiltinGenerator:
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,
-               params: SamplingParams | Sequence[SamplingParams], seed: int) -> Rollout:
+               params: SamplingParams | Sequence[SamplingParams], seed: int, keys: Sequence[int] | None = None) -> Rollout:
+        """keys: an integer per prompt (default its position) that, with the seed, alone decides the random
+        draws of its rows: the same (seed, key) samples the same completions in any batch, on any rank."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        keys = list(range(len(prompts))) if keys is None else list(keys)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling settings for {len(prompts)} prompts")
         if any(len(p) == 0 for p in prompts):
@@ -138,16 +141,16 @@ class BuiltinGenerator:
         try:
             view = DecoderView.of(model, self.merge, self.dtype)
             per_chunk = max(1, self.max_rows // n)  # prompts decoded together: up to max_rows rows
-            generator = torch.Generator(device=view.device).manual_seed(seed)  # one stream for all chunks
-            chunks = [self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk], generator)
-                      for i in range(0, len(prompts), per_chunk)]
+            chunks = [self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk], seed,
+                                         keys[i:i + per_chunk]) for i in range(0, len(prompts), per_chunk)]
         finally:
             model.train(was_training)
         return self._rollout(prompts, n, chunks)
 
-    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, generator: torch.Generator):
+    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seed: int, keys: list[int]):
         device = view.device
         P, B = len(prompts), len(prompts) * G
+        row_keys_B = (torch.tensor(keys, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1).to(device)
         rows = RowParams.per_row(per_prompt, G, device)
         max_new = int(rows.max_new_A.max())
         ids_PT, mask_PT = (x.to(device) for x in left_pad(prompts, self.pad_id))
@@ -170,7 +173,8 @@ class BuiltinGenerator:
             if spans is not None:
                 rows_now = spans.settings(rows_now, active_A, t)
             banned_A = (rows_now.min_new_A > t) if any_min_new else None
-            token_A, logp_A = sample_tokens(logits_A, rows_now, generator, banned_A, self.eos_ids)
+            u_A = counter_uniform(seed, row_keys_B[active_A], t)
+            token_A, logp_A = sample_tokens(logits_A, rows_now, u_A, banned_A, self.eos_ids)
             active_cpu = active_A.cpu()
             tokens_BT[active_cpu, t], logp_BT[active_cpu, t] = token_A.cpu(), logp_A.float().cpu()
             stopped_A = eos_V[token_A].cpu()

@@ -22,7 +22,7 @@ class Generator(Protocol):
 
     def sample(
         self, model: torch.nn.Module, prompts: list[list[int]], n: int,
-        params: SamplingParams | Sequence[SamplingParams], seed: int,
+        params: SamplingParams | Sequence[SamplingParams], seed: int, keys: Sequence[int] | None = None,
     ) -> Rollout:
         """-> Rollout with n completions per prompt (prompt-major), their masks, finish reasons, the
         temperature of each row and, where the backend has them, the per-token sampling log-probs."""
@@ -82,7 +82,8 @@ class HFGenerator:
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams | Sequence[SamplingParams],
-               seed: int) -> Rollout:
+               seed: int, keys: Sequence[int] | None = None) -> Rollout:
+        # keys are ignored: generate draws from one stream, so samples depend on the batch composition
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if any(p.think is not None for p in per_prompt):  # generate takes one temperature per call
             raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")

@@ -50,6 +50,34 @@ class RowParams:
         return RowParams(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seed: int, keys_A: torch.Tensor, t: int) -> torch.Tensor:
+    """One uniform in [0, 1) (float64) per row from (seed, row key, token index t): splitmix64 of a counter
+    (int64 arithmetic wraps modulo 2^64, as the hash needs). A row's draws depend on nothing but its own
+    key, so splitting a batch across processes or chunks never changes what is sampled."""
+    offset = _signed(seed * 0xD1B54A32D192ED03 + t * 0x8CB92BA72F3D8DD7)
+    x = keys_A.to(torch.int64) * _GOLDEN + offset
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 11).to(torch.float64) * 2.0**-53
+
+
 CANDIDATES = 1024  # top-k/top-p look at this many most likely tokens first (a full vocabulary sort is slow)
 
 
@@ -101,7 +129,7 @@ def truncate_by_sort(scaled_AV: torch.Tensor, top_p_A: torch.Tensor) -> torch.Te
     return torch.empty_like(sorted_AV).scatter_(-1, order_AV, sorted_AV.masked_fill(drop_AV, float("-inf")))
 
 
-def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, generator: torch.Generator | None,
+def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, randomness: torch.Generator | torch.Tensor | None,
                   banned_rows_A: torch.Tensor | None = None, banned_ids: list[int] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (token_A, logp_A). Rows where banned_rows_A is True may not draw banned_ids (min_new_tokens
@@ -119,7 +147,10 @@ def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, generator: torch.Gen
     # that no token's share is lost to rounding; the first index whose cumulative mass exceeds u has p > 0.
     normaliser_A1 = logsumexp_A1 if allowed_AV is scaled_AV else allowed_AV.logsumexp(-1, keepdim=True)
     cdf_AV = torch.cumsum((allowed_AV - normaliser_A1).exp_(), -1, dtype=torch.float64)
-    u_A1 = torch.rand(cdf_AV.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf_AV.device)
+    if isinstance(randomness, torch.Tensor):  # one uniform per row, given (counter_uniform)
+        u_A1 = randomness.to(device=cdf_AV.device, dtype=torch.float64)[:, None]
+    else:
+        u_A1 = torch.rand(cdf_AV.shape[0], 1, generator=randomness, dtype=torch.float64, device=cdf_AV.device)
     token_A = torch.searchsorted(cdf_AV, u_A1 * cdf_AV[:, -1:], right=True).squeeze(-1).clamp(max=cdf_AV.shape[-1] - 1)
     if bool(rows.greedy_A.any()):
         token_A = torch.where(rows.greedy_A, allowed_AV.argmax(-1), token_A)

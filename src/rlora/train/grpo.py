@@ -16,7 +16,7 @@ from rlora.config import RLConfig, to_yaml
 from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render_prompt
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
-from rlora.logging.console import info, metrics_line, print_summary, progress_bar
+from rlora.logging.console import console, info, metrics_line, print_summary, progress_bar
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
     load_tokenizer, quantization_config,
@@ -26,6 +26,9 @@ from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.system import return_freed_memory
+from rlora.train.distributed import (
+    World, barrier, gather_objects, init_world, merge_metrics, rank_divergence, shutdown,
+)
 from rlora.train.evaluate import evaluate
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
@@ -50,6 +53,7 @@ class Session:
     train_ids: list[list[int]]
     eval_ids: list[list[int]]
     resume_from: Path | None = None  # checkpoint this run continues from
+    world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
 
 
 def seed_everything(seed: int) -> None:
@@ -58,13 +62,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_inputs(cfg: RLConfig) -> tuple[RunDir, list[RewardFn], Path | None]:
+def check_world(cfg: RLConfig, world: World) -> None:
+    """What data parallel needs: whole prompts per rank, no batch-wide statistics, split-invariant sampling."""
+    if not world.active:
+        return
+    if cfg.train.prompts_per_step % world.size:
+        raise UserError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the {world.size} "
+                        "ranks: each rank samples whole groups")
+    if cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp"):
+        raise UserError("data parallel does not support batch-wide statistics across ranks yet (algo.adv_scale=batch, "
+                        "reinforce_pp): use group statistics or one process")
+    if cfg.rollout.engine != "builtin":
+        raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
+                        "split across ranks)")
+
+
+def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None]:
     """Everything that can be checked without loading the model, so bad input fails in a second."""
+    check_world(cfg, world)
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")
-    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite)
+    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
     resume_from = find_checkpoint(cfg)
-    if resume_from is None or not run_dir.holds_checkpoint(resume_from):
+    if world.is_main and (resume_from is None or not run_dir.holds_checkpoint(resume_from)):
         run_dir.check_writable()
     if resume_from is not None:
         check_same_run(cfg, resume_from)
@@ -76,12 +96,14 @@ def check_inputs(cfg: RLConfig) -> tuple[RunDir, list[RewardFn], Path | None]:
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
     quantization_config(cfg.model)  # bitsandbytes missing: say so before loading anything
+    if cfg.data.task == "humaneval" and any(spec.fn == "gym" for spec in cfg.rewards):
+        raise UserError("task 'humaneval' is scored by running its tests: use rewards: [{fn: code}] instead of gym")
     rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
     return run_dir, rewards, resume_from
 
 
-def prepare(cfg: RLConfig) -> Session:
-    run_dir, rewards, resume_from = check_inputs(cfg)
+def prepare(cfg: RLConfig, world: World = World()) -> Session:
+    run_dir, rewards, resume_from = check_inputs(cfg, world)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -114,7 +136,7 @@ def prepare(cfg: RLConfig) -> Session:
             raise UserError(f"{key.split()[1].split('=')[0]} needs the sampler's log-probs, which only rollout.engine="
                             f"builtin returns (this run samples with '{generator.name}'): {key}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids, resume_from)
+                   prompts, train_ids, eval_ids, resume_from, world)
 
 
 def run_eval(s: Session, label: str) -> dict | None:
@@ -148,7 +170,9 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
         s.run_dir.create()
     s.run_dir.write_text("config.yaml", to_yaml(cfg))
     if s.resume_from is None:
-        return 0, 0.0, {"before": run_eval(s, "before") if cfg.eval.before else None}
+        before = run_eval(s, "before") if cfg.eval.before and s.world.is_main else None
+        barrier(s.world)
+        return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
     restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay)
     s.run_dir.drop_steps_after(state["step"], ("metrics.jsonl", "samples.jsonl"))
@@ -157,9 +181,19 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
 
 
 def run_grpo(cfg: RLConfig) -> dict:
+    """Train; under torchrun every rank runs this, rank 0 alone writes and prints."""
+    world = init_world()
+    console.quiet = not world.is_main
+    try:
+        return _run(cfg, world)
+    finally:
+        shutdown(world)
+
+
+def _run(cfg: RLConfig, world: World) -> dict:
     if cfg.train.release_memory and not return_freed_memory():
         info("train.release_memory has no effect here (needs glibc)")
-    s = prepare(cfg)
+    s = prepare(cfg, world)
     n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
     info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters, {len(s.train_ids)} prompts "
          f"-> {cfg.train.output_dir}")
@@ -170,8 +204,10 @@ def run_grpo(cfg: RLConfig) -> dict:
 
     def checkpoint(done: int) -> None:
         try:
-            save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, replay,
-                                time.perf_counter() - t0, evals["before"])
+            if world.is_main:
+                save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, replay,
+                                    time.perf_counter() - t0, evals["before"])
+            barrier(world)
         except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
             raise UserError(f"could not write the checkpoint after step {done} ({err.strerror or err}); the previous "
                             "checkpoint stays valid: fix the cause and continue with train.resume=auto") from None
@@ -181,6 +217,8 @@ def run_grpo(cfg: RLConfig) -> dict:
             update(first_step, "")
             for step in range(first_step, cfg.train.steps):
                 last, samples = grpo_step(s, step, optimizer, scheduler, replay)
+                if world.active:
+                    last, samples = gather_step(world, last, samples, trainable_parameters(s.model))
                 s.run_dir.append_jsonl("metrics.jsonl", last)
                 if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
                     for row in samples:
@@ -211,13 +249,23 @@ def run_grpo(cfg: RLConfig) -> dict:
     if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every:
         checkpoint(done)  # the end of the run is a checkpoint too: `train.steps=more train.resume=auto` extends it
     train_s = time.perf_counter() - t0
-    evals["after"] = run_eval(s, "after") if cfg.eval.after else None
+    evals["after"] = run_eval(s, "after") if cfg.eval.after and world.is_main else None
+    barrier(world)
     if any(evals.values()):
         s.run_dir.write_json("eval.json", evals)
     summary = {"status": status, "steps": done, "train_s": train_s, "adapter_params": n_trainable, "last_metrics": last, "eval": evals}
     s.run_dir.write_json("summary.json", summary)
     _print_final(s, summary)
     return summary
+
+
+def gather_step(world: World, metrics: dict, samples: list[dict], params) -> tuple[dict, list[dict]]:
+    """Every rank's metrics merged (counts summed, times the slowest, the rest averaged) and samples joined,
+    with the check that all ranks hold the same adapter."""
+    gathered = gather_objects(world, (metrics, samples))
+    merged = merge_metrics([m for m, _ in gathered])
+    merged |= {"world_size": world.size, "adapter_rank_divergence": rank_divergence(world, params)}
+    return merged, [row for _, rows in gathered for row in rows]
 
 
 def _print_final(s: Session, summary: dict) -> None:

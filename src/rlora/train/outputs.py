@@ -49,9 +49,10 @@ def fsync_path(path: Path) -> None:
 
 
 class RunDir:
-    def __init__(self, path: str, overwrite: bool = False):
+    def __init__(self, path: str, overwrite: bool = False, writer: bool = True):
         self.path = Path(path)
         self.overwrite = overwrite
+        self.writer = writer  # False on data-parallel ranks other than 0: every write is skipped
 
     def check_writable(self) -> None:
         """Before any work: refuse to mix a new run into an existing one."""
@@ -69,6 +70,8 @@ class RunDir:
 
     def create(self) -> None:
         """Make the folder; with overwrite, first remove the outputs of an earlier run (and nothing else)."""
+        if not self.writer:
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         if self.overwrite:
             for child in self.path.iterdir():
@@ -81,7 +84,7 @@ class RunDir:
 
     def drop_steps_after(self, step: int, names: tuple[str, ...]) -> None:
         """Remove JSONL lines of steps after `step` (logged by a run that died before its next checkpoint)."""
-        for name in names:
+        for name in names if self.writer else ():
             path = self.path / name
             if path.is_file():
                 lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -90,6 +93,8 @@ class RunDir:
                     self.write_text(name, "".join(kept))
 
     def write_text(self, name: str, text: str) -> None:
+        if not self.writer:
+            return
         target = self.path / name
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path)
         try:
@@ -106,6 +111,8 @@ class RunDir:
         self.write_text(name, to_json(obj, indent=2) + "\n")
 
     def append_jsonl(self, name: str, obj: Any) -> None:
+        if not self.writer:
+            return
         with open(self.path / name, "a", encoding="utf-8") as handle:
             handle.write(to_json(obj) + "\n")
             handle.flush()
@@ -114,6 +121,8 @@ class RunDir:
     def write_folder(self, name: str, fill: Callable[[Path], None]) -> Path:
         """Fill a temporary folder, then swap it in place of `name` (the old one is removed after)."""
         target = self.path / name
+        if not self.writer:
+            return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=self.path))
         try:
             fill(tmp)

@@ -20,7 +20,10 @@ from rlora.rollout.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.train.schedules import progress_of, scheduled_value
-from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
+from rlora.train.distributed import all_reduce_sums
+from rlora.train.update import (
+    ScoredRollout, accumulate_policy_gradient, batched_logprobs, contribute_nothing, optimizer_step,
+)
 from rlora.types import Example, Rollout, SamplingParams
 
 
@@ -79,7 +82,9 @@ def _sampler(s, step: int, timings: Timings):
     """SampleFn over the run's model, generator and reward functions; counts time spent in each."""
     def sample(prompts: list[int], params: list[SamplingParams], seed: int):
         t0 = time.perf_counter()
-        rollout = s.generator.sample(s.model, [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations, params, seed)
+        # key = the prompt's dataset index: its samples do not depend on which rank or batch draws it
+        rollout = s.generator.sample(s.model, [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations, params,
+                                     seed, keys=prompts)
         t1 = time.perf_counter()
         scores = score_rollout(s, rollout, [s.prompts.train[i] for i in prompts])
         check_failures(s, scores, step)
@@ -92,10 +97,11 @@ def _sampler(s, step: int, timings: Timings):
 
 def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
-    first = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
+    step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
                           step_seed(cfg, step))
-    groups = collector.collect(first, ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, first))
+    extra = ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, step_prompts)
+    groups = collector.collect(s.world.share(step_prompts), lambda r: s.world.share(extra(r)))
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
@@ -107,7 +113,8 @@ def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -
 
 class ExtraPrompts:
     """Prompts for dynamic sampling's extra rounds: drawn at random (seeded by data seed, step and round)
-    from the prompts this step has not sampled yet, so a dropped prompt is never redrawn in the same step."""
+    from the prompts this step has not sampled yet, so a dropped prompt is never redrawn in the same step.
+    Every rank draws the same list and takes its share."""
 
     def __init__(self, num_prompts: int, count: int, seed: int, step: int, first: list[int]):
         self.num_prompts, self.count, self.seed, self.step = num_prompts, count, seed, step
@@ -183,6 +190,9 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     t_start, timings = time.perf_counter(), Timings()
     batch, stats = collect_batch(s, step, replay, timings)
     t_collected = time.perf_counter()
+    ranks_with_groups = all_reduce_sums(s.world, [float(batch is not None)])[0]
+    if batch is None and ranks_with_groups:  # data parallel: other ranks train, this one adds zeros
+        return _empty_rank_update(s, step, optimizer, scheduler, stats, timings, t_start), []
     if batch is None:  # dynamic sampling kept no group: nothing to learn from this step (replay waits too)
         lr = scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # the schedule advances as if the update had run; torch warns about that
@@ -213,7 +223,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     optim_s = 0.0
     for _ in range(cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
-        update = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk)
+        update = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world)
         t_optim = time.perf_counter()
         update |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, update["loss"])
         optim_s += time.perf_counter() - t_optim
@@ -232,6 +242,18 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     if batch.scores.errors:
         metrics["reward_errors"] = batch.scores.errors[:5]
     return metrics, _samples(s, batch, advantages, step)
+
+
+def _empty_rank_update(s, step: int, optimizer, scheduler, stats: CollectStats, timings: Timings, t_start: float) -> dict:
+    update = {}
+    for _ in range(s.cfg.algo.num_iterations):
+        lr = scheduler.get_last_lr()[0]
+        loss = contribute_nothing(s.world, s.model)
+        update = {"loss": loss, **optimizer_step(trainable_parameters(s.model), optimizer, scheduler,
+                                                 s.cfg.train.max_grad_norm, loss)}
+    return {"step": step + 1, **update, "trained_frac": 0.0, **_collect_metrics(stats, s.cfg), "lr": lr,
+            "temperature": step_params(s.cfg, step).temperature, "step_s": time.perf_counter() - t_start,
+            "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}
 
 
 def _reward_metrics(batch: Batch) -> dict:

@@ -12,7 +12,9 @@ import torch
 from rlora.algos.losses import BatchTotals, LossInputs, aggregate, truncated_is_weight
 from rlora.algos.registry import Algorithm
 from rlora.config import AlgoConfig
+from rlora.models.loading import trainable_parameters
 from rlora.models.logprobs import completion_logprobs
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.types import Rollout, RolloutSlice
 
 
@@ -93,9 +95,25 @@ def importance_weight(old_BT: torch.Tensor, behaviour_BT: torch.Tensor, cap_B: t
     return torch.where(torch.isnan(behaviour_BT), torch.ones_like(weight_BT), weight_BT)
 
 
+def global_totals(world: World, totals: BatchTotals) -> BatchTotals:
+    """The normalisers of the whole batch over all ranks (the first of three collectives of an update)."""
+    if not world.active:
+        return totals
+    tokens, seqs, rows = all_reduce_sums(world, [totals.num_tokens, totals.num_seqs, totals.num_rows])
+    return BatchTotals(tokens, int(seqs), totals.constant_len, int(rows))
+
+
+def contribute_nothing(world: World, model) -> float:
+    """A data-parallel rank without completions this step still takes part in the update's collectives
+    (normalisers, gradients, loss), adding zeros. -> the global loss."""
+    global_totals(world, BatchTotals(0.0, 0, 1, 0))
+    all_reduce_gradients(world, trainable_parameters(model))
+    return all_reduce_sums(world, [0.0])[0]
+
+
 def accumulate_policy_gradient(
     model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
-    chunk_tokens: int = 256,
+    chunk_tokens: int = 256, world: World = World(),
 ) -> dict[str, float]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch.
     Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
@@ -103,7 +121,7 @@ def accumulate_policy_gradient(
     is the trainer's log-prob of the policy that sampled (the two must agree; a gap means the rollout is
     off-policy)."""
     rollout = scored.rollout
-    totals = batch_totals(scored.loss_mask_BTc, constant_len)
+    totals = global_totals(world, batch_totals(scored.loss_mask_BTc, constant_len))
     loss_beta = 0.0 if algo.kl_in_reward else cfg.beta  # REINFORCE++ puts the KL into the reward instead
     rows = rows_to_train(scored, loss_beta, cfg.entropy_coef)
     sums = dict.fromkeys(("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight",
@@ -143,10 +161,11 @@ def accumulate_policy_gradient(
             sums["gap_tokens"] += float(fresh_mask_BT.sum())
         if out.kl_BT is not None:
             sums["kl"] += float((out.kl_BT.detach() * mask_BT).sum())
+    all_reduce_gradients(world, trainable_parameters(model))  # each rank's loss is over global counts: sum
     trained = sums["tokens"]
     per_token = (lambda key: sums[key] / trained) if trained else (lambda key: None)
     return {
-        "loss": sums["loss"],
+        "loss": all_reduce_sums(world, [sums["loss"]])[0],
         "kl": per_token("kl") if scored.ref_logp_BTc is not None else None,
         "clip_frac": per_token("clipped"),
         "entropy": per_token("entropy"),

@@ -1,0 +1,123 @@
+"""Data parallel on torch.distributed, launched by torchrun (`torchrun --nproc_per_node N -m rlora train ...`).
+
+Each rank samples, scores and trains on its own share of the step's prompts (whole groups, so group
+advantages need no communication). What crosses ranks: the loss normalisers (token, sequence and row
+counts), the adapter gradients (summed: each rank's loss is already divided by the global counts, so the
+sum is the full-batch gradient), the step's metrics, and a checksum that proves the ranks' adapters agree.
+gloo on CPU, NCCL on GPU; multi-node works with torchrun's usual --nnodes/--rdzv flags.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    def share(self, items: list) -> list:
+        """This rank's contiguous share of a list whose length is a multiple of the world size."""
+        per_rank = len(items) // self.size
+        return items[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+
+def init_world() -> World:
+    """World of this process: torchrun's WORLD_SIZE/RANK environment, or a single process."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return World(dist.get_rank(), dist.get_world_size())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce_sums(world: World, values: list[float]) -> list[float]:
+    if not world.active:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_reduce_gradients(world: World, params: list[torch.nn.Parameter]) -> None:
+    """Sum the adapter gradients over ranks, in one flat buffer (a rank without a gradient adds zeros)."""
+    if not world.active:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(_device())
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g).to(g.device)
+        offset += g.numel()
+
+
+def gather_objects(world: World, obj) -> list:
+    if not world.active:
+        return [obj]
+    out = [None] * world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def rank_divergence(world: World, params: list[torch.nn.Parameter]) -> float:
+    """Largest difference between ranks of the adapter's sum and sum of squares: 0.0 when every rank holds
+    the same adapter (the update is identical on each rank by construction; this checks it)."""
+    if not world.active:
+        return 0.0
+    with torch.no_grad():
+        total = sum(float(p.double().sum()) for p in params)
+        squares = sum(float(p.double().pow(2).sum()) for p in params)
+    sums = gather_objects(world, (total, squares))
+    return max(max(abs(a[0] - b[0]), abs(a[1] - b[1])) for a in sums for b in sums)
+
+
+def barrier(world: World) -> None:
+    if world.active:
+        dist.barrier()
+
+
+def shutdown(world: World) -> None:
+    if world.active and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# metrics that add up over ranks; times take the slowest rank; everything else is averaged
+SUMMED = ("gen_tokens", "prompt_tokens", "groups_sampled", "groups_dropped", "resamples", "rescued_groups",
+          "reward_failures", "replay_groups", "replay_stored", "replay_buffer")
+
+
+def merge_metrics(per_rank: list[dict]) -> dict:
+    merged = dict(per_rank[0])
+    for key, value in per_rank[0].items():
+        values = [m.get(key) for m in per_rank]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue
+        if key in SUMMED:
+            merged[key] = sum(values)
+        elif key.endswith("_s"):
+            merged[key] = max(values)
+        elif key != "step":
+            merged[key] = sum(values) / len(values)
+    return merged

@@ -1,0 +1,87 @@
+"""Data parallel with torchrun on CPU (gloo): 2 ranks x 1 prompt per step == 1 rank x 2 prompts per step,
+both ranks hold the same adapter after every step, only rank 0 writes; split-invariant sampling."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+from rlora.config import load_config
+from rlora.errors import UserError
+from rlora.rollout.sampling import counter_uniform
+from rlora.train.distributed import World, merge_metrics
+from rlora.train.grpo import check_world
+
+TESTS = os.path.dirname(__file__)
+
+
+def _run(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 \
+        else [sys.executable]
+    return subprocess.run([*launcher, "-m", "rlora", "train", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_file, tmp_path):
+    common = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 2,
+              "train.steps": 2, "train.lr": 0.05, "algo.beta": 0.04, "eval.before": "false", "eval.after": "false",
+              "train.sample_every": 1, "train.threads": 1}
+    outs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, tiny_overrides(tiny_model_dir, prompts_file, str(out), **common))
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[nproc] = out
+    one, two = (load_file(str(outs[n] / "adapter" / "adapter_model.safetensors")) for n in (1, 2))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
+    rows = {n: [json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2)}
+    assert [r["step"] for r in rows[2]] == [1, 2]  # written once, by rank 0
+    assert all(r["world_size"] == 2 and r["adapter_rank_divergence"] == 0.0 for r in rows[2])
+    assert [r["gen_tokens"] for r in rows[2]] == [r["gen_tokens"] for r in rows[1]]
+    samples = {n: [(json.loads(s)["prompt"], json.loads(s)["completion"])
+                   for s in (outs[n] / "samples.jsonl").read_text().splitlines()] for n in (1, 2)}
+    assert samples[1] == samples[2] and len(samples[2]) == 2 * 2 * 4
+
+
+def test_world_checks_and_metric_merging():
+    cfg = load_config(None, ["train.prompts_per_step=3", "train.micro_batch_size=8"])
+    with pytest.raises(UserError, match="multiple of the 2 ranks"):
+        check_world(cfg, World(0, 2))
+    for override, message in (("algo.adv_scale=batch", "batch-wide statistics"),
+                              ("algo.name=reinforce_pp", "batch-wide statistics"),
+                              ("rollout.engine=hf", "rollout.engine=builtin")):
+        extra = ["rollout.sampler_dtype=model", "algo.sampler_is_cap=null"] if "hf" in override else []
+        with pytest.raises(UserError, match=message):
+            check_world(load_config(None, [override, *extra]), World(1, 2))
+    check_world(cfg, World())  # one process: anything goes
+    # the loss is already the global one on every rank (all-reduced in the update): averaging keeps it
+    merged = merge_metrics([{"step": 3, "loss": 0.75, "gen_tokens": 10, "rollout_s": 2.0, "reward_mean": 0.5, "kl": None},
+                            {"step": 3, "loss": 0.75, "gen_tokens": 12, "rollout_s": 3.0, "reward_mean": 1.0, "kl": None}])
+    assert merged == {"step": 3, "loss": 0.75, "gen_tokens": 22, "rollout_s": 3.0, "reward_mean": 0.75, "kl": None}
+
+
+def _splitmix64(x: int) -> int:
+    mask = (1 << 64) - 1
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & mask
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & mask
+    return x ^ (x >> 31)
+
+
+def test_counter_uniform_matches_a_plain_python_splitmix64_and_ignores_batch_composition():
+    keys = torch.tensor([0, 1, 7, 123456789, 2**40 + 5])
+    got = counter_uniform(seed=42, keys_A=keys, t=3)
+    mask = (1 << 64) - 1
+    base = (42 * 0xD1B54A32D192ED03 + 3 * 0x8CB92BA72F3D8DD7) & mask
+    want = [(_splitmix64((k * 0x9E3779B97F4A7C15 + base) & mask) >> 11) * 2.0**-53 for k in keys.tolist()]
+    assert got.dtype == torch.float64 and got.tolist() == want
+    assert counter_uniform(42, keys[2:3], 3).tolist() == got[2:3].tolist()  # a row's draw is its own
+    draws = counter_uniform(7, torch.arange(20000), 0)
+    assert abs(float(draws.mean()) - 0.5) < 0.01 and float(draws.min()) >= 0 and float(draws.max()) < 1

@@ -82,3 +82,19 @@ def test_numpy_rewards_are_accepted_and_json_never_holds_nan():
     scores = score_completions(rewards, ["p", "p"], ["a", "b"], {})
     assert scores.total_B.tolist() == [0.5, 1.0] and scores.per_fn["count_a"] == [0.5, 1.0]
     assert to_json({"loss": float("nan"), "xs": [1.0, float("inf")]}) == '{"loss": null, "xs": [1.0, null]}'
+
+
+def test_reward_time_limit_keeps_an_outer_alarm():
+    """The per-call limit borrows SIGALRM; an alarm set by someone else (a test runner's timeout) survives it."""
+    import signal
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        scores = score_completions(_resolve("rewards_for_tests.count_a"), ["p"], ["aa"], {})
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert scores.total_B.tolist() == [1.0] and 29.0 < remaining <= 30.0 and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

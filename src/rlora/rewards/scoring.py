@@ -11,6 +11,7 @@ import math
 import numbers
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -46,12 +47,21 @@ def time_limit(reward: RewardFn, size: int):
                         "completions (rewards[].timeout_s): it hangs or is too slow")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, reward.timeout_s)
+    start = time.monotonic()
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, reward.timeout_s)
+    if outer_delay and outer_delay < reward.timeout_s:  # someone else's alarm comes first: let it
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, outer_delay, outer_interval)
+        yield
+        return
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_delay:  # put back an outer alarm (e.g. a test runner's timeout) with the time it had left
+            signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - start), 1e-3), outer_interval)
 
 
 def import_callable(dotted: str) -> Callable:

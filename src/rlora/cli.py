@@ -47,7 +47,26 @@ def _parser() -> argparse.ArgumentParser:
                        help="an optional YAML config file, then dotted overrides")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
+    merge = commands.add_parser(
+        "merge", help="merge a LoRA adapter into its base and save a Hugging Face model folder",
+        description="Fold ADAPTER into its base model (the one recorded in adapter_config.json, or --base) and save "
+                    "a plain transformers folder with the tokenizer.")
+    merge.add_argument("adapter", help="PEFT adapter folder (e.g. runs/train-.../adapter)")
+    merge.add_argument("--output", "-o", required=True, help="folder for the merged model")
+    merge.add_argument("--base", help="base model folder or alias (default: the adapter's own base)")
+    merge.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    merge.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
     return parser
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from rlora.logging.console import info
+    from rlora.merge import merge_adapter
+
+    target = merge_adapter(args.adapter, args.output, args.base, args.dtype, args.overwrite)
+    info(f"rlora merge: {args.adapter} merged into its base -> {target}")
+    return 0
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -97,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "merge":
+            return _merge(args)
     except UserError as err:
         if getattr(args, "debug", False):
             import traceback

@@ -101,10 +101,10 @@ def peft_lora_config(cfg: LoraConfig):
     )
 
 
-def check_adapter_folder(folder: str) -> None:
+def check_adapter_folder(folder: str, key: str = "lora.init_from") -> None:
     path = Path(folder)
     if not (path / "adapter_config.json").is_file():
-        raise UserError(f"lora.init_from '{folder}' is not a PEFT adapter folder (no adapter_config.json)")
+        raise UserError(f"{key} '{folder}' is not a PEFT adapter folder (no adapter_config.json)")
     try:
         json.loads((path / "adapter_config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):

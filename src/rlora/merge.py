@@ -1,0 +1,54 @@
+"""`rlora merge ADAPTER`: fold a LoRA adapter into its base model and save a plain Hugging Face folder
+(config, safetensors weights, tokenizer) that transformers loads without peft and that inference servers
+can serve. The merge is done in float32 (or the chosen dtype) on a fresh copy of the base; the adapter
+folder and the base folder are only read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from rlora.config import ModelConfig
+from rlora.errors import UserError, first_line
+from rlora.models.loading import check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path
+
+
+def adapter_base(adapter: str, base: str | None) -> str:
+    """The base model folder: --base if given, else the adapter's own base_model_name_or_path."""
+    if base is not None:
+        return resolve_model_path(base)
+    recorded = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not recorded:
+        raise UserError(f"adapter '{adapter}' does not name its base model: pass --base MODEL")
+    return resolve_model_path(recorded)
+
+
+def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str = "float32",
+                  overwrite: bool = False) -> Path:
+    from peft import PeftModel
+
+    check_adapter_folder(adapter, key="adapter")
+    target = Path(output)
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise UserError(f"output folder '{output}' already holds files: choose another or pass --overwrite")
+    base_path = adapter_base(adapter, base)
+    tokenizer, _ = load_tokenizer(base_path)
+    model = load_base_model(ModelConfig(path=base_path, dtype=dtype), base_path)
+    try:
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    except Exception as err:  # noqa: BLE001 - an adapter for another base, broken weights ...
+        raise UserError(f"adapter '{adapter}' does not fit model '{base_path}': {first_line(err)}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

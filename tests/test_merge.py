@@ -1,0 +1,56 @@
+"""`rlora merge`: the merged Hugging Face folder gives the logits of base + adapter, without peft."""
+
+import pytest
+import torch
+from test_policy_model import make_policy, perturb_adapter
+from transformers import AutoModelForCausalLM
+
+from rlora.cli import main
+from rlora.models.loading import save_adapter
+from rlora.models.tiny import build_random_model
+
+
+@pytest.fixture()
+def adapter_dir(tiny_model_dir, tmp_path):
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model, scale=0.2)
+    folder = tmp_path / "adapter"
+    save_adapter(model, folder)
+    return folder, model, tokenizer
+
+
+def test_merged_model_equals_base_plus_adapter(adapter_dir, tmp_path, capsys):
+    folder, policy, tokenizer = adapter_dir
+    out = tmp_path / "merged"
+    assert main(["merge", str(folder), "-o", str(out)]) == 0
+    assert "rlora merge:" in capsys.readouterr().err
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(str(out))
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    ids = torch.tensor([tokenizer("What is 3 + 4? The answer is")["input_ids"]])
+    policy.eval()
+    with torch.no_grad():
+        want = policy(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        with policy.disable_adapter():
+            base = policy(input_ids=ids).logits
+    assert (got - want).abs().max() < 1e-5
+    assert (base - want).abs().max() > 1e-3  # the adapter matters, so the equality above means something
+
+
+def test_merge_bad_input_is_one_line(adapter_dir, tmp_path, capsys):
+    folder, _, _ = adapter_dir
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    cases = [
+        (["merge", str(tmp_path / "nope"), "-o", str(tmp_path / "o1")], "is not a PEFT adapter folder"),
+        (["merge", str(folder), "-o", str(out)], "already holds files"),
+        (["merge", str(folder), "-o", str(tmp_path / "o2"), "--base",
+          str(build_random_model(tmp_path / "other", family="qwen2", hidden=96, seed=2))], "does not fit model"),
+    ]
+    for args, message in cases:
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert (out / "keep.txt").read_text() == "mine" and not (tmp_path / "o2").exists()

@@ -51,3 +51,9 @@ def hangs(prompts, completions, **columns):
 
     while True:
         time.sleep(0.01)
+
+
+def flat_for_zero(prompts, completions, answer, **columns):
+    """The same reward for every completion of the problem whose answer is 0 (a zero-variance group),
+    count_a for the others."""
+    return [1.0 if str(a) == "0" else c.count("a") / max(len(c), 1) for c, a in zip(completions, answer)]

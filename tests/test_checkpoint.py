@@ -1,6 +1,7 @@
 """Checkpoints: atomic folders that survive SIGKILL at any moment, exact resume, and bad resumes."""
 
 import json
+import os
 import random
 import signal
 import time
@@ -195,3 +196,41 @@ def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tiny_model_
     assert latest_valid(run / "checkpoints").name == "step-0000001"
     assert not any(p.name.startswith(".tmp-") for p in (run / "checkpoints").iterdir())
     assert json.loads((run / "summary.json").read_text())["status"].startswith("failed: UserError")
+
+
+def test_prune_never_removes_the_only_valid_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 10, _fill(10), keep=1)
+    write_checkpoint(root, 20, _fill(20), keep=1)
+    damaged = root / "step-0000020" / "weights.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    write_checkpoint(root, 15, _fill(15), keep=1)  # e.g. after resuming from an older checkpoint
+    assert latest_valid(root) is not None and verify(latest_valid(root)) is not None
+
+
+def test_resaving_a_step_that_fails_keeps_the_old_one(tmp_path, monkeypatch):
+    import rlora.train.checkpoint as checkpoint
+
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 5, _fill(5), keep=2)
+    real_replace = os.replace
+
+    def fail_on_swap(src, dst):
+        if str(dst).endswith("step-0000005"):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", fail_on_swap)
+    with pytest.raises(OSError):
+        write_checkpoint(root, 5, _fill(5), keep=2)
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    assert latest_valid(root).name == "step-0000005"  # set aside before the swap, put back when listed
+
+
+def test_torn_log_line_is_dropped_on_resume(tmp_path):
+    from rlora.train.outputs import RunDir
+
+    run = RunDir(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    run.drop_steps_after(2, ("metrics.jsonl",))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -51,13 +51,32 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_f
     assert samples[1] == samples[2] and len(samples[2]) == 2 * 2 * 4
 
 
+def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_file, tmp_path):
+    """DAPO's dynamic sampling drops the zero-variance group of prompt 0, which is rank 0's share: rank 0 trains
+    nothing but adds zeros to the collectives; the result equals one process dropping the same group."""
+    common = {"algo.name": "dapo", "algo.max_extra_rounds": 0, "data.shuffle": "false",
+              "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "train.prompts_per_step": 2,
+              "rollout.num_generations": 4, "train.micro_batch_size": 2, "train.steps": 1, "train.lr": 0.05,
+              "eval.before": "false", "eval.after": "false", "train.threads": 1}
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, tiny_overrides(tiny_model_dir, prompts_file, str(outs[nproc]), **common))
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(outs[n] / "adapter" / "adapter_model.safetensors")) for n in (1, 2))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    [row] = [json.loads(line) for line in (outs[2] / "metrics.jsonl").read_text().splitlines()]
+    assert row["groups_dropped"] == 1 and row["reward_mean"] is not None and row["adapter_rank_divergence"] == 0.0
+
+
 def test_world_checks_and_metric_merging():
     cfg = load_config(None, ["train.prompts_per_step=3", "train.micro_batch_size=8"])
     with pytest.raises(UserError, match="multiple of the 2 ranks"):
         check_world(cfg, World(0, 2))
     for override, message in (("algo.adv_scale=batch", "batch-wide statistics"),
                               ("algo.name=reinforce_pp", "batch-wide statistics"),
-                              ("rollout.engine=hf", "rollout.engine=builtin")):
+                              ("rollout.engine=hf", "rollout.engine=builtin"),
+                              ("algo.replay.enabled=true", "algo.replay")):
         extra = ["rollout.sampler_dtype=model", "algo.sampler_is_cap=null"] if "hf" in override else []
         with pytest.raises(UserError, match=message):
             check_world(load_config(None, [override, *extra]), World(1, 2))

@@ -126,3 +126,52 @@ def test_humaneval_task_and_code_reward_on_real_problems():
     looping = ["    while True:\n        pass\n"] * 3
     scores = code_reward(["p"] * 9, right + wrong + looping, **{k: v * 3 for k, v in cols.items()}, timeout_s=2.0)
     assert scores == [1.0] * 3 + [0.0] * 6
+
+
+@pytest.mark.parametrize("attack", [
+    # a relative path anchored on a descriptor of a folder outside
+    "import os\nd = os.open({folder!r}, os.O_RDONLY)\nfd = os.open('written.txt', os.O_WRONLY | os.O_CREAT, dir_fd=d)\n"
+    "os.write(fd, b'pwned')",
+    "import os\nd = os.open({folder!r}, os.O_RDONLY)\nos.remove('keep.txt', dir_fd=d)",
+    # a native helper module loaded under another dotted name, to spawn a shell
+    "import importlib.util, glob, sys\npath = glob.glob(sys.base_prefix + '/lib/python3*/lib-dynload/_posixsubprocess*')[0]\n"
+    "spec = importlib.util.spec_from_file_location('x._posixsubprocess', path)\n"
+    "importlib.util.module_from_spec(spec)",
+    "import os\nos.mkfifo({target!r})",
+])
+def test_descriptor_and_native_module_escapes_are_refused(attack, tmp_path):
+    victim = tmp_path / "keep.txt"
+    victim.write_text("original")
+    target = tmp_path / "written.txt"
+    outcome = run_program(attack.format(target=str(target), folder=str(tmp_path)), FAST)
+    assert outcome.status == "failed", outcome.output
+    assert victim.read_text() == "original" and not target.exists()
+
+
+def test_signals_cannot_reach_processes_outside():
+    import os
+    import subprocess
+    import sys
+
+    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        attacks = [f"import os, signal\nos.kill({outside.pid}, signal.SIGKILL)"]
+        if os.geteuid() == 0:  # pidfd signals have no audit event: only the switch to user nobody stops them
+            attacks.append(f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({outside.pid}), signal.SIGKILL)")
+        for attack in attacks:
+            assert run_program(attack, FAST).status == "failed"
+        time.sleep(0.2)
+        assert outside.poll() is None, "the process outside must still run"
+    finally:
+        outside.kill()
+        outside.wait()
+
+
+def test_endless_output_is_capped():
+    outcome = run_program("while True:\n    print('x' * 10000)\n", Limits(timeout_s=2.0, memory_mb=256, file_size_mb=1))
+    assert not outcome.passed and len(outcome.output) <= 2000
+
+
+def test_a_usage_example_after_the_solution_does_not_hide_it():
+    completion = ("```python\ndef add(a, b):\n    return a + b\n```\nUsage:\n```python\nprint(add(1, 2))\n```")
+    assert "return a + b" in extract_code(completion, "add")

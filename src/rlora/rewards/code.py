@@ -13,24 +13,29 @@ _FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | r
 _OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*)$", re.DOTALL | re.IGNORECASE)
 
 
-def extract_code(completion: str) -> str:
-    """The code in a completion: the last fenced block, else the text after an unclosed fence (a completion
-    cut at the length limit), else the whole completion."""
+def extract_code(completion: str, entry_point: str | None = None) -> str:
+    """The code in a completion: the last fenced block that defines entry_point (a usage example after the
+    solution does not hide it), else the last fenced block, else the text after an unclosed fence (a
+    completion cut at the length limit), else the whole completion."""
     blocks = _FENCED.findall(completion)
     if blocks:
-        return blocks[-1]
+        defining = [b for b in blocks if entry_point and _defines(b, entry_point)]
+        return (defining or blocks)[-1]
     opened = _OPEN_FENCE.search(completion)
     return opened.group(1) if opened else completion
+
+
+def _defines(code: str, name: str) -> bool:
+    return re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", code, re.MULTILINE) is not None
 
 
 def build_program(completion: str, test: str, entry_point: str | None = None, code_prompt: str | None = None) -> str:
     """code_prompt + the completion's code (a full definition of entry_point, or the continuation of the
     prompt's function body), then the tests, then `check(entry_point)` when an entry point is given. A
     header with only a docstring is a valid function, so a completion that redefines it simply wins."""
-    code = extract_code(completion)
+    code = extract_code(completion, entry_point)
     if code_prompt:
-        defines = entry_point is not None and re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE)
-        code = code_prompt + ("\n" + code if defines else code)
+        code = code_prompt + ("\n" + code if entry_point and _defines(code, entry_point) else code)
     program = code + "\n\n" + test + "\n"
     if entry_point:
         program += f"\ncheck({entry_point})\n"

@@ -2,16 +2,21 @@
 
 Layers, each catching what the others might miss:
 - a fresh interpreter (`python -I`: no user site, no PYTHON* variables) in a throwaway working directory,
-  in its own session (the whole process group is killed on timeout), with a minimal environment;
+  in its own session (the whole process group is killed on timeout), with a minimal environment, its
+  output in a size-limited file;
+- when rlora runs as root (containers, CI): the program runs as the unprivileged user nobody, so the kernel
+  refuses writes to anything but its folder and world-writable places, and signals to other users' processes;
 - resource limits: address space (memory), CPU seconds, file size, no core dumps;
 - where the kernel allows it (root, or unprivileged user namespaces), a new empty network namespace;
 - an audit hook (PEP 578) installed before the program runs, which cannot be removed from Python: it
-  refuses process creation (fork, exec, spawn, subprocess, system), signals to other processes, sockets,
-  ctypes / native-library loading, and any file write, rename, removal or permission change outside the
-  working directory.
-A program passes when it exits with status 0 within the time limit. Native code a program could still
-load is refused by the hook (ctypes, importing a .so from the working directory); the sandbox is meant
-for model-written test code, not for hostile code with kernel exploits.
+  refuses process creation (fork, exec, spawn, subprocess, system), kill/killpg, sockets, ctypes and
+  the native helper modules (under any dotted name), opening folders outside the working directory (so no
+  directory descriptor can anchor a relative path), path operations relative to a folder descriptor, and
+  any file write, rename, removal or permission change outside the working directory.
+A program passes when it exits with status 0 within the time limit. This is a sandbox for model-written
+test code. It is not a security boundary against hostile code: the audit hook is a Python-level layer
+(other native modules, or a kernel exploit, can get past it), and without root there is no user switch.
+Run untrusted code from people, not models, in a container or VM.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 
 # The guard runs in the child, a fresh single-threaded interpreter: limits, network namespace, audit hook,
 # then prog.py. The hook and its tables live only in a closure: the program cannot reach them from
@@ -69,19 +75,27 @@ def _install():
         real = realpath(fsdecode(path))
         return real == root or real.startswith(root + sep)
 
+    # position of the dir_fd arguments of each path event: a relative path with a dir_fd would escape the
+    # working-directory check
+    dir_fds = {"os.rename": (2, 3), "os.link": (2, 3), "os.remove": (1,), "os.rmdir": (1,), "os.mkdir": (2,),
+               "os.symlink": (2,), "os.chmod": (2,), "os.chown": (3,), "os.utime": (4,)}
+    isdir = os.path.isdir
+
     def hook(event, args):
         if event in denied:
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "open":
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & write)
-            if writing and path is not None and not inside(path):
-                raise PermissionError(f"sandbox: writing {path!r} outside the sandbox is not allowed")
+            if path is not None and not inside(path) and (writing or (not isinstance(path, int) and isdir(path))):
+                raise PermissionError(f"sandbox: opening {path!r} (writing, or a folder) outside the sandbox is not allowed")
         elif event in path_events:
+            if any(i < len(args) and args[i] is not None for i in dir_fds.get(event, ())):
+                raise PermissionError(f"sandbox: {event} relative to a folder descriptor is not allowed")
             for path in args:
                 if isinstance(path, (str, bytes, pathlike)) and not inside(path):
                     raise PermissionError(f"sandbox: {event} on {path!r} outside the sandbox is not allowed")
-        elif event == "import" and args[0].split(".")[0] in native:
+        elif event == "import" and any(part in native for part in args[0].split(".")):
             raise ImportError(f"sandbox: importing {args[0]} is not allowed")
 
     sys.addaudithook(hook)
@@ -111,6 +125,40 @@ class Outcome:
     seconds: float
 
 
+NOBODY = 65534  # the unprivileged user and group a root parent runs programs as
+
+
+_AS_NOBODY = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+
+
+@lru_cache(maxsize=1)
+def interpreter() -> tuple[str, bool]:
+    """-> (python to run programs with, whether it runs as nobody). As root, the first interpreter that the
+    user nobody can start (this venv's lies under a private folder such as /root, so a system python is
+    tried next); otherwise, or if none can, this interpreter as the current user."""
+    if os.geteuid() == 0:
+        for candidate in (os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"):
+            try:
+                check = subprocess.run([candidate, "-I", "-c", "import sys; assert sys.version_info >= (3, 8)"],
+                                       capture_output=True, timeout=30, cwd="/", **_AS_NOBODY)
+            except (OSError, subprocess.SubprocessError):
+                continue
+            if check.returncode == 0:
+                return candidate, True
+    return sys.executable, False
+
+
+def _unprivileged(workdir: str, as_nobody: bool) -> dict:
+    """Run as nobody:nogroup, owner of its working folder only, so the kernel itself refuses writes to the
+    user's files and signals to the user's processes (only when rlora runs as root)."""
+    if not as_nobody:
+        return {}
+    for path in (workdir, os.path.join(workdir, "prog.py")):
+        os.chown(path, NOBODY, NOBODY)
+    os.chmod(workdir, 0o700)
+    return _AS_NOBODY
+
+
 def run_program(source: str, limits: Limits = Limits()) -> Outcome:
     """Run `source` as a program in the sandbox. Never raises for anything the program does."""
     start = time.perf_counter()
@@ -119,24 +167,36 @@ def run_program(source: str, limits: Limits = Limits()) -> Outcome:
             handle.write(source)
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                "PYTHONDONTWRITEBYTECODE": "1"}
-        try:
-            limits_args = [str(limits.memory_mb * 2**20), str(int(limits.timeout_s) + 1), str(limits.file_size_mb * 2**20)]
-            proc = subprocess.Popen([sys.executable, "-I", "-c", GUARD, *limits_args], cwd=workdir, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        except OSError as err:
-            return Outcome(False, "error", f"could not start the sandbox: {err}", time.perf_counter() - start)
-        try:
-            output, _ = proc.communicate(timeout=limits.timeout_s)
-            status = "passed" if proc.returncode == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            output, _ = proc.communicate()
-            status = "timeout"
-        finally:
-            _kill_group(proc)  # anything the program left behind in its session
-    text = output.decode("utf-8", errors="replace")[-2000:]
+        # output goes to a file the parent made (the child's file-size limit caps it): a program that prints
+        # without end cannot fill the trainer's memory
+        output_path = os.path.join(workdir, ".output")
+        with open(output_path, "wb") as output:
+            try:
+                limits_args = [str(limits.memory_mb * 2**20), str(int(limits.timeout_s) + 1),
+                               str(limits.file_size_mb * 2**20)]
+                python, as_nobody = interpreter()
+                proc = subprocess.Popen([python, "-I", "-c", GUARD, *limits_args], cwd=workdir, env=env,
+                                        stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                        start_new_session=True, **_unprivileged(workdir, as_nobody))
+            except OSError as err:
+                return Outcome(False, "error", f"could not start the sandbox: {err}", time.perf_counter() - start)
+            try:
+                proc.wait(timeout=limits.timeout_s)
+                status = "passed" if proc.returncode == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait()
+                status = "timeout"
+            finally:
+                _kill_group(proc)  # anything the program left behind in its session
+        text = _tail(output_path, 2000)
     return Outcome(status == "passed", status, text, time.perf_counter() - start)
+
+
+def _tail(path: str, size: int) -> str:
+    with open(path, "rb") as handle:
+        handle.seek(max(0, os.path.getsize(path) - size))
+        return handle.read().decode("utf-8", errors="replace")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

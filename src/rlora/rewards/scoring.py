@@ -11,7 +11,6 @@ import math
 import numbers
 import signal
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,36 +31,67 @@ class RewardFn:
     timeout_s: float | None = None
 
 
+class RewardTimeout(BaseException):
+    """Raised in the main thread when a reward call runs out of time. A BaseException, so that a reward's own
+    `except Exception` cannot swallow it."""
+
+
+class _Watch:
+    """The reward call being timed (at most one: rewards run in the main thread, one after another)."""
+
+    lock = threading.Lock()
+    active: object | None = None
+    handler_installed = False
+
+
+def _on_deadline(signum, frame) -> None:
+    with _Watch.lock:
+        timed = _Watch.active
+    if timed is not None and timed.is_set():
+        raise RewardTimeout()
+
+
 @contextmanager
 def time_limit(reward: RewardFn, size: int):
-    """Raise UserError if the call takes longer than reward.timeout_s. SIGALRM interrupts Python code (a call
-    blocked inside C code is interrupted when it returns to Python); only in the main thread on Unix, which is
-    where training runs — elsewhere no limit applies."""
-    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    """Raise UserError if the call takes longer than reward.timeout_s. A watchdog thread signals the main
+    thread (SIGUSR2, whose handler rlora installs once and which does nothing unless a deadline passed);
+    Python code is interrupted at once, a call blocked in C code when it returns to Python. Reward code that
+    uses SIGALRM itself (math-verify does) does not disturb it, and if the timeout is somehow swallowed the
+    call still fails when it returns. Only in the main thread, where training runs."""
+    usable = hasattr(signal, "pthread_kill") and threading.current_thread() is threading.main_thread()
     if not reward.timeout_s or not usable:
         yield
         return
+    if not _Watch.handler_installed:
+        signal.signal(signal.SIGUSR2, _on_deadline)
+        _Watch.handler_installed = True
+    expired = threading.Event()
+    main_thread = threading.main_thread().ident
 
-    def on_alarm(signum, frame):
-        raise UserError(f"reward fn '{reward.name}' did not return within {reward.timeout_s:g} s for {size} "
-                        "completions (rewards[].timeout_s): it hangs or is too slow")
+    def fire() -> None:
+        with _Watch.lock:
+            if _Watch.active is expired:
+                expired.set()
+                signal.pthread_kill(main_thread, signal.SIGUSR2)
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    start = time.monotonic()
-    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, reward.timeout_s)
-    if outer_delay and outer_delay < reward.timeout_s:  # someone else's alarm comes first: let it
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        signal.setitimer(signal.ITIMER_REAL, outer_delay, outer_interval)
-        yield
-        return
+    timer = threading.Timer(reward.timeout_s, fire)
+    timer.daemon = True
+    message = (f"reward fn '{reward.name}' did not return within {reward.timeout_s:g} s for {size} completions "
+               "(rewards[].timeout_s): it hangs or is too slow")
+    with _Watch.lock:
+        _Watch.active = expired
+    timer.start()
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer_delay:  # put back an outer alarm (e.g. a test runner's timeout) with the time it had left
-            signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - start), 1e-3), outer_interval)
+        try:
+            yield
+        finally:
+            with _Watch.lock:
+                _Watch.active = None
+            timer.cancel()
+    except RewardTimeout:
+        raise UserError(message) from None
+    if expired.is_set():
+        raise UserError(message)
 
 
 def import_callable(dotted: str) -> Callable:

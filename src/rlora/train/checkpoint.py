@@ -58,14 +58,18 @@ def write_checkpoint(root: Path, step: int, fill: Callable[[Path], None], keep: 
         for folder in {p.parent for p in files} | {tmp}:
             fsync_path(folder)
         target = root / checkpoint_name(step)
-        if target.exists():  # the same step again (a resumed run re-saving): keep the old one until the swap
-            shutil.rmtree(target.rename(root / f".old-{checkpoint_name(step)}-{os.getpid()}"))
+        old = None
+        if target.exists():  # the same step again (a resumed run re-saving): set the old one aside until the swap
+            old = target.rename(root / f".old-{checkpoint_name(step)}")
+            fsync_path(root)
         os.replace(tmp, target)
         fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(root, keep)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    prune(root, keep, written=target)
     return target
 
 
@@ -84,9 +88,14 @@ def verify(folder: Path) -> dict | None:
 
 
 def checkpoints(root: Path) -> list[Path]:
-    """Completed checkpoint folders (by name), oldest first."""
+    """Completed checkpoint folders (by name), oldest first. A checkpoint set aside for a re-save of its
+    step (`.old-step-N`) whose replacement never arrived (killed in between) is put back first."""
     if not root.is_dir():
         return []
+    for aside in root.glob(".old-step-*"):
+        original = root / aside.name.removeprefix(".old-")
+        if _NAME.match(original.name) and not original.exists():
+            aside.rename(original)
     return sorted((p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)), key=lambda p: p.name)
 
 
@@ -97,11 +106,38 @@ def latest_valid(root: Path) -> Path | None:
     return None
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints; remove older ones and leftovers of interrupted writes (a run
-    folder has one writer, and this runs after its own write completed)."""
-    for folder in checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(folder, ignore_errors=True)
-    for leftover in root.iterdir():
-        if leftover.name.startswith((".tmp-", ".old-")):
-            shutil.rmtree(leftover, ignore_errors=True)
+def _complete(folder: Path) -> bool:
+    """Manifest present and every file of the size it lists (cheaper than verify: no hashing)."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+        return all((folder / name).stat().st_size == meta["bytes"] for name, meta in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def prune(root: Path, keep: int, written: Path | None = None) -> None:
+    """Keep the newest `keep` complete checkpoints (and the one just written); remove older complete ones,
+    incomplete ones older than the newest complete one, and leftovers of interrupted writes. A run folder
+    has one writer, and this runs after its own write completed."""
+    folders = checkpoints(root)
+    complete = [f for f in folders if _complete(f)]
+    keep_set = set(complete[-keep:]) | ({written} if written is not None else set())
+    newest_complete = complete[-1].name if complete else None
+    for folder in folders:
+        stale = folder in complete or (newest_complete is not None and folder.name < newest_complete)
+        if folder not in keep_set and stale:
+            shutil.rmtree(folder, ignore_errors=True)
+    for leftover in root.glob(".tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def set_aside_after(root: Path, step: int) -> list[Path]:
+    """Checkpoints of steps after `step` belong to the trajectory a resume from `step` replaces: rename them
+    to `abandoned-step-N` (kept for the user, ignored by resume=auto). -> the new names."""
+    moved = []
+    for folder in checkpoints(root):
+        if int(_NAME.match(folder.name).group(1)) > step:
+            target = root / f"abandoned-{folder.name}"
+            shutil.rmtree(target, ignore_errors=True)
+            moved.append(folder.rename(target))
+    return moved

@@ -9,6 +9,7 @@ gloo on CPU, NCCL on GPU; multi-node works with torchrun's usual --nnodes/--rdzv
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -44,7 +45,8 @@ def init_world() -> World:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        # rank 0 evaluates alone while the others wait at a barrier: allow long evaluations
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
     return World(dist.get_rank(), dist.get_world_size())
 
 
@@ -61,12 +63,19 @@ def all_reduce_sums(world: World, values: list[float]) -> list[float]:
 
 
 def all_reduce_gradients(world: World, params: list[torch.nn.Parameter]) -> None:
-    """Sum the adapter gradients over ranks, in one flat buffer (a rank without a gradient adds zeros)."""
+    """Sum the adapter gradients over ranks, in one flat buffer (a rank without a gradient adds zeros). If no
+    rank had a gradient, the gradients stay None, as in one process: the optimiser then skips the step
+    rather than applying momentum and weight decay to zero gradients."""
     if not world.active:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads]).to(_device())
+    had = float(any(p.grad is not None for p in params))
+    flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_tensor([had])]).to(_device())
     dist.all_reduce(flat)
+    if flat[-1] == 0:
+        for p in params:
+            p.grad = None
+        return
     offset = 0
     for p, g in zip(params, grads):
         p.grad = flat[offset:offset + g.numel()].view_as(g).to(g.device)
@@ -109,10 +118,13 @@ SUMMED = ("gen_tokens", "prompt_tokens", "groups_sampled", "groups_dropped", "re
 
 
 def merge_metrics(per_rank: list[dict]) -> dict:
-    merged = dict(per_rank[0])
-    for key, value in per_rank[0].items():
-        values = [m.get(key) for m in per_rank]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    """One metrics row from every rank's (keys of any rank; a rank that trained nothing lacks some)."""
+    merged = {}
+    for m in per_rank:
+        merged |= {k: v for k, v in m.items() if k not in merged or merged[k] is None}
+    for key in list(merged):
+        values = [m[key] for m in per_rank if m.get(key) is not None]
+        if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             continue
         if key in SUMMED:
             merged[key] = sum(values)

@@ -27,12 +27,13 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.system import return_freed_memory
 from rlora.train.distributed import (
-    World, barrier, gather_objects, init_world, merge_metrics, rank_divergence, shutdown,
+    World, all_reduce_sums, barrier, gather_objects, init_world, merge_metrics, rank_divergence, shutdown,
 )
 from rlora.train.evaluate import evaluate
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
+from rlora.train.checkpoint import set_aside_after
 from rlora.train.resume import check_same_run, find_checkpoint, restore_training_state, save_training_state
 from rlora.train.step import RewardFailure, grpo_step
 from rlora.types import Example
@@ -72,6 +73,9 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp"):
         raise UserError("data parallel does not support batch-wide statistics across ranks yet (algo.adv_scale=batch, "
                         "reinforce_pp): use group statistics or one process")
+    if cfg.algo.replay.enabled:
+        raise UserError("algo.replay keeps a buffer per rank that checkpoints do not hold yet: disable it for data "
+                        "parallel runs")
     if cfg.rollout.engine != "builtin":
         raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
                         "split across ranks)")
@@ -176,6 +180,9 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
     state = check_same_run(cfg, s.resume_from)
     restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay)
     s.run_dir.drop_steps_after(state["step"], ("metrics.jsonl", "samples.jsonl"))
+    if s.world.is_main and s.run_dir.holds_checkpoint(s.resume_from):
+        for folder in set_aside_after(s.resume_from.parent, state["step"]):
+            info(f"checkpoint {folder.name.removeprefix('abandoned-')} is after the resumed step: kept as {folder}")
     info(f"resuming from {s.resume_from} after step {state['step']}")
     return state["step"], state["train_s"], {"before": state["eval_before"]}
 
@@ -228,7 +235,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
                 if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
                     checkpoint(step + 1)
                 update(step + 1, metrics_line(last))
-                if cfg.train.max_time_s and time.perf_counter() - t0 >= cfg.train.max_time_s:
+                out_of_time = bool(cfg.train.max_time_s) and time.perf_counter() - t0 >= cfg.train.max_time_s
+                if all_reduce_sums(world, [float(out_of_time)])[0]:  # every rank stops after the same step
                     info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
                     break
     except BaseException as stop:  # keep what was learnt, say why it stopped, then let the error through

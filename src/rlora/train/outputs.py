@@ -39,6 +39,14 @@ def default_output_dir(prefix: str = "train") -> str:
     return str(Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a JSONL log line; None for a blank or torn line (a kill in the middle of an append)."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a folder (a folder: so that renames inside it are on disk)."""
     fd = os.open(path, os.O_RDONLY)
@@ -88,7 +96,7 @@ class RunDir:
             path = self.path / name
             if path.is_file():
                 lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-                kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+                kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
                 if len(kept) != len(lines):
                     self.write_text(name, "".join(kept))
 

@@ -30,7 +30,7 @@ from rlora.types import Rollout
 
 CHECKPOINTS = "checkpoints"
 # sections whose change makes a checkpoint meaningless for the run (train.* may change: e.g. more steps)
-MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo")
+MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "train.seed", "train.prompts_per_step")
 
 
 def rng_state() -> dict:
@@ -102,11 +102,16 @@ def check_same_run(cfg, folder: Path) -> dict:
     state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     saved = yaml.safe_load(state["config"])
     current = yaml.safe_load(to_yaml(cfg))
-    for section in MUST_MATCH:
-        if saved.get(section) != current.get(section):
-            key = _first_difference(saved.get(section), current.get(section), section)
-            raise UserError(f"train.resume: checkpoint {folder} was made with a different {key}: resume with the "
-                            "run's settings (only train.* may change)")
+    for key in MUST_MATCH:
+        section, _, field = key.partition(".")
+        then, now = saved.get(section), current.get(section)
+        if field:
+            then, now = (then or {}).get(field), (now or {}).get(field)
+        if then != now:
+            where = _first_difference(then, now, key)
+            raise UserError(f"train.resume: checkpoint {folder} was made with a different {where}: resume with the "
+                            "run's settings (train.* may change, except seed and prompts_per_step, which decide "
+                            "the data order and the samples)")
     if state["step"] > cfg.train.steps:
         raise UserError(f"train.resume: checkpoint is at step {state['step']}, beyond train.steps={cfg.train.steps}")
     return state

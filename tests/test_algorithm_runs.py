@@ -205,3 +205,23 @@ def test_entropy_bonus_adds_minus_coef_times_entropy_gradient(tiny_model_dir):
     ((entropy * mask).sum() / mask.sum()).backward()
     assert torch.allclose(bonus_1, _grads(model), rtol=1e-3, atol=tol)
     assert math.isfinite(float(bonus_1.sum()))
+
+
+def test_a_prompt_twice_in_one_step_gets_two_different_groups(tiny_model_dir, tmp_path):
+    """With 2 prompts and 3 per step, step 0 holds one prompt twice: its two groups are drawn from different
+    slots, so they are different samples (a key by prompt index would give two identical groups)."""
+    import json as _json
+
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(_json.dumps({"prompt": f"Say {w}", "answer": "a"}) + "\n" for w in ("hi", "yo")))
+    out = tmp_path / "run"
+    code = main(["train", *tiny_overrides(tiny_model_dir, str(data), str(out), **{
+        "train.prompts_per_step": 3, "train.micro_batch_size": 4, "train.steps": 1, "eval.before": "false",
+        "eval.after": "false", "data.shuffle": "false", "rollout.max_new_tokens": 8})])
+    assert code == 0
+    rows = [_json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    by_prompt = {}
+    for i in range(0, len(rows), 4):
+        by_prompt.setdefault(rows[i]["prompt"], []).append([r["completion"] for r in rows[i:i + 4]])
+    repeated = [groups for groups in by_prompt.values() if len(groups) == 2]
+    assert len(repeated) == 1 and repeated[0][0] != repeated[0][1]

@@ -28,7 +28,7 @@ SampleFn = Callable[[list[int], list[SamplingParams], int], tuple[Rollout, Score
 
 @dataclass
 class Group:
-    prompt: int  # index into the training prompts
+    prompt: int  # which prompt: what the SampleFn takes (the trainer passes slots of the step, see step.py)
     rollout: Rollout  # the kept attempt's G rows
     scores: Scores  # its rewards (task rewards: what the adaptive and dynamic-sampling conditions look at)
     shaping_G: torch.Tensor  # overlong penalty of each row (float64; 0 when off)

@@ -59,8 +59,9 @@ class Batch:
     rollout: Rollout
     scores: Scores  # fresh rows only
     stats_rewards_P_S: torch.Tensor  # rewards for the advantage statistics of the fresh groups
-    groups: list[Group]
+    groups: list[Group]  # Group.prompt holds the group's slot (see _sampler)
     replayed: list[StoredGroup] = field(default_factory=list)
+    slot_prompt: dict[int, int] = field(default_factory=dict)  # slot -> index into the training prompts
 
     @property
     def num_fresh(self) -> int:
@@ -78,13 +79,16 @@ def step_seed(cfg, step: int) -> int:
     return cfg.train.seed * 100_003 + step
 
 
-def _sampler(s, step: int, timings: Timings):
-    """SampleFn over the run's model, generator and reward functions; counts time spent in each."""
-    def sample(prompts: list[int], params: list[SamplingParams], seed: int):
+def _sampler(s, step: int, timings: Timings, slot_prompt: dict[int, int]):
+    """SampleFn over the run's model, generator and reward functions; counts time spent in each. It samples
+    *slots*: positions in the step's list of prompts (round r's extra prompts from r x P on); a slot's
+    dataset prompt is slot_prompt[slot]. The slot is the sampler's key, so a slot's samples do not depend on
+    which rank or batch draws it, and a prompt that fills two slots of a step gets two different groups."""
+    def sample(slots: list[int], params: list[SamplingParams], seed: int):
         t0 = time.perf_counter()
-        # key = the prompt's dataset index: its samples do not depend on which rank or batch draws it
+        prompts = [slot_prompt[slot] for slot in slots]
         rollout = s.generator.sample(s.model, [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations, params,
-                                     seed, keys=prompts)
+                                     seed, keys=slots)
         t1 = time.perf_counter()
         scores = score_rollout(s, rollout, [s.prompts.train[i] for i in prompts])
         check_failures(s, scores, step)
@@ -98,17 +102,24 @@ def _sampler(s, step: int, timings: Timings):
 def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
-    collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
-                          step_seed(cfg, step))
+    slot_prompt = dict(enumerate(step_prompts))
     extra = ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, step_prompts)
-    groups = collector.collect(s.world.share(step_prompts), lambda r: s.world.share(extra(r)))
+
+    def more_slots(round_index: int) -> list[int]:
+        drawn = extra(round_index)  # the same list on every rank
+        slot_prompt.update({round_index * P + i: prompt for i, prompt in enumerate(drawn)})
+        return s.world.share([round_index * P + i for i in range(len(drawn))])
+
+    collector = Collector(_sampler(s, step, timings, slot_prompt), step_params(cfg, step), cfg.rollout.num_generations,
+                          cfg.algo, step_seed(cfg, step))
+    groups = collector.collect(s.world.share(list(range(P))), more_slots)
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
     replayed = replay.draw(replay_count(cfg.algo.replay.ratio * len(groups), cfg.train.seed, step), step) if replay else []
     if replayed:
         rollout = concat_rollouts([rollout] + [g.rollout for g in replayed], s.tok.pad_id)
-    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats
+    return Batch(rollout, scores, stats_rewards, groups, replayed, slot_prompt), collector.stats
 
 
 class ExtraPrompts:
@@ -300,7 +311,7 @@ def _samples(s, batch: Batch, advantages, step: int) -> list[dict]:
     rows = []
     for i in range(batch.num_fresh):
         group = batch.groups[i // G]
-        rows.append({"step": step + 1, "prompt": prompt_text(s.prompts.train[group.prompt]), "completion": rollout.completions[i],
+        rows.append({"step": step + 1, "prompt": prompt_text(s.prompts.train[batch.slot_prompt[group.prompt]]), "completion": rollout.completions[i],
                      "reward": _num(scores.total_B[i]), "advantage": float(per_row[i]),
                      "temperature": float(rollout.temperature_B[i]), "retries": group.retries,
                      **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}})

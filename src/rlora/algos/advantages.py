@@ -30,7 +30,7 @@ def _nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Ten
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
-def _group_flags(rewards_P_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def group_flags(rewards_P_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (failed_P_G, flat_P1): failed samples, and groups whose valid rewards are all equal (or none)."""
     failed = torch.isnan(rewards_P_G)
     valid_max = torch.where(failed, torch.full_like(rewards_P_G, -torch.inf), rewards_P_G).amax(dim=1, keepdim=True)
@@ -60,7 +60,7 @@ def group_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "group", eps: 
     """
     _check_scale(scale)
     rewards = rewards_P_G.double()
-    failed, flat_P1 = _group_flags(rewards)
+    failed, flat_P1 = group_flags(rewards)
     group_mean_P1 = torch.nanmean(rewards, dim=1, keepdim=True).nan_to_num(0.0)
     centred_P_G = _scale(rewards - group_mean_P1, rewards, scale, eps)
     centred_P_G = torch.where(failed | flat_P1, torch.zeros_like(centred_P_G), centred_P_G)
@@ -72,7 +72,7 @@ def rloo_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "none", eps: fl
     equals n/(n-1) * (r_i - group mean). Optionally divided by a std like GRPO (default: not)."""
     _check_scale(scale)
     rewards = rewards_P_G.double()
-    failed, flat_P1 = _group_flags(rewards)
+    failed, flat_P1 = group_flags(rewards)
     count_P1 = (~failed).sum(dim=1, keepdim=True)
     total_P1 = torch.nansum(rewards, dim=1, keepdim=True)
     others_mean_P_G = (total_P1 - rewards.nan_to_num(0.0)) / (count_P1 - 1).clamp(min=1)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from rlora.algos.advantages import overlong_penalty
+from rlora.algos.advantages import group_flags, overlong_penalty
 from rlora.config import AdaptiveConfig, AlgoConfig
 from rlora.rewards.scoring import Scores
 from rlora.rollout.batching import concat_rollouts, select_rows
@@ -44,8 +44,7 @@ class Group:
 
 def is_flat(rewards_G: torch.Tensor) -> bool:
     """All valid rewards equal (or fewer than two valid): the group gives no GRPO gradient."""
-    valid = rewards_G[~torch.isnan(rewards_G)]
-    return len(valid) < 2 or bool(valid.max() == valid.min())
+    return bool(group_flags(rewards_G[None])[1])
 
 
 def fails(rewards_G: torch.Tensor, cfg: AdaptiveConfig) -> bool:

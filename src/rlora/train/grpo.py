@@ -91,7 +91,7 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     if world.is_main and (resume_from is None or not run_dir.holds_checkpoint(resume_from)):
         run_dir.check_writable()
     if resume_from is not None:
-        check_same_run(cfg, resume_from)
+        check_same_run(cfg, resume_from)  # fail before the model loads
     if cfg.data.task is not None:
         check_task(cfg.data.task, cfg.data.task_args)
     for path in (cfg.data.path, cfg.data.eval_path):
@@ -134,11 +134,12 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None:
         info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
              "off-policy and nothing corrects for it (watch sampler_logp_gap)")
-    for needs_logp, key in ((cfg.algo.sampler_is_cap is not None, "unset algo.sampler_is_cap"),
-                            (cfg.algo.replay.enabled, "set algo.replay.enabled=false")):
-        if needs_logp and generator.name != "builtin":
-            raise UserError(f"{key.split()[1].split('=')[0]} needs the sampler's log-probs, which only rollout.engine="
-                            f"builtin returns (this run samples with '{generator.name}'): {key}")
+    # the config rejects these with engine=hf; here the builtin engine fell back to hf for this model
+    for wanted, option, fix in ((cfg.algo.sampler_is_cap is not None, "algo.sampler_is_cap", "unset it"),
+                                (cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false")):
+        if wanted and generator.name != "builtin":
+            raise UserError(f"{option} needs the sampler's log-probs, which only rollout.engine=builtin returns "
+                            f"(this run samples with '{generator.name}'): {fix}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
                    prompts, train_ids, eval_ids, resume_from, world)
 

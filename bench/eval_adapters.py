@@ -9,7 +9,7 @@ from rlora.models.loading import load_base_model, load_tokenizer
 from rlora.rewards.scoring import RewardFn
 from rlora.rollout.generator import HFGenerator
 from rlora.train.evaluate import evaluate
-from rlora.types import Example
+from rlora.types import Example, SamplingParams
 
 
 def evaluate_adapters(adapters: dict[str, str], eval_size: int, max_new_tokens: int, model: str = "smollm2") -> dict:
@@ -26,7 +26,8 @@ def evaluate_adapters(adapters: dict[str, str], eval_size: int, max_new_tokens: 
     rewards = [RewardFn("answer", answer_reward, 1.0, {})]
 
     def accuracy(policy) -> float:
-        return evaluate(policy, generator, examples, prompt_ids, texts, rewards, max_new_tokens, 32)[0]["accuracy"]
+        return evaluate(policy, generator, examples, prompt_ids, texts, rewards,
+                        SamplingParams(max_new_tokens=max_new_tokens, greedy=True), 32)[0]["accuracy"]
 
     scores = {"base": accuracy(load_base_model(ModelConfig(path=folder), folder))}
     for name, path in adapters.items():

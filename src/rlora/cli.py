@@ -30,6 +30,13 @@ stable override keys: model.path lora.rank lora.alpha lora.target_modules rollou
   train.lr train.seed train.output_dir   (any other config key works too; see src/rlora/config.py)
 """
 
+EVAL_EPILOG = """\
+examples:
+  rlora eval runs/train-X                       # the run's adapter against the base, on the run's held-out set
+  rlora eval my.yaml -a a=runs/a/adapter -a b=runs/b/adapter   # several adapters side by side
+  rlora eval my.yaml eval.num_samples=8 eval.temperature=0.7 eval.pass_k=[1,4,8]   # unbiased pass@k
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -47,6 +54,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="an optional YAML config file, then dotted overrides")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
+    evaluate = commands.add_parser(
+        "eval", help="evaluate the base model and adapters side by side on held-out prompts",
+        description="Evaluate the base model (adapters off) and each --adapter on the held-out prompts of a config: "
+                    "accuracy, unbiased pass@k (eval.num_samples, eval.pass_k), mean reward; samples to JSONL.",
+        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    evaluate.add_argument("items", nargs="*", metavar="[CONFIG.yaml | RUN_DIR] [key=value ...]",
+                          help="a config file or a run folder of `rlora train` (default: the demo config), then overrides")
+    evaluate.add_argument("--adapter", "-a", action="append", default=[], metavar="[NAME=]PATH",
+                          help="a PEFT adapter folder to evaluate (repeatable); a run folder's adapter is the default")
+    evaluate.add_argument("--no-base", action="store_true", help="skip the base model")
+    evaluate.add_argument("--output", "-o", help="folder for eval.json and samples (default: runs/eval-TIMESTAMP)")
+    evaluate.add_argument("--overwrite", action="store_true", help="write into a non-empty output folder")
+    evaluate.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
     merge = commands.add_parser(
         "merge", help="merge a LoRA adapter into its base and save a Hugging Face model folder",
         description="Fold ADAPTER into its base model (the one recorded in adapter_config.json, or --base) and save "
@@ -57,7 +77,43 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     merge.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
+    chat = commands.add_parser(
+        "chat", help="chat in the terminal with a base model and its adapters (switch live)",
+        description="Interactive multi-turn chat through the tokenizer's chat template. All adapters sit on one "
+                    "base model: /adapter NAME switches, /base turns the adapter off, /save FILE writes the "
+                    "conversation as JSON, /help lists the commands (docs/chat.md).")
+    chat.add_argument("--model", metavar="PATH_OR_ALIAS",
+                      help="base model folder or alias (default: the first adapter's recorded base, else "
+                           "smollm2-135m-instruct)")
+    chat.add_argument("--adapter", action="append", default=[], metavar="[NAME=]PATH",
+                      help="a PEFT adapter folder (repeatable; a bare PATH is named after its folder); the first is "
+                           "active at the start")
+    chat.add_argument("--system", metavar="TEXT", help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="longest reply in tokens (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.7, metavar="T", help="0: greedy (default 0.7)")
+    chat.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1.0: off)")
+    chat.add_argument("--seed", type=int, default=0, metavar="S", help="reply i is sampled with seed S + i (default 0)")
+    chat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    chat.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
+    plot = commands.add_parser(
+        "plot", help="PNG figures of training runs' metrics (reward, KL, entropy, length, clip fraction, step time)",
+        description="Plot RUN_DIR/metrics.jsonl against the step: one PNG per metric and overview.png. One run: "
+                    "in RUN_DIR/plots; several runs are overlaid (legend: folder names) and need -o.")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output folder of `rlora train`")
+    plot.add_argument("--output", "-o", help="folder for the figures (default: RUN_DIR/plots; required for several runs)")
+    plot.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
     return parser
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from rlora.logging.console import info
+    from rlora.plot import plot_runs
+
+    result = plot_runs(args.runs, args.output)
+    for key in result.skipped:
+        info(f"note: no run has values of {key}: skipped")
+    info(f"rlora plot: {len(result.files)} figures -> {result.files[0].parent}")
+    return 0
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -66,6 +122,24 @@ def _merge(args: argparse.Namespace) -> int:
 
     target = merge_adapter(args.adapter, args.output, args.base, args.dtype, args.overwrite)
     info(f"rlora merge: {args.adapter} merged into its base -> {target}")
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from rlora.chat import chat_main
+
+    return chat_main(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from rlora.evaluation import BASE, Candidate, parse_adapters, resolve_config, run_eval_command
+
+    cfg, run_adapter = resolve_config(args.items)
+    adapters = parse_adapters(args.adapter or ([run_adapter] if run_adapter else []))
+    candidates = ([] if args.no_base else [Candidate(BASE, None)]) + adapters
+    if not candidates:
+        raise UserError("nothing to evaluate: --no-base needs at least one --adapter")
+    run_eval_command(cfg, candidates, args.output, args.overwrite)
     return 0
 
 
@@ -112,12 +186,23 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "items") and all("=" in item and not item.startswith("-") for item in extra):
+        args.items += extra  # overrides given after options (`rlora eval -a A key=value`)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "eval":
+            return _eval(args)
         if args.command == "merge":
             return _merge(args)
+        if args.command == "plot":
+            return _plot(args)
+        if args.command == "chat":
+            return _chat(args)
     except UserError as err:
         if getattr(args, "debug", False):
             import traceback
@@ -126,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("rlora: interrupted (a run that had started training saved its adapter and summary.json)", file=sys.stderr)
+        saved = " (a run that had started training saved its adapter and summary.json)" if args.command == "train" else ""
+        print(f"rlora: interrupted{saved}", file=sys.stderr)
         return 130
     return 0

@@ -38,8 +38,17 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: str | list[str] = Field("all-linear", description="'all-linear' or module names")
     layers: list[int] | None = Field(None, description="Indices of decoder layers that carry adapters (None: all)")
+    top_layers: int | None = Field(
+        None, gt=0, description="Adapters on the top N decoder layers only; the frozen layers below are computed once "
+        "for policy and reference (train.share_frozen_layers). Exclusive with layers")
     use_rslora: bool = Field(False, description="Scale by alpha/sqrt(rank) instead of alpha/rank")
     init_from: str | None = Field(None, description="Start from an existing PEFT adapter folder")
+
+    @model_validator(mode="after")
+    def _one_layer_choice(self) -> "LoraConfig":
+        if self.layers is not None and self.top_layers is not None:
+            raise ValueError("set lora.layers (indices) or lora.top_layers (a count from the top), not both")
+        return self
 
 
 class DataConfig(_Section):
@@ -201,6 +210,9 @@ class TrainConfig(_Section):
     logprob_chunk_tokens: int = Field(
         256, ge=0, description="Completion positions per output-layer chunk in log-prob passes (0: full logits)")
     gradient_checkpointing: bool = Field(False, description="Recompute decoder activations in backward (less memory)")
+    share_frozen_layers: bool = Field(
+        True, description="Decoder layers below the lowest adapter layer run once per step for the reference, old "
+        "and policy log-prob passes (Llama-family models, chunked log-probs)")
     release_memory: bool = Field(
         False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
 
@@ -209,7 +221,35 @@ class EvalConfig(_Section):
     before: bool = Field(True, description="Evaluate the held-out set before training")
     after: bool = Field(True, description="Evaluate the held-out set after training")
     max_new_tokens: int | None = Field(None, gt=0, description="Default: rollout.max_new_tokens")
-    batch_size: int = Field(32, gt=0)
+    batch_size: int = Field(32, gt=0, description="Prompts per sampler call")
+    num_samples: int = Field(1, gt=0, description="Completions per prompt (more than 1 needs temperature > 0)")
+    temperature: float = Field(0.0, ge=0, description="0: greedy decoding")
+    top_p: float = Field(1.0, gt=0, le=1)
+    pass_k: list[int] = Field(default_factory=list, description="k values of the unbiased pass@k (each <= num_samples)")
+    seed: int = Field(0, description="Seed of the evaluation's sampling")
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> "EvalConfig":
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.num_samples={self.num_samples} with greedy decoding (eval.temperature=0) repeats "
+                             "one completion: set eval.temperature > 0")
+        if any(k < 1 or k > self.num_samples for k in self.pass_k):
+            raise ValueError(f"eval.pass_k={self.pass_k}: each k must be between 1 and eval.num_samples={self.num_samples}")
+        return self
+
+
+class LogConfig(_Section):
+    """Where a run's numbers go besides metrics.jsonl and the console (docs/logging.md)."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to OUTPUT/tensorboard (extra: track)")
+    wandb: bool = Field(False, description="Log to Weights & Biases (extra: track); files in OUTPUT/wandb")
+    wandb_project: str = Field("rlora", min_length=1, description="W&B project name")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: no network, upload later with `wandb sync OUTPUT/wandb/offline-run-*`")
+    completions_format: Literal["jsonl", "parquet"] = Field(
+        "jsonl", description="Completions of train.sample_every steps: samples.jsonl, or one "
+        "OUTPUT/completions/step-N.parquet per step")
+    plot: bool = Field(True, description="Write PNG figures of the metrics to OUTPUT/plots at the end of a run")
 
 
 class RLConfig(_Section):
@@ -221,6 +261,7 @@ class RLConfig(_Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":

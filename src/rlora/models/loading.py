@@ -92,12 +92,26 @@ def load_base_model(cfg: ModelConfig, path: str) -> torch.nn.Module:
     return model
 
 
-def peft_lora_config(cfg: LoraConfig):
+def linear_module_names(base: torch.nn.Module) -> list[str]:
+    """Names of the linear layers inside the decoder layers (what peft's 'all-linear' selects there)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules()
+                   if isinstance(module, torch.nn.Linear) and ".layers." in name})
+
+
+def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):
     from peft import LoraConfig as PeftLoraConfig
 
+    layers, targets = cfg.layers, cfg.target_modules
+    if cfg.top_layers is not None:
+        num_layers = causal_lm(base).config.num_hidden_layers
+        if cfg.top_layers > num_layers:
+            raise UserError(f"lora.top_layers={cfg.top_layers} exceeds the model's {num_layers} decoder layers")
+        layers = list(range(num_layers - cfg.top_layers, num_layers))
+    if layers is not None and targets == "all-linear":  # peft takes layer indices only with explicit names
+        targets = linear_module_names(base)
     return PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules,
-        layers_to_transform=cfg.layers, use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM",
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+        layers_to_transform=layers, use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM",
     )
 
 
@@ -134,7 +148,7 @@ def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
                 f"adapter '{cfg.init_from}' does not fit model: {first_line(err)}"
             ) from None
     try:
-        return get_peft_model(base, peft_lora_config(cfg))
+        return get_peft_model(base, peft_lora_config(cfg, base))
     except ValueError as err:
         raise UserError(f"LoRA config does not fit the model: {first_line(err)}") from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlora.models.frozen_prefix import PrefixSlice, suffix_hidden
 from rlora.models.loading import causal_lm
 from rlora.rollout.generator import position_ids_from_mask
 from rlora.types import RolloutSlice
@@ -29,13 +30,18 @@ def supports_chunked(model) -> bool:
 
 
 def completion_logprobs(
-    model, batch: RolloutSlice, with_entropy: bool = False, chunk_tokens: int = 256, *, entropy_grad: bool = False
+    model, batch: RolloutSlice, with_entropy: bool = False, chunk_tokens: int = 256, *, entropy_grad: bool = False,
+    prefix: PrefixSlice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (logp_BTc, entropy_BTc or None). chunk_tokens=0 forces the full-logits path. On the chunked
     path, positions outside the completion mask hold 0. The entropy carries no gradient unless
-    entropy_grad=True (an entropy bonus in the loss); that costs its graph, so it is off by default."""
+    entropy_grad=True (an entropy bonus in the loss); that costs its graph, so it is off by default.
+    `prefix`: the batch's hidden states after the frozen lower layers, computed once per rollout
+    (models/frozen_prefix.py); the decoder then starts above them (chunked path only)."""
     if chunk_tokens and supports_chunked(model):
-        return _chunked_logprobs(model, batch, with_entropy, chunk_tokens, entropy_grad)
+        return _chunked_logprobs(model, batch, with_entropy, chunk_tokens, entropy_grad, prefix)
+    if prefix is not None:
+        raise ValueError("a frozen prefix needs the chunked log-prob path (train.logprob_chunk_tokens > 0)")
     return _full_logprobs(model, batch, with_entropy, entropy_grad)
 
 
@@ -78,10 +84,15 @@ def _full_logprobs(model, batch: RolloutSlice, with_entropy: bool, entropy_grad:
     return token_logprobs(logits_BTV, batch.completion_ids_BTc, token_temperatures(batch), with_entropy, entropy_grad)
 
 
-def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_tokens: int, entropy_grad: bool):
+def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_tokens: int, entropy_grad: bool,
+                      prefix: PrefixSlice | None):
     hf = causal_lm(model)
     B, Tc = batch.completion_ids_BTc.shape
-    hidden_BTH = hf.get_decoder()(**_inputs(batch)).last_hidden_state[:, -(Tc + 1):-1]
+    if prefix is None:
+        last_BTH = hf.get_decoder()(**_inputs(batch)).last_hidden_state
+    else:
+        last_BTH = suffix_hidden(model, batch, prefix.hidden_BTH, prefix.num_frozen)
+    hidden_BTH = last_BTH[:, -(Tc + 1):-1]
     keep_BT = batch.completion_mask_BTc.bool()
     hidden_NH = hidden_BTH[keep_BT]
     targets_N = batch.completion_ids_BTc[keep_BT]

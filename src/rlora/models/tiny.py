@@ -38,17 +38,18 @@ def build_tokenizer(vocab_size: int = 512):
 
 def build_random_model(folder: str | Path, family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
                        kv_heads: int = 2, ffn: int = 128, vocab_size: int | None = None, tie: bool = True,
-                       seed: int = 0, tokenizer=None) -> Path:
-    """Save a random-initialised Llama or Qwen2 causal LM and a tokenizer to `folder`; returns the folder."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+                       seed: int = 0, tokenizer=None, **config_extra) -> Path:
+    """Save a random-initialised Llama, Qwen2 or Mistral causal LM and a tokenizer to `folder`; returns the
+    folder. config_extra: further config keys (e.g. sliding_window)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     tokenizer = tokenizer or build_tokenizer()
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
     config = config_cls(
         vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
         max_position_embeddings=2048, tie_word_embeddings=tie, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **config_extra,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlora.types import Rollout
+from rlora.types import Rollout, RolloutSlice
 
 
 def select_rows(rollout: Rollout, index: list[int] | torch.Tensor) -> Rollout:
@@ -66,4 +66,18 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         sampling_logp_BTc=torch.cat([_pad_right(p.sampling_logp_BTc, width, 0.0) for p in parts]) if with_logp else None,
         temperature_BTc=(torch.cat([_pad_right(_token_temperatures(p), width, 0.0) for p in parts])
                          if with_token_temperature else None),
+    )
+
+
+def trim(batch: RolloutSlice) -> RolloutSlice:
+    """Drop columns that are padding in every row of this micro-batch (no effect on the numbers: positions
+    come from the masks)."""
+    prompt_keep = batch.prompt_mask_BTp.any(0).nonzero()
+    first = int(prompt_keep[0]) if len(prompt_keep) else batch.prompt_mask_BTp.shape[1] - 1
+    completion_keep = batch.completion_mask_BTc.any(0).nonzero()
+    last = int(completion_keep[-1]) + 1 if len(completion_keep) else 1
+    return RolloutSlice(
+        batch.prompt_ids_BTp[:, first:], batch.prompt_mask_BTp[:, first:],
+        batch.completion_ids_BTc[:, :last], batch.completion_mask_BTc[:, :last], batch.temperature_B,
+        None if batch.temperature_BTc is None else batch.temperature_BTc[:, :last],
     )

@@ -17,11 +17,14 @@ from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.logging.console import console, info, metrics_line, print_summary, progress_bar
+from rlora.logging.sinks import Sinks, check_sinks
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
     load_tokenizer, quantization_config,
     resolve_model_path, save_adapter, trainable_parameters,
 )
+from rlora.plot import plot_after_run
+from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
@@ -29,7 +32,7 @@ from rlora.system import return_freed_memory
 from rlora.train.distributed import (
     World, all_reduce_sums, barrier, gather_objects, init_world, merge_metrics, rank_divergence, shutdown,
 )
-from rlora.train.evaluate import evaluate
+from rlora.train.evaluate import eval_sampling, evaluate
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
@@ -55,6 +58,7 @@ class Session:
     eval_ids: list[list[int]]
     resume_from: Path | None = None  # checkpoint this run continues from
     world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
+    num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
 
 
 def seed_everything(seed: int) -> None:
@@ -92,18 +96,23 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
         run_dir.check_writable()
     if resume_from is not None:
         check_same_run(cfg, resume_from)  # fail before the model loads
+    check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
+    if cfg.lora.init_from:
+        check_adapter_folder(cfg.lora.init_from)
+    return run_dir, check_data_and_rewards(cfg), resume_from
+
+
+def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
+    """The task or data files, the model's quantization needs and the reward functions, before any model loads."""
     if cfg.data.task is not None:
         check_task(cfg.data.task, cfg.data.task_args)
     for path in (cfg.data.path, cfg.data.eval_path):
         if path is not None and not Path(path).is_file():
             raise UserError(f"data file not found: {path}")
-    if cfg.lora.init_from:
-        check_adapter_folder(cfg.lora.init_from)
     quantization_config(cfg.model)  # bitsandbytes missing: say so before loading anything
     if cfg.data.task == "humaneval" and any(spec.fn == "gym" for spec in cfg.rewards):
         raise UserError("task 'humaneval' is scored by running its tests: use rewards: [{fn: code}] instead of gym")
-    rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
-    return run_dir, rewards, resume_from
+    return resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
 
 
 def prepare(cfg: RLConfig, world: World = World()) -> Session:
@@ -141,17 +150,32 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
             raise UserError(f"{option} needs the sampler's log-probs, which only rollout.engine=builtin returns "
                             f"(this run samples with '{generator.name}'): {fix}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids, resume_from, world)
+                   prompts, train_ids, eval_ids, resume_from, world, frozen_layers_to_share(cfg, model))
+
+
+def frozen_layers_to_share(cfg: RLConfig, model) -> int:
+    """How many lower decoder layers the step runs once for all its log-prob passes (0: none)."""
+    num_frozen = first_adapter_layer(model) if cfg.train.share_frozen_layers else 0
+    if num_frozen == 0:
+        return 0
+    reason = sharing_unsupported(model)
+    if reason is None and not cfg.train.logprob_chunk_tokens:
+        reason = "train.logprob_chunk_tokens=0 (the full-logits path)"
+    if reason is not None:
+        info(f"train.share_frozen_layers: not for this run ({reason}); every log-prob pass runs all layers")
+        return 0
+    return num_frozen
 
 
 def run_eval(s: Session, label: str) -> dict | None:
     if not s.prompts.eval:
         return None
-    max_new = s.cfg.eval.max_new_tokens or s.cfg.rollout.max_new_tokens
+    ev = s.cfg.eval
     texts = [prompt_text(ex) for ex in s.prompts.eval]
     with progress_bar(f"eval ({label})", len(texts)) as update:
         result, samples = evaluate(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
-                                   max_new, s.cfg.eval.batch_size, progress=update, stop=tuple(s.cfg.rollout.stop))
+                                   eval_sampling(s.cfg), ev.batch_size, ev.num_samples, tuple(ev.pass_k), ev.seed,
+                                   progress=update)
     s.run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
     reward = "-" if result["reward_mean"] is None else f"{result['reward_mean']:.3f}"
     failures = f", {result['reward_failures']} reward failures" if result["reward_failures"] else ""
@@ -208,6 +232,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
     optimizer, scheduler = build_optimizer(trainable_parameters(s.model), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed) if cfg.algo.replay.enabled else None
     first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)
+    sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
     t0, last, status = time.perf_counter() - train_s_before, {}, "completed"
 
     def checkpoint(done: int) -> None:
@@ -228,9 +253,9 @@ def _run(cfg: RLConfig, world: World) -> dict:
                 if world.active:
                     last, samples = gather_step(world, last, samples, trainable_parameters(s.model))
                 s.run_dir.append_jsonl("metrics.jsonl", last)
+                sinks.log_metrics(step + 1, last)
                 if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
-                    for row in samples:
-                        s.run_dir.append_jsonl("samples.jsonl", row)
+                    sinks.log_completions(step + 1, samples)
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                     save_final(s, f"adapter-step{step + 1}")
                 if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
@@ -247,12 +272,14 @@ def _run(cfg: RLConfig, world: World) -> dict:
             status = "stopped: reward failures"
         else:
             status = f"failed: {type(stop).__name__}: {stop}"
+        sinks.close(failed=True)
         try:
             save_final(s)
             s.run_dir.write_json("summary.json", {"status": status, "last_metrics": last, "eval": evals})
         except OSError as err:  # e.g. the disk is full: say so, and let the original error through
             info(f"could not save the adapter after the failure: {err}")
         raise
+    sinks.close()
     save_final(s)
     done = last.get("step", first_step)
     if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every:
@@ -264,6 +291,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
         s.run_dir.write_json("eval.json", evals)
     summary = {"status": status, "steps": done, "train_s": train_s, "adapter_params": n_trainable, "last_metrics": last, "eval": evals}
     s.run_dir.write_json("summary.json", summary)
+    if cfg.log.plot and world.is_main:
+        plot_after_run(s.run_dir.path)
     _print_final(s, summary)
     return summary
 

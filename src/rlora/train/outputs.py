@@ -15,8 +15,10 @@ from typing import Any, Callable
 from rlora.errors import UserError
 
 
+# what train.overwrite=true clears: these exact names (files or, for the log.* outputs, folders) ...
 RUN_FILES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval_before.jsonl", "eval_after.jsonl",
-             "summary.json"}
+             "summary.json", "tensorboard", "wandb", "completions", "plots"}
+# ... and names starting with these
 RUN_FOLDER_PREFIXES = ("adapter", ".adapter", "checkpoints")
 
 

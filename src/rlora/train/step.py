@@ -15,6 +15,7 @@ from rlora.data.prompts import PromptOrder, prompt_text
 from rlora.models.loading import adapter_disabled, trainable_parameters
 from rlora.errors import UserError
 from rlora.rewards.scoring import Scores, score_completions
+from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.train.evaluate import columns_of
 from rlora.rollout.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
@@ -217,13 +218,16 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     mask_BT = loss_mask(s, batch)
 
     mb, chunk = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens
+    need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and cfg.algo.beta > 0)
+    # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
+    prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (cfg.algo.beta > 0 or need_old) else None
+    t_prefix = time.perf_counter()
     ref_logp = None
     if cfg.algo.beta > 0:
         with adapter_disabled(s.model):
-            ref_logp = batched_logprobs(s.model, rollout, mb, chunk)
+            ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     t_ref = time.perf_counter()
-    need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and ref_logp is not None)
-    old_logp = batched_logprobs(s.model, rollout, mb, chunk) if need_old else None
+    old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix) if need_old else None
     t_old = time.perf_counter()
 
     advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
@@ -234,7 +238,8 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     optim_s = 0.0
     for _ in range(cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
-        update = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world)
+        update = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
+                                            prefix)
         t_optim = time.perf_counter()
         update |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, update["loss"])
         optim_s += time.perf_counter() - t_optim
@@ -246,7 +251,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
         **_rollout_metrics(batch), **_collect_metrics(stats, cfg), "lr": lr,
         "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-        "ref_s": t_ref - t_collected, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
+        "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
     }
     if replay is not None:
         metrics |= {"replay_groups": len(batch.replayed), "replay_stored": stored, "replay_buffer": len(replay)}

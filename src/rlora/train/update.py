@@ -13,9 +13,11 @@ from rlora.algos.losses import BatchTotals, LossInputs, aggregate, truncated_is_
 from rlora.algos.registry import Algorithm
 from rlora.config import AlgoConfig
 from rlora.models.loading import trainable_parameters
+from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
-from rlora.types import Rollout, RolloutSlice
+from rlora.rollout.batching import trim
+from rlora.types import Rollout
 
 
 @dataclass
@@ -32,36 +34,25 @@ class ScoredRollout:
     fresh_B: torch.Tensor | None = None  # bool: rows sampled by this step's policy (None: all)
 
 
-def trim(batch: RolloutSlice) -> RolloutSlice:
-    """Drop columns that are padding in every row of this micro-batch (no effect on the numbers: positions
-    come from the masks)."""
-    prompt_keep = batch.prompt_mask_BTp.any(0).nonzero()
-    first = int(prompt_keep[0]) if len(prompt_keep) else batch.prompt_mask_BTp.shape[1] - 1
-    completion_keep = batch.completion_mask_BTc.any(0).nonzero()
-    last = int(completion_keep[-1]) + 1 if len(completion_keep) else 1
-    return RolloutSlice(
-        batch.prompt_ids_BTp[:, first:], batch.prompt_mask_BTp[:, first:],
-        batch.completion_ids_BTc[:, :last], batch.completion_mask_BTc[:, :last], batch.temperature_B,
-        None if batch.temperature_BTc is None else batch.temperature_BTc[:, :last],
-    )
-
-
 def _pad_right(values_BT: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(values_BT, (0, width - values_BT.shape[1]))
 
 
 @torch.no_grad()
-def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_tokens: int = 256) -> torch.Tensor:
+def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_tokens: int = 256,
+                     prefix: FrozenPrefix | None = None) -> torch.Tensor:
     """Log-probs of all completion tokens (no gradient, eval mode: no dropout), micro-batch by micro-batch
-    -> logp_BTc."""
+    -> logp_BTc. `prefix`: the rollout's hidden states after the frozen lower layers (computed once)."""
     width = rollout.completion_ids_BTc.shape[1]
     parts = []
     was_training = model.training
     model.eval()
     try:
         for start in range(0, rollout.num_completions, micro_batch_size):
-            micro = trim(rollout.select(slice(start, start + micro_batch_size)))
-            logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens)
+            rows = slice(start, start + micro_batch_size)
+            micro = trim(rollout.select(rows))
+            logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens,
+                                          prefix=None if prefix is None else prefix.rows(rows, micro))
             parts.append(_pad_right(logp, width))
     finally:
         model.train(was_training)
@@ -113,7 +104,7 @@ def contribute_nothing(world: World, model) -> float:
 
 def accumulate_policy_gradient(
     model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
-    chunk_tokens: int = 256, world: World = World(),
+    chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None,
 ) -> dict[str, float]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch.
     Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
@@ -134,7 +125,8 @@ def accumulate_policy_gradient(
         width = micro.completion_ids_BTc.shape[1]
         mask_BT = scored.loss_mask_BTc[index, :width].float()
         logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
-                                                  entropy_grad=cfg.entropy_coef > 0)
+                                                  entropy_grad=cfg.entropy_coef > 0,
+                                                  prefix=None if prefix is None else prefix.rows(index, micro))
         old = scored.old_logp_BTc[index, :width] if scored.old_logp_BTc is not None else logp_BT.detach()
         ref = scored.ref_logp_BTc[index, :width] if scored.ref_logp_BTc is not None else None
         is_weight = None

@@ -1,0 +1,155 @@
+"""`rlora eval`: the base model and any number of adapters, side by side, on the held-out prompts of a
+config (its data, reward functions and eval.* sampling settings), through rlora's sampler.
+
+All adapters are loaded onto one copy of the base (peft named adapters); the base itself is evaluated with
+the adapters switched off. Each candidate is sampled with the same seed, so differences come from the
+weights, not the draws. Outputs (written atomically): eval.json (metrics per candidate), samples_<name>.jsonl
+(one row per completion), config.yaml (the resolved config).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlora.config import RLConfig, load_config, to_yaml
+from rlora.data.prompts import load_prompt_sets, prompt_text, render_prompt
+from rlora.errors import UserError, first_line
+from rlora.logging.console import info, progress_bar
+from rlora.models.loading import (
+    add_model_eos_ids, check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path,
+)
+from rlora.rollout.backends import build_generator
+from rlora.train.evaluate import eval_sampling, evaluate
+from rlora.train.grpo import check_data_and_rewards, seed_everything
+from rlora.train.outputs import RunDir, default_output_dir, to_json
+
+BASE = "base"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    adapter: str | None  # None: the base model, adapters off
+
+
+def parse_adapters(specs: list[str]) -> list[Candidate]:
+    """`NAME=PATH` or `PATH` (named after its folder, or its run folder for .../adapter) -> candidates."""
+    candidates = []
+    for spec in specs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        path_obj = Path(path)
+        name = name or (path_obj.parent.name if path_obj.name == "adapter" else path_obj.name)
+        if not _NAME.match(name) or name == BASE:
+            raise UserError(f"--adapter name '{name}' is not usable: give NAME=PATH with NAME of letters, digits, "
+                            f"'_', '.', '-' (and not '{BASE}')")
+        if name in {c.name for c in candidates}:
+            raise UserError(f"two adapters are named '{name}': give each a name with NAME=PATH")
+        check_adapter_folder(path, key="--adapter")
+        candidates.append(Candidate(name, path))
+    return candidates
+
+
+def resolve_config(items: list[str]) -> tuple[RLConfig, str | None]:
+    """CONFIG.yaml or a run folder (its config.yaml), then overrides -> (config, the run's adapter or None)."""
+    if items and "=" not in items[0] and Path(items[0]).is_dir():
+        run = Path(items[0])
+        if not (run / "config.yaml").is_file():
+            raise UserError(f"'{run}' is a folder without config.yaml: give a run folder of `rlora train` or a config file")
+        adapter = run / "adapter"
+        return load_config(str(run / "config.yaml"), items[1:]), str(adapter) if adapter.is_dir() else None
+    config_path = items[0] if items and "=" not in items[0] else None
+    overrides = items[1:] if config_path else items
+    bad = [item for item in overrides if "=" not in item]
+    if bad:
+        raise UserError(f"unexpected argument '{bad[0]}': give at most one CONFIG.yaml or run folder, then key=value "
+                        "overrides")
+    return load_config(config_path, overrides), None
+
+
+def _load_model(cfg: RLConfig, candidates: list[Candidate]):
+    """The base with every adapter attached under its name (one copy of the base weights)."""
+    from peft import PeftModel
+
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    model = load_base_model(cfg.model, model_path)
+    add_model_eos_ids(tok, model)
+    for i, candidate in enumerate(c for c in candidates if c.adapter):
+        try:
+            if i == 0:
+                model = PeftModel.from_pretrained(model, candidate.adapter, adapter_name=candidate.name)
+            else:
+                model.load_adapter(candidate.adapter, adapter_name=candidate.name)
+        except Exception as err:  # noqa: BLE001 - an adapter for another base: shape or module-name mismatch
+            raise UserError(f"adapter '{candidate.adapter}' does not fit model '{cfg.model.path}': "
+                            f"{first_line(err)}") from None
+    model.eval()
+    return model, tokenizer, tok
+
+
+@contextmanager
+def _activated(model, candidate: Candidate):
+    if candidate.adapter is None:
+        with model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext():
+            yield
+    else:
+        model.set_adapter(candidate.name)
+        yield
+
+
+def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | None, overwrite: bool) -> dict:
+    """Evaluate every candidate; -> {name: metrics}."""
+    rewards = check_data_and_rewards(cfg)
+    run_dir = RunDir(output or default_output_dir("eval"), overwrite)
+    run_dir.check_writable()
+    examples = load_prompt_sets(cfg.data).eval
+    if not examples:
+        raise UserError("no held-out prompts to evaluate: set data.eval_path (a file) or data.eval_size > 0 (a task)")
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    model, tokenizer, tok = _load_model(cfg, candidates)
+    prompt_ids = [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
+    params = eval_sampling(cfg)
+    exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})  # evaluation samples in the model's dtype
+    generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id,
+                                max(map(len, prompt_ids)) + params.max_new_tokens, cfg.eval.batch_size)
+    texts = [prompt_text(ex) for ex in examples]
+    run_dir.create()
+    run_dir.write_text("config.yaml", to_yaml(cfg))
+    ev, results = cfg.eval, {}
+    for candidate in candidates:
+        seed_everything(ev.seed)  # the same draws for every candidate (and for rewards that use randomness)
+        with _activated(model, candidate), progress_bar(f"eval {candidate.name}", len(examples)) as update:
+            metrics, samples = evaluate(model, generator, examples, prompt_ids, texts, rewards, params, ev.batch_size,
+                                        ev.num_samples, tuple(ev.pass_k), ev.seed, progress=update)
+        run_dir.write_text(f"samples_{candidate.name}.jsonl", "".join(to_json(row) + "\n" for row in samples))
+        results[candidate.name] = {"adapter": candidate.adapter, **metrics}
+    run_dir.write_json("eval.json", {"model": cfg.model.path, "prompts": len(examples), "sampling": {
+        "num_samples": ev.num_samples, "temperature": ev.temperature, "top_p": ev.top_p,
+        "max_new_tokens": params.max_new_tokens, "seed": ev.seed}, "results": results})
+    print_table(results, list(ev.pass_k))
+    info(f"rlora eval: {len(examples)} prompts x {ev.num_samples} samples -> {run_dir.path}")
+    return results
+
+
+def print_table(results: dict[str, dict], pass_k: list[int]) -> None:
+    """Side by side: one row per candidate, accuracy change against the base when it was evaluated."""
+    from rich.console import Console
+    from rich.table import Table
+
+    base = results.get(BASE)
+    table = Table(title="rlora eval")
+    for column in ["model", "accuracy", *(f"pass@{k}" for k in pass_k), "reward mean", "reward failures"]:
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name, m in results.items():
+        delta = f" ({m['accuracy'] - base['accuracy']:+.3f})" if base is not None and name != BASE else ""
+        reward = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
+        table.add_row(name, f"{m['accuracy']:.3f}{delta}", *(f"{m[f'pass@{k}']:.3f}" for k in pass_k), reward,
+                      str(m["reward_failures"]))
+    Console().print(table)  # the result itself: on stdout (progress and notices go to stderr)

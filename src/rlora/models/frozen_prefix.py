@@ -1,0 +1,159 @@
+"""Frozen lower layers computed once for the policy and the reference.
+
+When the LoRA sits only on decoder layers k..L-1, layers 0..k-1 compute the same thing with the adapter
+on (policy) or off (reference), and nothing below layer k needs a gradient. So a step runs layers 0..k-1
+once per completion, without gradient, and every log-prob pass of the step (reference, old policy, each
+policy update) starts at layer k from those hidden states.
+
+The decoder is run layer by layer here, replicating the model's own forward for the Llama family (Llama,
+Qwen2/Qwen3 with their per-layer full/sliding masks, Mistral with its sliding window): embeddings,
+rotary embeddings, masks, layers, final norm. tests/test_frozen_prefix.py checks that this equals the
+model's forward.
+
+The cache holds the hidden states of the whole rollout in its padded layout [B, Tp + Tc, H]; a
+micro-batch (any rows, trimmed of all-padding columns) reads its rows and columns from it. Positions
+that were padding when their rows were computed hold zeros: they are masked as keys and their own
+outputs are never read, so real positions see exactly the inputs of the unshared path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from rlora.models.loading import causal_lm
+from rlora.rollout.batching import trim
+from rlora.rollout.generator import position_ids_from_mask
+from rlora.types import Rollout, RolloutSlice
+
+SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def first_adapter_layer(model) -> int:
+    """Index of the lowest decoder layer holding a LoRA module: layers below it are frozen and identical
+    for policy and reference. 0 when a LoRA sits below the decoder layers (e.g. on the embeddings); the
+    number of layers when the LoRA sits only above them (e.g. on lm_head)."""
+    num_layers = causal_lm(model).config.num_hidden_layers
+    first = num_layers
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        match = _LAYER_INDEX.search(name + ".")
+        if match is None:
+            if "lm_head" not in name:
+                return 0  # embeddings (or anything else below the layers) carry a LoRA
+            continue
+        first = min(first, int(match.group(1)))
+    return first
+
+
+def sharing_unsupported(model) -> str | None:
+    """Why the frozen prefix cannot be shared for this model, or None."""
+    model_type = causal_lm(model).config.model_type
+    if model_type not in SHAREABLE_MODEL_TYPES:
+        return f"model type '{model_type}' is not one of {', '.join(SHAREABLE_MODEL_TYPES)}"
+    return None
+
+
+@dataclass
+class _LayerInputs:
+    """What every decoder layer takes besides the hidden states."""
+
+    masks: list  # one attention mask per layer (full or sliding window)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_ids: torch.Tensor
+
+
+def _batch_inputs(batch: RolloutSlice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    input_ids = torch.cat([batch.prompt_ids_BTp, batch.completion_ids_BTc], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask_BTp, batch.completion_mask_BTc], dim=1)
+    return input_ids, attention_mask, position_ids_from_mask(attention_mask)
+
+
+def _layer_inputs(decoder, hidden_BTH: torch.Tensor, attention_mask: torch.Tensor, position_ids) -> _LayerInputs:
+    config = decoder.config
+    mask_args = dict(config=config, inputs_embeds=hidden_BTH, attention_mask=attention_mask, past_key_values=None,
+                     position_ids=position_ids)
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "mistral":
+        make = create_causal_mask if config.sliding_window is None else create_sliding_window_causal_mask
+        masks = [make(**mask_args)] * num_layers
+    elif layer_types:
+        by_type = {"full_attention": create_causal_mask(**mask_args)}
+        if "sliding_attention" in layer_types:
+            by_type["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+        masks = [by_type[kind] for kind in layer_types[:num_layers]]
+    else:
+        masks = [create_causal_mask(**mask_args)] * num_layers
+    return _LayerInputs(masks, decoder.rotary_emb(hidden_BTH, position_ids), position_ids)
+
+
+def _run_layers(decoder, hidden_BTH: torch.Tensor, inputs: _LayerInputs, start: int, stop: int) -> torch.Tensor:
+    for index in range(start, stop):
+        hidden_BTH = decoder.layers[index](
+            hidden_BTH, attention_mask=inputs.masks[index], position_embeddings=inputs.position_embeddings,
+            position_ids=inputs.position_ids, past_key_values=None, use_cache=False,
+        )
+    return hidden_BTH
+
+
+@torch.no_grad()
+def prefix_hidden(model, batch: RolloutSlice, num_frozen: int) -> torch.Tensor:
+    """Hidden states after the first `num_frozen` decoder layers, [B, Tp + Tc, H] (no gradient)."""
+    decoder = causal_lm(model).get_decoder()
+    input_ids, attention_mask, position_ids = _batch_inputs(batch)
+    hidden_BTH = decoder.embed_tokens(input_ids)
+    inputs = _layer_inputs(decoder, hidden_BTH, attention_mask, position_ids)
+    return _run_layers(decoder, hidden_BTH, inputs, 0, num_frozen)
+
+
+def suffix_hidden(model, batch: RolloutSlice, hidden_BTH: torch.Tensor, num_frozen: int) -> torch.Tensor:
+    """The decoder's last hidden states (final norm applied) from the output of layer num_frozen - 1."""
+    decoder = causal_lm(model).get_decoder()
+    _, attention_mask, position_ids = _batch_inputs(batch)
+    inputs = _layer_inputs(decoder, hidden_BTH, attention_mask, position_ids)
+    hidden_BTH = _run_layers(decoder, hidden_BTH, inputs, num_frozen, decoder.config.num_hidden_layers)
+    return decoder.norm(hidden_BTH)
+
+
+class FrozenPrefix:
+    """The frozen layers' output for every completion of one rollout, computed once."""
+
+    def __init__(self, model, rollout: Rollout, num_frozen: int, micro_batch_size: int):
+        self.num_frozen = num_frozen
+        self.prompt_width = rollout.prompt_ids_BTp.shape[1]
+        B, width = rollout.num_completions, self.prompt_width + rollout.completion_ids_BTc.shape[1]
+        self.hidden_BTH: torch.Tensor | None = None
+        was_training = model.training
+        model.eval()
+        try:
+            for start in range(0, B, micro_batch_size):
+                micro = trim(rollout.select(slice(start, start + micro_batch_size)))
+                hidden = prefix_hidden(model, micro, num_frozen)
+                if self.hidden_BTH is None:
+                    self.hidden_BTH = hidden.new_zeros(B, width, hidden.shape[-1])
+                self.hidden_BTH[start:start + len(hidden), self._columns(micro)] = hidden
+        finally:
+            model.train(was_training)
+
+    def _columns(self, micro: RolloutSlice) -> slice:
+        """Where a trimmed micro-batch's columns sit in the rollout's padded layout."""
+        return slice(self.prompt_width - micro.prompt_ids_BTp.shape[1],
+                     self.prompt_width + micro.completion_ids_BTc.shape[1])
+
+    def rows(self, index: slice | torch.Tensor, micro: RolloutSlice) -> "PrefixSlice":
+        """The cached hidden states of the micro-batch made of rollout rows `index`, trimmed like `micro`."""
+        return PrefixSlice(self.hidden_BTH[index][:, self._columns(micro)], self.num_frozen)
+
+
+@dataclass
+class PrefixSlice:
+    """A micro-batch's hidden states after the frozen layers, and how many layers that is."""
+
+    hidden_BTH: torch.Tensor
+    num_frozen: int

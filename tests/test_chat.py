@@ -1,0 +1,293 @@
+"""`rlora chat`: the conversation state and commands (pure), replies with the active adapter on one base, and
+the whole program driven through a pseudo-terminal."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from test_policy_model import make_policy, perturb_adapter
+
+from rlora.chat import (ChatState, Command, ContextFull, Conversation, Settings, apply_command, check_base_matches,
+                        fit_context, load_chat_model, parse_adapter_specs, parse_command, run_chat, user_text)
+from rlora.cli import main
+from rlora.errors import UserError
+from rlora.models.loading import save_adapter
+from rlora.models.tiny import build_random_model
+
+MAX_NEW = 8
+PYTHON = str(Path(sys.executable))
+
+
+def _state(**adapters) -> ChatState:
+    return ChatState("m", dict(adapters), next(iter(adapters), None), Settings(), Conversation())
+
+
+# ------------------------------------------------------------------------- pure state and commands ------------
+
+
+def test_parse_command_and_user_text():
+    assert parse_command("hello") is None and parse_command("  what is 2/3?") is None
+    assert parse_command("/adapter  b ") == Command("adapter", "b")
+    assert parse_command("/system You are   terse.") == Command("system", "You are   terse.")
+    assert parse_command("/QUIT") == Command("quit")
+    assert parse_command("//etc/passwd is a file") is None and user_text("//etc/passwd") == "/etc/passwd"
+
+
+def test_parse_adapter_specs():
+    assert parse_adapter_specs(["a=runs/x/adapter", "runs/y/adapter-step10/"]) == {
+        "a": "runs/x/adapter", "adapter-step10": "runs/y/adapter-step10/"}
+    with pytest.raises(UserError, match="given twice"):
+        parse_adapter_specs(["runs/x/adapter", "runs/y/adapter"])
+    with pytest.raises(UserError, match="may hold only"):
+        parse_adapter_specs(["my.adapter"])
+
+
+def test_conversation_messages_reset_and_drop():
+    conv = Conversation(system="be brief")
+    conv.add_user("u1")
+    conv.add_reply("r1", "a", 0)
+    conv.add_user("u2")
+    assert conv.messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "u1"},
+                               {"role": "assistant", "content": "r1"}, {"role": "user", "content": "u2"}]
+    assert conv.drop_oldest() and conv.messages()[1:] == [{"role": "user", "content": "u2"}]
+    assert not conv.drop_oldest()  # the newest user turn always stays
+    assert len(conv.turns) == 3  # dropped from the context, not from the transcript
+    conv.drop_last_user()
+    assert [t["content"] for t in conv.turns] == ["u1", "r1"] and conv.start == 2
+    conv.reset()
+    assert conv.turns == [] and conv.start == 0 and conv.system == "be brief"
+
+
+def test_fit_context_drops_oldest_exchanges():
+    def render(messages):  # one token per character, like a (very) small tokenizer
+        return [0] * sum(len(m["content"]) for m in messages)
+
+    conv = Conversation()
+    for i in range(3):
+        conv.add_user(f"user {i}")  # 6 tokens
+        conv.add_reply(f"reply {i}", None, i)  # 7 tokens
+    conv.add_user("question")  # 8 tokens
+    ids, dropped = fit_context(conv, render, limit=100)
+    assert (len(ids), dropped) == (47, 0)
+    ids, dropped = fit_context(conv, render, limit=25)
+    assert (len(ids), dropped) == (21, 2) and conv.messages()[0]["content"] == "user 2"
+    with pytest.raises(ContextFull):
+        fit_context(conv, render, limit=7)
+
+
+def test_commands_change_the_state(tmp_path):
+    state = _state(a="/ad/a", b="/ad/b")
+    listing = apply_command(state, Command("adapter")).text
+    assert "* a  /ad/a" in listing and "  b  /ad/b" in listing and "  base" in listing
+    assert apply_command(state, Command("adapter", "b")).text == "adapter b active" and state.active == "b"
+    miss = apply_command(state, Command("adapter", "c"))
+    assert miss.error and "no adapter 'c'" in miss.text and state.active == "b"
+    apply_command(state, Command("base"))
+    assert state.active is None and "* base" in apply_command(state, Command("adapter")).text
+    apply_command(state, Command("system", "be brief"))
+    assert state.conv.system == "be brief"
+    apply_command(state, Command("system"))
+    assert state.conv.system is None
+    unknown = apply_command(state, Command("frobnicate"))
+    assert unknown.error and unknown.text == "unknown command '/frobnicate': /help lists the commands"
+    assert "/save FILE" in apply_command(state, Command("help")).text
+    assert apply_command(state, Command("quit")).quit and apply_command(state, Command("exit")).quit
+    state.conv.add_user("hi")
+    apply_command(state, Command("reset"))
+    assert state.conv.turns == []
+    assert apply_command(state, Command("save")).error  # no FILE
+
+
+def test_save_writes_the_conversation_atomically(tmp_path):
+    state = _state(a="/ad/a")
+    state.conv.system = "sys"
+    state.conv.add_user("hello")
+    state.conv.add_reply("hi there", "a", 0)
+    target = tmp_path / "sub" / "conv.json"
+    assert "saved 2 messages" in apply_command(state, Command("save", str(target))).text
+    saved = json.loads(target.read_text())
+    assert saved["model"] == "m" and saved["adapters"] == {"a": "/ad/a"} and saved["dropped_messages"] == 0
+    assert saved["sampling"] == {"max_new_tokens": 256, "temperature": 0.7, "top_p": 1.0, "seed": 0, "greedy": False}
+    assert saved["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"},
+                                 {"role": "assistant", "content": "hi there", "adapter": "a", "seed": 0}]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["conv.json"]  # no temporary file left
+    bad = apply_command(state, Command("save", str(tmp_path)))  # a folder: one-line error, no crash
+    assert bad.error and "could not save" in bad.text
+
+
+class ScriptedBot:
+    """A ChatModel stand-in for the loop: replies with the active adapter's name and the turn count."""
+
+    max_length = 100
+
+    def reply(self, state):
+        from rlora.chat import Reply
+
+        if state.conv.turns[-1]["content"] == "too long":
+            raise ContextFull(500)
+        return Reply(f"{state.active}-{len(state.conv.turns)}", "stop", 0)
+
+
+def _drive(lines, state):
+    out = Console(record=True, width=200, force_terminal=False)
+    feed = iter(lines)
+
+    def read(prompt):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    assert run_chat(ScriptedBot(), state, out, read) == 0
+    return out.export_text()
+
+
+def test_loop_commands_replies_and_end_of_input():
+    state = _state(a="/ad/a", b="/ad/b")
+    text = _drive(["hi", "/adapter b", "", "again", "/nope", "too long", "/base", "//slash"], state)
+    assert [(t["content"], t.get("adapter")) for t in state.conv.turns] == [
+        ("hi", None), ("a-1", "a"), ("again", None), ("b-3", "b"), ("/slash", None), ("None-5", None)]
+    assert [t.get("seed") for t in state.conv.turns if t["role"] == "assistant"] == [0, 1, 2]
+    assert "a> a-1" in text and "b> b-3" in text and "base> None-5" in text
+    assert "unknown command '/nope'" in text and "message too long: 500 prompt tokens" in text
+    state = _state()
+    _drive(["hello", "/quit", "never read"], state)
+    assert [t["content"] for t in state.conv.turns] == ["hello", "None-1"]
+
+
+# ------------------------------------------------------------------------- the model ----------------------------
+
+
+def _make_adapter(model_dir, folder, seed):
+    _, _, model = make_policy(model_dir)
+    perturb_adapter(model, scale=0.2, seed=seed)
+    save_adapter(model, folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_adapters")
+    return {"a": _make_adapter(tiny_model_dir, root / "a", seed=1), "b": _make_adapter(tiny_model_dir, root / "b", seed=2)}
+
+
+def _reference(tiny_model_dir, adapters):
+    """Greedy replies computed directly with transformers generate on the peft model (not rlora's sampler)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapters["a"], adapter_name="a")
+    model.load_adapter(adapters["b"], adapter_name="b")
+    model.eval()
+
+    def reply(messages, adapter):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad():
+            if adapter is None:
+                with model.disable_adapter():
+                    out = model.generate(input_ids=ids, **kwargs)
+            else:
+                model.set_adapter(adapter)
+                out = model.generate(input_ids=ids, **kwargs)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    return reply
+
+
+def test_replies_follow_the_active_adapter_and_long_history_is_cut(tiny_model_dir, adapters):
+    bot = load_chat_model(tiny_model_dir, adapters, "float32", MAX_NEW)
+    assert bot.generator.name == "builtin"
+    reference = _reference(tiny_model_dir, adapters)
+    state = ChatState(tiny_model_dir, adapters, "a", Settings(MAX_NEW, 0.0), Conversation())
+    state.conv.add_user("Hello, how are you today?")
+    replies = {}
+    for name in ("a", "b", None):
+        state.active = name
+        replies[name] = bot.reply(state).text
+        assert replies[name] == reference(state.conv.messages(), name)
+    assert len(set(replies.values())) == 3, replies  # the adapters matter, so the equalities mean something
+    base_weights = {k: v.clone() for k, v in bot.model.get_base_model().state_dict().items() if "lora" not in k}
+    bot.max_length = len(bot.render(state.conv.messages())) + MAX_NEW + 4  # room for this turn only
+    state.conv.add_reply(replies[None], None, 0)
+    state.conv.add_user("What is 3 + 4?")
+    reply = bot.reply(state)
+    assert reply.dropped == 1 and state.conv.start == 2 and reply.text == reference(state.conv.messages(), None)
+    after = bot.model.get_base_model().state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base_weights.items())  # switching never wrote the base
+
+
+def test_notice_for_an_adapter_recorded_for_another_base(tiny_model_dir, adapters):
+    assert check_base_matches(adapters, tiny_model_dir) == []
+    notices = check_base_matches({"a": adapters["a"]}, "/somewhere/else")
+    assert notices == [f"adapter a was trained on '{tiny_model_dir}', not on '/somewhere/else'"]
+
+
+def test_bad_input_is_one_line_exit_2(tiny_model_dir, adapters, tmp_path, capsys):
+    other = build_random_model(tmp_path / "other", family="qwen2", hidden=96, seed=2)
+    other_adapter = _make_adapter(str(other), tmp_path / "other_adapter", seed=3)
+    not_lora = tmp_path / "ia3"
+    not_lora.mkdir()
+    (not_lora / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    base = ["chat", "--model", tiny_model_dir]
+    cases = [
+        (base + ["--adapter", f"a={tmp_path / 'missing'}"], "is not a PEFT adapter folder"),
+        (["chat", "--adapter", f"a={adapters['a']}", "--adapter", f"o={other_adapter}"], "does not fit model"),
+        (base + ["--adapter", other_adapter], "does not fit model"),
+        (base + ["--adapter", adapters["a"], "--adapter", adapters["a"]], "given twice"),
+        (base + ["--temperature", "-1"], "--temperature must be >= 0"),
+        (base + ["--adapter", str(not_lora)], "is a IA3 adapter"),
+        (base + ["--max-new-tokens", "5000"], "leaves no room for the prompt"),
+    ]
+    for args, message in cases:
+        capsys.readouterr()
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------- through a pseudo-terminal -----------
+
+
+def test_chat_through_a_pseudo_terminal(tiny_model_dir, adapters, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    saved = tmp_path / "conversation.json"
+    args = ["-m", "rlora", "chat", "--model", tiny_model_dir, "--adapter", f"a={adapters['a']}", "--adapter",
+            f"b={adapters['b']}", "--max-new-tokens", str(MAX_NEW), "--temperature", "0"]
+    child = pexpect.spawn(PYTHON, args, encoding="utf-8", timeout=180, dimensions=(40, 200),
+                          env={**os.environ, "TERM": "xterm", "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        child.expect("you> ")
+        for line, wait_for in [("Hello, how are you today?", "a> "), ("/adapter b", "adapter b active"),
+                               ("/adapter", r"\* b"), ("What is 3 + 4?", "b> "), ("/wat", "unknown command"),
+                               ("/base", "adapter off"), ("The quick brown fox", "base> "),
+                               (f"/save {saved}", "saved 6 messages")]:
+            child.sendline(line)
+            child.expect(wait_for)
+            child.expect("you> ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    conversation = json.loads(saved.read_text())
+    messages = conversation["messages"]
+    assert conversation["model"] == tiny_model_dir and conversation["adapters"] == adapters
+    assert conversation["sampling"]["greedy"] and conversation["sampling"]["max_new_tokens"] == MAX_NEW
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 3
+    assert [m["content"] for m in messages[::2]] == ["Hello, how are you today?", "What is 3 + 4?", "The quick brown fox"]
+    assert [m["adapter"] for m in messages[1::2]] == ["a", "b", None]
+    reference = _reference(tiny_model_dir, adapters)
+    for i in range(1, len(messages), 2):
+        history = [{"role": m["role"], "content": m["content"]} for m in messages[:i]]
+        want = {name: reference(history, name) for name in ("a", "b", None)}
+        assert messages[i]["content"] == want[messages[i]["adapter"]], (i, want)
+        # a chat that ignored the switch would have answered with another adapter: those replies differ
+        assert list(want.values()).count(want[messages[i]["adapter"]]) == 1, (i, want)

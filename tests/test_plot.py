@@ -1,0 +1,123 @@
+"""`rlora plot`: PNG figures from metrics.jsonl, overlays of several runs, the automatic plots at the end of
+`rlora train`, and bad input as one line with exit code 2."""
+
+import json
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from conftest import tiny_overrides
+from rlora.cli import main
+from rlora.plot import METRICS, RunMetrics, _figure, plot_after_run, plot_runs, read_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(folder: Path, rows: list[dict], tail: str = "") -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    return folder
+
+
+def _rows(n: int, scale: float = 1.0) -> list[dict]:
+    """Steps as rlora train logs them; kl is null (no algo.beta) and clip_frac absent, so both are skipped."""
+    return [{"step": i, "reward_mean": scale * i / n, "kl": None, "entropy": 2.0 - i / n, "completion_len_mean": 10.0 + i,
+             "step_s": 0.5, "reward/count_a": 0.1} for i in range(1, n + 1)]
+
+
+def _assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    height, width, _channels = imread(path).shape
+    assert height > 100 and width > 100, path
+
+
+def test_one_run_one_png_per_metric_and_an_overview(tmp_path):
+    run = _write_run(tmp_path / "run", _rows(5), tail='{"step": 6, "reward_me')  # a kill in the middle of an append
+    result = plot_runs([str(run)])
+    names = sorted(p.name for p in result.files)
+    assert names == ["completion_len_mean.png", "entropy.png", "overview.png", "reward_mean.png", "step_s.png"]
+    assert all(p.parent == run / "plots" for p in result.files)
+    for path in result.files:
+        _assert_png(path)
+    assert result.skipped == ["kl", "clip_frac"]
+    assert [r["step"] for r in read_metrics(str(run))] == [1, 2, 3, 4, 5]  # the torn line is left out
+
+
+def test_two_runs_are_overlaid_with_their_folder_names(tmp_path, capsys):
+    a = _write_run(tmp_path / "lr-1e-4", _rows(4))
+    b = _write_run(tmp_path / "lr-1e-3", _rows(6, scale=2.0) + [{"step": 7, "reward_mean": 1.0, "clip_frac": 0.1}])
+    out = tmp_path / "compare"
+    assert main(["plot", str(a), str(b), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no run has values of kl: skipped" in err and "6 figures" in err  # 5 metrics + overview
+    for name in [f"{key}.png" for key in METRICS if key != "kl"] + ["overview.png"]:
+        _assert_png(out / name)
+    # the axes the figures were drawn from: one line per run holding a metric, labelled by folder
+    runs = [RunMetrics(p.name, read_metrics(str(p))) for p in (a, b)]
+    [reward_ax] = _figure(["reward_mean"], runs).axes
+    assert [t.get_text() for t in reward_ax.get_legend().get_texts()] == ["lr-1e-4", "lr-1e-3"]
+    assert [len(line.get_xdata()) for line in reward_ax.get_lines()] == [4, 7]
+    [clip_ax] = _figure(["clip_frac"], runs).axes
+    assert [line.get_label() for line in clip_ax.get_lines()] == ["lr-1e-3"]
+
+
+def test_train_writes_plots_and_its_metrics_replot(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{"eval.before": "false", "eval.after": "false"})
+    args.remove("log.plot=false")  # the test overrides turn figures off; here the default (on) is checked
+    assert main(["train", *args]) == 0
+    assert "plots: " in capsys.readouterr().err
+    for key in ("reward_mean", "entropy", "completion_len_mean", "clip_frac", "step_s"):
+        _assert_png(out / "plots" / f"{key}.png")
+    _assert_png(out / "plots" / "overview.png")
+    assert main(["plot", str(out), "-o", str(tmp_path / "again")]) == 0
+    assert "no run has values of kl" in capsys.readouterr().err  # algo.beta=0: kl is null in every step
+    _assert_png(tmp_path / "again" / "overview.png")
+
+
+def test_log_plot_false_writes_no_plots(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
+        "log.plot": "false", "train.steps": 1, "eval.before": "false", "eval.after": "false"})
+    assert main(["train", *args]) == 0
+    assert not (out / "plots").exists()
+
+
+def test_a_plotting_failure_is_a_notice(tmp_path, capsys):
+    run = _write_run(tmp_path / "run", [])
+    plot_after_run(run)  # must not raise: the run it belongs to is already saved
+    err = capsys.readouterr().err
+    assert "could not plot the metrics" in err and f"rlora plot {run}" in " ".join(err.split())
+
+
+BAD_INPUTS = [
+    ("missing folder", lambda t: [str(t / "nope")], "run folder not found"),
+    ("no metrics.jsonl", lambda t: [str(_mkdir(t / "empty"))], "metrics.jsonl not found"),
+    ("empty metrics.jsonl", lambda t: [str(_write_run(t / "r", []))], "holds no complete step line"),
+    ("only a torn line", lambda t: [str(_write_run(t / "r", [], tail='{"step": 1, "rew'))], "holds no complete step"),
+    ("no plottable metric", lambda t: [str(_write_run(t / "r", [{"step": 1, "loss": 0.1}]))], "no metric to plot"),
+    ("several runs without -o", lambda t: [str(_write_run(t / "a", _rows(2))), str(_write_run(t / "b", _rows(2)))],
+     "say where with -o OUT"),
+    ("output is a file", lambda t: [str(_write_run(t / "r", _rows(2))), "-o", str(_touch(t / "f.png"))],
+     "exists and is a file"),
+]
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _touch(path: Path) -> Path:
+    path.write_text("")
+    return path
+
+
+@pytest.mark.parametrize("name, make_args, message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_one_line_exit_2(name, make_args, message, tmp_path, capsys):
+    code = main(["plot", *make_args(tmp_path)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlora: error:")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err

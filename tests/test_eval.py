@@ -113,6 +113,35 @@ def test_bad_input_is_one_line(extra, message, tiny_model_dir, prompts_file, tmp
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_adapter_names_and_paths(two_adapters, tmp_path):
+    from rlora.evaluation import parse_adapters
+
+    a, _ = two_adapters
+    odd = tmp_path / "lr=1e-4" / "qwen2.5-math" / "adapter"  # '=' in the path, '.' in the run folder's name
+    odd.parent.mkdir(parents=True)
+    odd.symlink_to(a)
+    named, unnamed = parse_adapters([f"x={odd}", str(odd)])
+    assert (named.name, named.adapter) == ("x", str(odd))
+    assert (unnamed.name, unnamed.adapter) == ("qwen2_5-math", str(odd))
+
+
+def test_output_folder_rules(tiny_model_dir, prompts_file, two_adapters, tmp_path, capsys):
+    """Never into a training run; over an earlier evaluation only with --overwrite, replacing its files."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "adapter").mkdir()
+    assert main(eval_args(tiny_model_dir, prompts_file, run, "--overwrite")) == 2
+    assert "holds a training run" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["adapter", "metrics.jsonl"]
+    out = tmp_path / "ev"
+    assert main(eval_args(tiny_model_dir, prompts_file, out, "-a", f"a={two_adapters[0]}")) == 0
+    assert main(eval_args(tiny_model_dir, prompts_file, out)) == 2
+    assert "already holds files" in capsys.readouterr().err
+    assert main(eval_args(tiny_model_dir, prompts_file, out, "--overwrite")) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "eval.json", "samples_base.jsonl"]
+
+
 def test_adapter_for_another_base_is_one_line(prompts_file, tmp_path, capsys):
     from rlora.models.tiny import build_random_model
 

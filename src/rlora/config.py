@@ -48,6 +48,8 @@ class LoraConfig(_Section):
     def _one_layer_choice(self) -> "LoraConfig":
         if self.layers is not None and self.top_layers is not None:
             raise ValueError("set lora.layers (indices) or lora.top_layers (a count from the top), not both")
+        if self.init_from and (self.layers is not None or self.top_layers is not None):
+            raise ValueError("lora.init_from keeps the layers of the adapter it loads: remove lora.layers / lora.top_layers")
         return self
 
 

@@ -26,10 +26,11 @@ from rlora.models.loading import (
 from rlora.rollout.backends import build_generator
 from rlora.train.evaluate import eval_sampling, evaluate
 from rlora.train.grpo import check_data_and_rewards, seed_everything
-from rlora.train.outputs import RunDir, default_output_dir, to_json
+from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
 
 BASE = "base"
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # peft keeps adapters in module dicts: no '.'
+_TRAINING_OUTPUTS = ("metrics.jsonl", "adapter", "checkpoints", "summary.json")
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,14 @@ def parse_adapters(specs: list[str]) -> list[Candidate]:
     """`NAME=PATH` or `PATH` (named after its folder, or its run folder for .../adapter) -> candidates."""
     candidates = []
     for spec in specs:
-        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
-        path_obj = Path(path)
-        name = name or (path_obj.parent.name if path_obj.name == "adapter" else path_obj.name)
+        # NAME=PATH, unless the whole text is an existing path (paths may hold '=', names may not)
+        name, _, path = ("", "", spec) if Path(spec).exists() or "=" not in spec else spec.partition("=")
+        if not name:  # named after the folder (or its run folder for .../adapter), made usable
+            path_obj = Path(path)
+            name = re.sub(r"[^A-Za-z0-9_-]", "_", path_obj.parent.name if path_obj.name == "adapter" else path_obj.name)
         if not _NAME.match(name) or name == BASE:
             raise UserError(f"--adapter name '{name}' is not usable: give NAME=PATH with NAME of letters, digits, "
-                            f"'_', '.', '-' (and not '{BASE}')")
+                            f"'_', '-' (and not '{BASE}')")
         if name in {c.name for c in candidates}:
             raise UserError(f"two adapters are named '{name}': give each a name with NAME=PATH")
         check_adapter_folder(path, key="--adapter")
@@ -103,11 +106,37 @@ def _activated(model, candidate: Candidate):
         yield
 
 
+def check_output(folder: Path, overwrite: bool) -> None:
+    """An evaluation writes into a new folder, or over an earlier evaluation with --overwrite; never into a
+    training run (its adapter and logs stay untouched)."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--output '{folder}' exists and is a file")
+    if folder.is_dir() and any(folder.iterdir()):
+        if any((folder / name).exists() for name in _TRAINING_OUTPUTS):
+            raise UserError(f"--output '{folder}' holds a training run: write the evaluation to another folder")
+        if not overwrite:
+            raise UserError(f"--output '{folder}' already holds files: choose another folder or pass --overwrite")
+    check_parent_writable(folder, "--output")
+
+
+def write_outputs(folder: Path, cfg: RLConfig, report: dict, samples: dict[str, list[dict]]) -> None:
+    """All files at the end (a failed evaluation writes nothing); eval.json last, as the mark of a complete
+    one. Files of an earlier evaluation in the folder are replaced."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("samples_*.jsonl"):
+        old.unlink()
+    out = RunDir(str(folder))
+    for name, rows in samples.items():
+        out.write_text(f"samples_{name}.jsonl", "".join(to_json(row) + "\n" for row in rows))
+    out.write_text("config.yaml", to_yaml(cfg))
+    out.write_json("eval.json", report)
+
+
 def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | None, overwrite: bool) -> dict:
     """Evaluate every candidate; -> {name: metrics}."""
     rewards = check_data_and_rewards(cfg)
-    run_dir = RunDir(output or default_output_dir("eval"), overwrite)
-    run_dir.check_writable()
+    folder = Path(output or default_output_dir("eval"))
+    check_output(folder, overwrite)
     examples = load_prompt_sets(cfg.data).eval
     if not examples:
         raise UserError("no held-out prompts to evaluate: set data.eval_path (a file) or data.eval_size > 0 (a task)")
@@ -120,21 +149,20 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id,
                                 max(map(len, prompt_ids)) + params.max_new_tokens, cfg.eval.batch_size)
     texts = [prompt_text(ex) for ex in examples]
-    run_dir.create()
-    run_dir.write_text("config.yaml", to_yaml(cfg))
-    ev, results = cfg.eval, {}
+    ev, results, samples = cfg.eval, {}, {}
     for candidate in candidates:
         seed_everything(ev.seed)  # the same draws for every candidate (and for rewards that use randomness)
         with _activated(model, candidate), progress_bar(f"eval {candidate.name}", len(examples)) as update:
-            metrics, samples = evaluate(model, generator, examples, prompt_ids, texts, rewards, params, ev.batch_size,
-                                        ev.num_samples, tuple(ev.pass_k), ev.seed, progress=update)
-        run_dir.write_text(f"samples_{candidate.name}.jsonl", "".join(to_json(row) + "\n" for row in samples))
+            metrics, samples[candidate.name] = evaluate(model, generator, examples, prompt_ids, texts, rewards, params,
+                                                        ev.batch_size, ev.num_samples, tuple(ev.pass_k), ev.seed,
+                                                        progress=update)
         results[candidate.name] = {"adapter": candidate.adapter, **metrics}
-    run_dir.write_json("eval.json", {"model": cfg.model.path, "prompts": len(examples), "sampling": {
-        "num_samples": ev.num_samples, "temperature": ev.temperature, "top_p": ev.top_p,
-        "max_new_tokens": params.max_new_tokens, "seed": ev.seed}, "results": results})
+    sampling = {"num_samples": ev.num_samples, "temperature": ev.temperature, "top_p": ev.top_p,
+                "max_new_tokens": params.max_new_tokens, "seed": ev.seed}
+    write_outputs(folder, cfg, {"model": cfg.model.path, "prompts": len(examples), "sampling": sampling,
+                                "results": results}, samples)
     print_table(results, list(ev.pass_k))
-    info(f"rlora eval: {len(examples)} prompts x {ev.num_samples} samples -> {run_dir.path}")
+    info(f"rlora eval: {len(examples)} prompts x {ev.num_samples} samples -> {folder}")
     return results
 
 

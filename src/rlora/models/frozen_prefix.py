@@ -13,7 +13,8 @@ model's forward.
 The cache holds the hidden states of the whole rollout in its padded layout [B, Tp + Tc, H]; a
 micro-batch (any rows, trimmed of all-padding columns) reads its rows and columns from it. Positions
 that were padding when their rows were computed hold zeros: they are masked as keys and their own
-outputs are never read, so real positions see exactly the inputs of the unshared path.
+outputs are never read, so real positions see the inputs of the unshared path (up to the rounding of a
+differently padded batch: float64 agrees to 1e-12, float32 to 1e-6 in the tests).
 """
 
 from __future__ import annotations
@@ -34,18 +35,18 @@ _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
 def first_adapter_layer(model) -> int:
-    """Index of the lowest decoder layer holding a LoRA module: layers below it are frozen and identical
-    for policy and reference. 0 when a LoRA sits below the decoder layers (e.g. on the embeddings); the
-    number of layers when the LoRA sits only above them (e.g. on lm_head)."""
-    num_layers = causal_lm(model).config.num_hidden_layers
-    first = num_layers
-    for name, module in model.named_modules():
-        if not hasattr(module, "lora_A"):
-            continue
+    """Index of the lowest decoder layer holding a LoRA module or a trainable parameter: layers below it are
+    frozen and identical for policy and reference. 0 when anything adapted or trained sits below the
+    decoder layers (a LoRA on the embeddings, peft's modules_to_save or trainable tokens); the number of
+    layers when adapters sit only above them (e.g. on lm_head)."""
+    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    adapted += [name for name, param in model.named_parameters() if param.requires_grad]
+    first = causal_lm(model).config.num_hidden_layers
+    for name in adapted:
         match = _LAYER_INDEX.search(name + ".")
         if match is None:
             if "lm_head" not in name:
-                return 0  # embeddings (or anything else below the layers) carry a LoRA
+                return 0  # below (or beside) the decoder layers: nothing can be shared
             continue
         first = min(first, int(match.group(1)))
     return first
@@ -53,9 +54,11 @@ def first_adapter_layer(model) -> int:
 
 def sharing_unsupported(model) -> str | None:
     """Why the frozen prefix cannot be shared for this model, or None."""
-    model_type = causal_lm(model).config.model_type
-    if model_type not in SHAREABLE_MODEL_TYPES:
-        return f"model type '{model_type}' is not one of {', '.join(SHAREABLE_MODEL_TYPES)}"
+    config = causal_lm(model).config
+    if config.model_type not in SHAREABLE_MODEL_TYPES:
+        return f"model type '{config.model_type}' is not one of {', '.join(SHAREABLE_MODEL_TYPES)}"
+    if getattr(config, "attention_dropout", 0.0):  # the prefix runs without dropout, training passes with it
+        return f"attention_dropout={config.attention_dropout} makes the lower layers random in training"
     return None
 
 
@@ -79,16 +82,15 @@ def _layer_inputs(decoder, hidden_BTH: torch.Tensor, attention_mask: torch.Tenso
     mask_args = dict(config=config, inputs_embeds=hidden_BTH, attention_mask=attention_mask, past_key_values=None,
                      position_ids=position_ids)
     num_layers = config.num_hidden_layers
-    layer_types = getattr(config, "layer_types", None)
-    if config.model_type == "mistral":
+    if config.model_type == "mistral":  # one mask for every layer, sliding when the config has a window
         make = create_causal_mask if config.sliding_window is None else create_sliding_window_causal_mask
         masks = [make(**mask_args)] * num_layers
-    elif layer_types:
+    elif config.model_type in ("qwen2", "qwen3"):  # full or sliding per layer, as config.layer_types says
         by_type = {"full_attention": create_causal_mask(**mask_args)}
-        if "sliding_attention" in layer_types:
+        if "sliding_attention" in config.layer_types:
             by_type["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
-        masks = [by_type[kind] for kind in layer_types[:num_layers]]
-    else:
+        masks = [by_type[kind] for kind in config.layer_types[:num_layers]]
+    else:  # llama: always causal (it ignores layer_types)
         masks = [create_causal_mask(**mask_args)] * num_layers
     return _LayerInputs(masks, decoder.rotary_emb(hidden_BTH, position_ids), position_ids)
 

@@ -58,6 +58,15 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def check_parent_writable(path: Path, what: str) -> None:
+    """The nearest existing folder above `path` can be written (so creating `path` later cannot fail on that)."""
+    parent = path.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write {what} '{path}': no write permission in {parent}")
+
+
 class RunDir:
     def __init__(self, path: str, overwrite: bool = False, writer: bool = True):
         self.path = Path(path)
@@ -72,11 +81,7 @@ class RunDir:
             raise UserError(
                 f"train.output_dir '{self.path}' already holds files: choose a new folder or set train.overwrite=true"
             )
-        parent = self.path.resolve().parent
-        while not parent.exists():
-            parent = parent.parent
-        if not os.access(parent, os.W_OK):
-            raise UserError(f"cannot write train.output_dir '{self.path}': no write permission in {parent}")
+        check_parent_writable(self.path, "train.output_dir")
 
     def create(self) -> None:
         """Make the folder; with overwrite, first remove the outputs of an earlier run (and nothing else)."""

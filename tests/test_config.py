@@ -83,8 +83,14 @@ def test_file_config_merges_with_overrides(tmp_path):
 def test_example_configs_validate():
     from pathlib import Path
 
+    from rlora.config import SFTConfig
+
     files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert files
+    roots = {"train": RLConfig, "sft": SFTConfig}
     for path in files:
-        assert path.read_text().startswith("# rlora train"), f"{path.name} must start with the command that runs it"
-        load_config(str(path))
+        first = path.read_text().splitlines()[0]
+        command = first.split()[2] if first.startswith("# rlora ") else None
+        assert command in roots, f"{path.name} must start with the command that runs it (# rlora train/sft ...)"
+        assert first.split()[3] == f"configs/{path.name}", f"{path.name}: the first line names another file"
+        assert isinstance(load_config(str(path), model_cls=roots[command]), roots[command])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from rlora.config import RLConfig, load_config
+from rlora.config import RLConfig, SFTConfig, load_config
 from rlora.config_docs import REGENERATE, main, render_reference
 from rlora.data.tasks import check_task
 
@@ -115,8 +115,19 @@ def test_example_configs_exist():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_example_config_loads(path):
+    if path.read_text(encoding="utf-8").startswith("# rlora sft "):
+        cfg = load_config(str(path), [], model_cls=SFTConfig)  # `rlora sft` configs: no rewards
+        assert cfg.data.path
+        return
     cfg = load_config(str(path), [])  # keys, types, constraints and combinations; nothing is downloaded
     assert cfg.rewards
+
+
+def test_sft_sections_are_listed(reference):
+    sft = reference.split("## `rlora sft`", 1)[1]
+    for key in _keys(SFTConfig, ""):
+        if key.startswith(("data.", "train.")):
+            assert f"| `{key}` |" in sft, key
 
 
 @pytest.mark.parametrize("name", sorted(QWEN))

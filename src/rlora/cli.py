@@ -30,6 +30,14 @@ stable override keys: model.path lora.rank lora.alpha lora.target_modules rollou
   train.lr train.seed train.output_dir   (any other config key works too; see src/rlora/config.py)
 """
 
+SFT_EPILOG = """\
+examples:
+  rlora sft configs/sft_math.yaml                          # LoRA SFT on prompt/completion rows
+  rlora sft my.yaml train.epochs=2 data.eval_size=50       # two passes, 50 rows held out for eval_loss
+  rlora sft my.yaml train.full_finetune=true               # every parameter (models up to 1B parameters)
+  rlora train rl.yaml lora.init_from=runs/sft-X/adapter    # then RL from the SFT adapter
+"""
+
 EVAL_EPILOG = """\
 examples:
   rlora eval runs/train-X                       # the run's adapter against the base, on the run's held-out set
@@ -54,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
                        help="an optional YAML config file, then dotted overrides")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
+    sft = commands.add_parser(
+        "sft", help="supervised fine-tuning of a LoRA adapter (or a small model) on prompt/completion or chat rows",
+        description="Supervised fine-tuning with the loss on completion (assistant) tokens only; writes the same run "
+                    "folder and adapter format as `rlora train` (docs/sft.md).",
+        epilog=SFT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sft.add_argument("items", nargs="+", metavar="CONFIG.yaml [key=value ...]",
+                     help="a YAML config file, then dotted overrides")
+    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    sft.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
     evaluate = commands.add_parser(
         "eval", help="evaluate the base model and adapters side by side on held-out prompts",
         description="Evaluate the base model (adapters off) and each --adapter on the held-out prompts of a config: "
@@ -168,6 +186,22 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from rlora.config import SFTConfig, load_config, to_yaml
+
+    config_path, overrides = _split_config_and_overrides(args.items)
+    if config_path is None:
+        raise UserError("rlora sft needs a CONFIG.yaml first (e.g. configs/sft_math.yaml), then key=value overrides")
+    cfg = load_config(config_path, overrides, model_cls=SFTConfig)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from rlora.train.sft import run_sft
+
+    run_sft(cfg)
+    return 0
+
+
 def _quiet_libraries() -> None:
     """transformers' per-load progress bars and deprecation chatter would bury rlora's own output."""
     import logging
@@ -195,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "sft":
+            return _sft(args)
         if args.command == "eval":
             return _eval(args)
         if args.command == "merge":
@@ -211,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        saved = " (a run that had started training saved its adapter and summary.json)" if args.command == "train" else ""
+        saved = " (a run that had started training saved its adapter and summary.json)" if args.command in ("train", "sft") else ""
         print(f"rlora: interrupted{saved}", file=sys.stderr)
         return 130
     return 0

@@ -183,10 +183,10 @@ class AlgoConfig(_Section):
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
 
 
-class TrainConfig(_Section):
+class OptimizerConfig(_Section):
+    """The keys `rlora train` and `rlora sft` share: optimizer, schedule, seed, output folder."""
+
     steps: int = Field(20, gt=0)
-    prompts_per_step: int = Field(4, gt=0)
-    micro_batch_size: int = Field(8, gt=0, description="Completions per forward/backward pass")
     lr: float = Field(1e-4, gt=0)
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
@@ -195,8 +195,14 @@ class TrainConfig(_Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     max_grad_norm: float | None = Field(1.0, gt=0)
     seed: int = 0
-    output_dir: str | None = Field(None, description="Default: runs/train-YYYYmmdd-HHMMSS")
+    output_dir: str | None = Field(None, description="Default: runs/COMMAND-YYYYmmdd-HHMMSS (train or sft)")
     overwrite: bool = Field(False, description="Allow writing into an existing non-empty output_dir")
+    threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
+
+
+class TrainConfig(OptimizerConfig):
+    prompts_per_step: int = Field(4, gt=0)
+    micro_batch_size: int = Field(8, gt=0, description="Completions per forward/backward pass")
     save_every: int = Field(0, ge=0, description="Save adapter-stepN every N steps (0: only at the end)")
     checkpoint_every: int = Field(
         0, ge=0, description="Write a resumable checkpoint (adapter, optimizer, scheduler, RNG, step) every N steps "
@@ -207,7 +213,6 @@ class TrainConfig(_Section):
         "or a checkpoints/step-N folder")
     sample_every: int = Field(5, ge=0, description="Write sample completions every N steps (0: never)")
     max_reward_failure_frac: float = Field(0.25, ge=0, le=1, description="Stop if more samples' rewards fail in a step")
-    threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
     max_time_s: float | None = Field(None, gt=0, description="Stop after the step that passes this much training time")
     logprob_chunk_tokens: int = Field(
         256, ge=0, description="Completion positions per output-layer chunk in log-prob passes (0: full logits)")
@@ -338,6 +343,65 @@ class RLConfig(_Section):
     def constant_norm(self) -> int:
         """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit."""
         return self.algo.constant_norm or self.rollout.max_new_tokens
+
+
+# ---- rlora sft -----------------------------------------------------------------------------------------
+
+class SFTDataConfig(_Section):
+    """Supervised rows: prompt/completion columns, or a column of chat messages (docs/sft.md)."""
+
+    path: str = Field(description="Local json/jsonl/parquet/csv file of training rows")
+    eval_path: str | None = Field(None, description="Local held-out file (same columns as path)")
+    prompt_column: str = Field("prompt", description="Prompt text (or a list of chat messages) of a row")
+    completion_column: str = Field("completion", description="Target text; the loss covers its tokens only")
+    messages_column: str | None = Field(
+        None, description="Chat rows instead of prompt/completion: a list of {role, content}; the loss covers every "
+        "assistant turn (needs a tokenizer with a chat template)")
+    system_prompt: str | None = Field(None, description="Added as the first message where a row has none")
+    use_chat_template: bool = Field(True, description="Wrap prompt/completion rows with the tokenizer's chat template")
+    eval_size: int = Field(0, ge=0, description="Without eval_path: rows held out from path, drawn with seed (0: no "
+                           "eval); with eval_path: the first eval_size rows of it (0: all)")
+    seed: int = Field(0, description="Seed of the held-out draw")
+
+
+class SFTTrainConfig(OptimizerConfig):
+    steps: int | None = Field(None, gt=0, description="Optimizer steps (null: train.epochs, or 20 without it)")
+    epochs: float | None = Field(
+        None, gt=0, description="Train this many passes over the rows instead of train.steps (leave steps unset)")
+    batch_size: int = Field(8, gt=0, description="Rows per optimizer step")
+    micro_batch_size: int = Field(8, gt=0, description="Rows per forward/backward pass (divides batch_size)")
+    max_length: int = Field(
+        1024, gt=1, description="Tokens per row: longer rows are cut at the end (counted in summary.json "
+        "truncated_rows); a row left with no completion token is dropped (dropped_rows)")
+    group_window: int = Field(
+        16, ge=1, description="Length grouping: after each epoch's seeded shuffle, every window of this many batches "
+        "is sorted by length (1: batches of similar length only by chance)")
+    eval_every: int = Field(0, ge=0, description="eval_loss every N steps (0: only at the end)")
+    full_finetune: bool = Field(
+        False, description="Train every parameter instead of a LoRA adapter (models up to 1B parameters); saves "
+        "OUTPUT/model, a transformers folder with the tokenizer")
+
+
+class SFTConfig(_Section):
+    """Root of a `rlora sft` config."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: SFTDataConfig
+    train: SFTTrainConfig = Field(default_factory=SFTTrainConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "SFTConfig":
+        train = self.train
+        if train.batch_size % train.micro_batch_size:
+            raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
+                             f"train.micro_batch_size={train.micro_batch_size}")
+        if train.epochs is not None and train.steps is not None:
+            raise ValueError("set train.steps or train.epochs, not both")
+        if train.full_finetune and (self.lora.init_from or self.model.quantization != "none"):
+            raise ValueError("train.full_finetune trains the model itself: unset lora.init_from and "
+                             "model.quantization")
+        return self
 
 
 DEMO_CONFIG = "demo.yaml"

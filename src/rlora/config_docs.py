@@ -1,7 +1,7 @@
 """The configuration reference (docs/configuration.md), generated from the pydantic config classes.
 
-`render_reference()` walks `RLConfig.model_fields` (so a section added to config.py appears without any
-change here), descending into nested sections (`algo.adaptive`), optional sections (`rollout.think`) and
+`render_reference()` walks `RLConfig.model_fields`, then the sections of `SFTConfig` (`rlora sft`) that
+differ from RLConfig's (so a section added to config.py appears without any change here), descending into nested sections (`algo.adaptive`), optional sections (`rollout.think`) and
 lists of sections (`rewards[]`), and adds the presets of every algorithm in `rlora.algos.registry`.
 
     python -m rlora.config_docs            # (re)write docs/configuration.md
@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rlora.config import RLConfig
+from rlora.config import RLConfig, SFTConfig
 
 REGENERATE = ".venv/bin/python -m rlora.config_docs"
 _ROOT = Path(__file__).resolve().parents[2]
@@ -161,9 +161,9 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
 _FIELD_HEADER = ("key", "type", "default", "constraints", "description")
 
 
-def _section_markdown(name: str, field: FieldInfo) -> list[str]:
+def _section_markdown(name: str, field: FieldInfo, title: str | None = None) -> list[str]:
     nested = nested_section(field.annotation)
-    lines = [f"## `{name}`", ""]
+    lines = [title or f"## `{name}`", ""]
     if nested and field.annotation is nested[0]:
         # a plain section (a mapping of keys): its docstring, then its keys
         intro = field.description or _doc(nested[0])
@@ -237,6 +237,7 @@ def render_reference() -> str:
     ]
     for name, field in sections:
         lines += _section_markdown(name, field)
+    lines += _sft_markdown()
     lines += [
         "## Algorithm presets",
         "",
@@ -246,6 +247,20 @@ def render_reference() -> str:
     ]
     lines += _table(preset_rows(), ("algorithm", "presets", "paper"))
     return "\n".join(lines) + "\n"
+
+
+def _sft_markdown() -> list[str]:
+    """The sections of `rlora sft` configs (SFTConfig) that differ from `rlora train`'s."""
+    shared = [name for name, field in SFTConfig.model_fields.items()
+              if RLConfig.model_fields.get(name) is not None and RLConfig.model_fields[name].annotation is field.annotation]
+    lines = ["## `rlora sft`", "",
+             "`rlora sft CONFIG.yaml [key=value ...]` (docs/sft.md) reads an `SFTConfig`: "
+             + ", ".join(f"`{name}`" for name in shared) + " are the sections above; `data` and `train` are these.",
+             ""]
+    for name, field in SFTConfig.model_fields.items():
+        if name not in shared:
+            lines += _section_markdown(name, field, title=f"### `rlora sft`: `{name}`")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from rlora.types import Example
 _LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def _is_prompt(value) -> bool:
+def is_prompt(value) -> bool:
     if isinstance(value, str):
         return bool(value.strip())
     return isinstance(value, list) and bool(value) and all(
@@ -18,8 +18,8 @@ def _is_prompt(value) -> bool:
     )
 
 
-def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -> list[Example]:
-    """Every row becomes an Example; all columns except the prompt are passed to reward functions."""
+def read_table(path: str):
+    """A local json/jsonl/parquet/csv file as a `datasets` table with at least one row (else UserError)."""
     file = Path(path)
     if not file.is_file():
         raise UserError(f"data file not found: {path}")
@@ -28,9 +28,11 @@ def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -
         raise UserError(f"data file {path}: unsupported extension '{file.suffix}' (use .json, .jsonl, .parquet, .csv)")
     if loader in ("json", "csv"):
         try:
-            file.read_bytes().decode("utf-8")
+            text = file.read_bytes().decode("utf-8")
         except UnicodeDecodeError as err:
             raise UserError(f"data file {path} is not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
+        if not text.strip():
+            raise UserError(f"data file {path} has no rows")
     import datasets
 
     datasets.disable_progress_bars()
@@ -41,6 +43,12 @@ def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -
         raise UserError(f"could not read data file {path}: {first_line(cause)}") from None
     if len(table) == 0:
         raise UserError(f"data file {path} has no rows")
+    return table
+
+
+def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -> list[Example]:
+    """Every row becomes an Example; all columns except the prompt are passed to reward functions."""
+    table = read_table(path)
     if prompt_column not in table.column_names:
         raise UserError(
             f"data file {path} has no column '{prompt_column}' (columns: {', '.join(table.column_names)}); "
@@ -54,7 +62,7 @@ def read_prompt_file(path: str, prompt_column: str, answer_column: str | None) -
     examples = []
     for number, row in enumerate(table, start=1):
         prompt = row.pop(prompt_column)
-        if not _is_prompt(prompt):
+        if not is_prompt(prompt):
             raise UserError(
                 f"data file {path}, row {number}: column '{prompt_column}' must hold non-empty text or a list of "
                 "chat messages {role, content}"

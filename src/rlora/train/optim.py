@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rlora.config import TrainConfig
+from rlora.config import OptimizerConfig
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
@@ -20,7 +20,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> 
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, total_updates: int):
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, total_updates: int):
     optimizer = torch.optim.AdamW(
         params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
     )

@@ -1,0 +1,200 @@
+"""The SFT recipe: supervised fine-tuning of a LoRA adapter (or, for small models, every parameter) on
+prompt/completion or chat rows, with the loss on completion tokens only. Same run folder and adapter format
+as `rlora train`, so `rlora train lora.init_from=RUN/adapter` continues from it."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rlora.config import SFTConfig, to_yaml
+from rlora.data.sft_data import IGNORE, LengthGroupedOrder, SFTData, TokenizedRow, load_sft_data, num_targets
+from rlora.errors import UserError
+from rlora.logging.console import info, print_summary, progress_bar
+from rlora.models.loading import (
+    attach_lora, check_adapter_folder, load_base_model, load_tokenizer, quantization_config, resolve_model_path,
+    save_adapter, trainable_parameters,
+)
+from rlora.train.grpo import seed_everything
+from rlora.train.optim import build_optimizer
+from rlora.train.outputs import RunDir, default_output_dir
+
+FULL_FINETUNE_MAX_PARAMS = 1_000_000_000
+DEFAULT_STEPS = 20  # neither train.steps nor train.epochs set
+
+
+# ---- pure math -----------------------------------------------------------------------------------------
+
+def collate(rows: list[TokenizedRow], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels); padding is IGNORE in labels."""
+    width = max(len(r.ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row.ids)] = torch.tensor(row.ids)
+        labels[i, : len(row.labels)] = torch.tensor(row.labels)
+        mask[i, : len(row.ids)] = 1
+    return ids, mask, labels
+
+
+def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of -log p(label) over labelled positions; position t - 1 predicts token t. [B, T, V], [B, T]."""
+    shifted = labels[:, 1:]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def micro_batches(rows: list, size: int) -> list[list]:
+    return [rows[i: i + size] for i in range(0, len(rows), size)]
+
+
+def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int) -> tuple[float, int]:
+    """Accumulate the gradient of the batch's mean token loss: every micro-batch's summed loss is divided by
+    the whole batch's target count, so how the batch is split does not change the gradient. -> (loss, tokens)."""
+    total = sum(num_targets(r) for r in rows)
+    loss_sum = 0.0
+    for chunk in micro_batches(rows, micro_size):
+        ids, mask, labels = (t.to(model_device(model)) for t in collate(chunk, pad_id))
+        nll = token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels)
+        (nll / total).backward()
+        loss_sum += nll.item()
+    return loss_sum / total, total
+
+
+@torch.no_grad()
+def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int) -> float:
+    """Mean token loss over all rows (summed over tokens, divided by their count)."""
+    total, loss_sum = 0, 0.0
+    for chunk in micro_batches(rows, micro_size):
+        ids, mask, labels = (t.to(model_device(model)) for t in collate(chunk, pad_id))
+        loss_sum += token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels).item()
+        total += sum(num_targets(r) for r in chunk)
+    return loss_sum / total
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+# ---- plumbing ------------------------------------------------------------------------------------------
+
+def check_inputs(cfg: SFTConfig) -> RunDir:
+    """What can be checked before the tokenizer and model load."""
+    if cfg.train.output_dir is None:
+        cfg.train.output_dir = default_output_dir("sft")
+    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite)
+    run_dir.check_writable()
+    for path in (cfg.data.path, cfg.data.eval_path):
+        if path is not None and not Path(path).is_file():
+            raise UserError(f"data file not found: {path}")
+    quantization_config(cfg.model)
+    if cfg.lora.init_from:
+        check_adapter_folder(cfg.lora.init_from)
+    return run_dir
+
+
+def load_model(cfg: SFTConfig, model_path: str):
+    base = load_base_model(cfg.model, model_path)
+    if not cfg.train.full_finetune:
+        return attach_lora(base, cfg.lora)
+    n_params = sum(p.numel() for p in base.parameters())
+    if n_params > FULL_FINETUNE_MAX_PARAMS:
+        raise UserError(f"train.full_finetune: the model has {n_params / 1e9:.1f}B parameters, over the "
+                        f"{FULL_FINETUNE_MAX_PARAMS / 1e9:.0f}B limit; train a LoRA adapter (full_finetune=false)")
+    return base.requires_grad_(True)
+
+
+def resolve_steps(cfg: SFTConfig, num_rows: int) -> int:
+    if cfg.train.epochs is None:
+        return cfg.train.steps or DEFAULT_STEPS
+    return max(1, math.ceil(cfg.train.epochs * num_rows / cfg.train.batch_size))
+
+
+def save_outputs(cfg: SFTConfig, run_dir: RunDir, model, tokenizer) -> None:
+    if not cfg.train.full_finetune:
+        run_dir.write_folder("adapter", lambda folder: save_adapter(model, folder))
+        return
+
+    def fill(folder: Path) -> None:
+        model.save_pretrained(str(folder), safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
+
+    run_dir.write_folder("model", fill)
+
+
+def run_sft(cfg: SFTConfig) -> dict:
+    run_dir = check_inputs(cfg)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    data = load_sft_data(cfg.data, tokenizer, tok.eos_ids[0], cfg.train.max_length)  # bad rows fail before the model
+    model = load_model(cfg, model_path)
+    model.train()
+    params = trainable_parameters(model)
+    steps = resolve_steps(cfg, len(data.train))
+    optimizer, scheduler = build_optimizer(params, cfg.train, steps)
+    kind = "parameters (full fine-tuning)" if cfg.train.full_finetune else "adapter parameters"
+    info(f"rlora sft: {cfg.model.path}, {sum(p.numel() for p in params):,} {kind}, {len(data.train)} rows "
+         f"({data.truncated} truncated, {data.dropped} dropped), {len(data.eval)} held out, {steps} steps "
+         f"-> {cfg.train.output_dir}")
+    run_dir.create()
+    run_dir.write_text("config.yaml", to_yaml(cfg))
+    summary = {"status": "completed", "steps": 0, "trainable_params": sum(p.numel() for p in params),
+               "train_rows": len(data.train), "eval_rows": len(data.eval), "truncated_rows": data.truncated,
+               "dropped_rows": data.dropped, "last_metrics": {}, "eval_loss": None}
+    t0 = time.perf_counter()
+    try:
+        train_loop(cfg, run_dir, model, params, optimizer, scheduler, data, tok.pad_id, steps, summary)
+    except BaseException as stop:  # keep what was learnt and say why it stopped
+        summary["status"] = "interrupted" if isinstance(stop, KeyboardInterrupt) else \
+            f"failed: {type(stop).__name__}: {stop}"
+        save_outputs(cfg, run_dir, model, tokenizer)
+        run_dir.write_json("summary.json", summary)
+        raise
+    save_outputs(cfg, run_dir, model, tokenizer)
+    summary["train_s"] = time.perf_counter() - t0
+    run_dir.write_json("summary.json", summary)
+    _print_final(run_dir, summary)
+    return summary
+
+
+def train_loop(cfg: SFTConfig, run_dir: RunDir, model, params, optimizer, scheduler, data: SFTData, pad_id: int,
+               steps: int, summary: dict) -> None:
+    train = cfg.train
+    order = LengthGroupedOrder([len(r.ids) for r in data.train], train.batch_size, train.group_window, train.seed)
+    with progress_bar("sft", steps) as update:
+        for step in range(steps):
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            rows = sorted((data.train[i] for i in order.indices(step)), key=lambda r: len(r.ids))
+            loss, tokens = backward_batch(model, rows, train.micro_batch_size, pad_id)
+            metrics = {"step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": tokens}
+            if train.max_grad_norm is not None:
+                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm).item()
+            optimizer.step()
+            scheduler.step()
+            metrics["step_s"] = time.perf_counter() - start
+            last = step + 1 == steps
+            if data.eval and (last or (train.eval_every and (step + 1) % train.eval_every == 0)):
+                model.eval()
+                metrics["eval_loss"] = summary["eval_loss"] = mean_loss(model, data.eval, train.micro_batch_size, pad_id)
+                model.train()
+            run_dir.append_jsonl("metrics.jsonl", metrics)
+            summary["steps"], summary["last_metrics"] = step + 1, metrics
+            eval_text = f"  eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
+            update(step + 1, f"loss {loss:.4f}{eval_text}  {tokens} tokens  {metrics['step_s']:.1f}s/step")
+
+
+def _print_final(run_dir: RunDir, summary: dict) -> None:
+    rows = [("output", str(run_dir.path)), ("steps", str(summary["steps"])),
+            ("train time", f"{summary['train_s']:.1f} s"), ("last loss", f"{summary['last_metrics']['loss']:.4f}")]
+    if summary["eval_loss"] is not None:
+        rows.append(("eval loss", f"{summary['eval_loss']:.4f}"))
+    print_summary("rlora sft: done", rows)

@@ -83,14 +83,14 @@ def test_file_config_merges_with_overrides(tmp_path):
 def test_example_configs_validate():
     from pathlib import Path
 
-    from rlora.config import SFTConfig
+    from rlora.config import RMConfig, SFTConfig
 
     files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert files
-    roots = {"train": RLConfig, "sft": SFTConfig}
+    roots = {"train": RLConfig, "sft": SFTConfig, "rm": RMConfig}
     for path in files:
         first = path.read_text().splitlines()[0]
         command = first.split()[2] if first.startswith("# rlora ") else None
-        assert command in roots, f"{path.name} must start with the command that runs it (# rlora train/sft ...)"
+        assert command in roots, f"{path.name} must start with the command that runs it (# rlora train/sft/rm ...)"
         assert first.split()[3] == f"configs/{path.name}", f"{path.name}: the first line names another file"
         assert isinstance(load_config(str(path), model_cls=roots[command]), roots[command])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from rlora.config import RLConfig, SFTConfig, load_config
+from rlora.config import RLConfig, RMConfig, SFTConfig, load_config
 from rlora.config_docs import REGENERATE, main, render_reference
 from rlora.data.tasks import check_task
 
@@ -119,15 +119,26 @@ def test_example_config_loads(path):
         cfg = load_config(str(path), [], model_cls=SFTConfig)  # `rlora sft` configs: no rewards
         assert cfg.data.path
         return
+    if path.read_text(encoding="utf-8").startswith("# rlora rm "):
+        cfg = load_config(str(path), [], model_cls=RMConfig)  # `rlora rm` configs: preference pairs, no rewards
+        assert cfg.data.chosen_column and cfg.data.rejected_column
+        return
     cfg = load_config(str(path), [])  # keys, types, constraints and combinations; nothing is downloaded
     assert cfg.rewards
 
 
 def test_sft_sections_are_listed(reference):
-    sft = reference.split("## `rlora sft`", 1)[1]
+    sft = reference.split("## `rlora sft`", 1)[1].split("## `rlora rm`", 1)[0]
     for key in _keys(SFTConfig, ""):
         if key.startswith(("data.", "train.")):
             assert f"| `{key}` |" in sft, key
+
+
+def test_rm_sections_are_listed(reference):
+    rm = reference.split("## `rlora rm`", 1)[1].split("## Algorithm presets", 1)[0]
+    for key in _keys(RMConfig, ""):
+        if key.startswith(("data.", "train.")):
+            assert f"| `{key}` |" in rm, key
 
 
 @pytest.mark.parametrize("name", sorted(QWEN))

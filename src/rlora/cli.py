@@ -38,6 +38,12 @@ examples:
   rlora train rl.yaml lora.init_from=runs/sft-X/adapter    # then RL from the SFT adapter
 """
 
+RM_EPILOG = """\
+examples:
+  rlora rm configs/rm_pairs.yaml                           # reward adapter + score head on prompt/chosen/rejected rows
+  rlora rm my.yaml data.margin_column=margin data.eval_size=100   # Bradley-Terry with a per-pair margin
+"""
+
 EVAL_EPILOG = """\
 examples:
   rlora eval runs/train-X                       # the run's adapter against the base, on the run's held-out set
@@ -72,6 +78,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="a YAML config file, then dotted overrides")
     sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     sft.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
+    rm = commands.add_parser(
+        "rm", help="train a reward model (a LoRA adapter plus a scalar score head) on preference pairs",
+        description="Train a reward adapter and a scalar score head on the same base with the Bradley-Terry loss on "
+                    "chosen/rejected pairs; reports held-out pair accuracy and saves OUTPUT/reward_model "
+                    "(docs/reward_models.md).",
+        epilog=RM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rm.add_argument("items", nargs="+", metavar="CONFIG.yaml [key=value ...]",
+                    help="a YAML config file, then dotted overrides")
+    rm.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    rm.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
     evaluate = commands.add_parser(
         "eval", help="evaluate the base model and adapters side by side on held-out prompts",
         description="Evaluate the base model (adapters off) and each --adapter on the held-out prompts of a config: "
@@ -186,19 +203,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sft(args: argparse.Namespace) -> int:
-    from rlora.config import SFTConfig, load_config, to_yaml
+# `rlora sft` / `rlora rm`: (config class, example config, module and function of the recipe)
+SUPERVISED = {
+    "sft": ("SFTConfig", "configs/sft_math.yaml", "rlora.train.sft", "run_sft"),
+    "rm": ("RMConfig", "configs/rm_pairs.yaml", "rlora.train.rm", "run_rm"),
+}
 
+
+def _supervised(args: argparse.Namespace) -> int:
+    import importlib
+
+    from rlora import config as config_module
+
+    class_name, example, module, function = SUPERVISED[args.command]
     config_path, overrides = _split_config_and_overrides(args.items)
     if config_path is None:
-        raise UserError("rlora sft needs a CONFIG.yaml first (e.g. configs/sft_math.yaml), then key=value overrides")
-    cfg = load_config(config_path, overrides, model_cls=SFTConfig)
+        raise UserError(f"rlora {args.command} needs a CONFIG.yaml first (e.g. {example}), then key=value overrides")
+    cfg = config_module.load_config(config_path, overrides, model_cls=getattr(config_module, class_name))
     if args.print_config:
-        print(to_yaml(cfg), end="")
+        print(config_module.to_yaml(cfg), end="")
         return 0
-    from rlora.train.sft import run_sft
-
-    run_sft(cfg)
+    getattr(importlib.import_module(module), function)(cfg)
     return 0
 
 
@@ -229,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
-        if args.command == "sft":
-            return _sft(args)
+        if args.command in SUPERVISED:
+            return _supervised(args)
         if args.command == "eval":
             return _eval(args)
         if args.command == "merge":
@@ -247,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        saved = " (a run that had started training saved its adapter and summary.json)" if args.command in ("train", "sft") else ""
+        saved = " (a run that had started training saved its adapter and summary.json)" if args.command in ("train", "sft", "rm") else ""
         print(f"rlora: interrupted{saved}", file=sys.stderr)
         return 130
     return 0

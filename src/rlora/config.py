@@ -195,7 +195,7 @@ class OptimizerConfig(_Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     max_grad_norm: float | None = Field(1.0, gt=0)
     seed: int = 0
-    output_dir: str | None = Field(None, description="Default: runs/COMMAND-YYYYmmdd-HHMMSS (train or sft)")
+    output_dir: str | None = Field(None, description="Default: runs/COMMAND-YYYYmmdd-HHMMSS (train, sft or rm)")
     overwrite: bool = Field(False, description="Allow writing into an existing non-empty output_dir")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
 
@@ -393,15 +393,65 @@ class SFTConfig(_Section):
     @model_validator(mode="after")
     def _check_combinations(self) -> "SFTConfig":
         train = self.train
-        if train.batch_size % train.micro_batch_size:
-            raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
-                             f"train.micro_batch_size={train.micro_batch_size}")
+        _check_micro_batches(train)
         if train.epochs is not None and train.steps is not None:
             raise ValueError("set train.steps or train.epochs, not both")
         if train.full_finetune and (self.lora.init_from or self.model.quantization != "none"):
             raise ValueError("train.full_finetune trains the model itself: unset lora.init_from and "
                              "model.quantization")
         return self
+
+
+# ---- rlora rm ------------------------------------------------------------------------------------------
+
+class RMDataConfig(_Section):
+    """Preference pairs: a prompt, a chosen and a rejected response per row (docs/reward_models.md)."""
+
+    path: str = Field(description="Local json/jsonl/parquet/csv file of preference rows")
+    eval_path: str | None = Field(None, description="Local held-out file (same columns as path)")
+    prompt_column: str = Field("prompt", description="Prompt text (or a list of chat messages) of a row")
+    chosen_column: str = Field("chosen", description="The preferred response (text)")
+    rejected_column: str = Field("rejected", description="The other response (text)")
+    margin_column: str | None = Field(
+        None, description="Optional per-pair margin m (a number): loss -log sigmoid(r_chosen - r_rejected - m)")
+    system_prompt: str | None = Field(None, description="Added as the first message where a row has none")
+    use_chat_template: bool = Field(True, description="Render prompt + response as a conversation whose last turn "
+                                    "is the assistant's (else plain text: the prompt's tokens, then the response's and EOS)")
+    eval_size: int = Field(0, ge=0, description="Without eval_path: pairs held out from path, drawn with seed (0: no "
+                           "eval); with eval_path: the first eval_size pairs of it (0: all)")
+    seed: int = Field(0, description="Seed of the held-out draw")
+
+
+class RMTrainConfig(OptimizerConfig):
+    batch_size: int = Field(8, gt=0, description="Preference pairs per optimizer step")
+    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward pass (divides batch_size)")
+    max_length: int = Field(
+        1024, gt=1, description="Tokens per sequence (prompt + response): the prompt is cut from its start (left) "
+        "to fit (truncated_pairs in summary.json); a pair whose response alone does not fit is dropped "
+        "(dropped_pairs)")
+    margin: float = Field(0.0, description="Margin m of every pair, added to data.margin_column's: -log sigmoid(r_c - r_r - m)")
+    eval_every: int = Field(0, ge=0, description="eval_loss / eval_accuracy every N steps (0: only at the end)")
+    head_init_std: float = Field(0.0, ge=0, description="Normal std of the score head's initial weight (0: zeros)")
+
+
+class RMConfig(_Section):
+    """Root of a `rlora rm` config."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: RMDataConfig
+    train: RMTrainConfig = Field(default_factory=RMTrainConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "RMConfig":
+        _check_micro_batches(self.train)
+        return self
+
+
+def _check_micro_batches(train) -> None:
+    if train.batch_size % train.micro_batch_size:
+        raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
+                         f"train.micro_batch_size={train.micro_batch_size}")
 
 
 DEMO_CONFIG = "demo.yaml"

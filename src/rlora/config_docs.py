@@ -1,7 +1,8 @@
 """The configuration reference (docs/configuration.md), generated from the pydantic config classes.
 
-`render_reference()` walks `RLConfig.model_fields`, then the sections of `SFTConfig` (`rlora sft`) that
-differ from RLConfig's (so a section added to config.py appears without any change here), descending into nested sections (`algo.adaptive`), optional sections (`rollout.think`) and
+`render_reference()` walks `RLConfig.model_fields`, then the sections of `SFTConfig` (`rlora sft`) and
+`RMConfig` (`rlora rm`) that differ from RLConfig's (so a section added to config.py appears without any
+change here), descending into nested sections (`algo.adaptive`), optional sections (`rollout.think`) and
 lists of sections (`rewards[]`), and adds the presets of every algorithm in `rlora.algos.registry`.
 
     python -m rlora.config_docs            # (re)write docs/configuration.md
@@ -25,7 +26,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rlora.config import RLConfig, SFTConfig
+from rlora.config import RLConfig, RMConfig, SFTConfig
 
 REGENERATE = ".venv/bin/python -m rlora.config_docs"
 _ROOT = Path(__file__).resolve().parents[2]
@@ -237,7 +238,8 @@ def render_reference() -> str:
     ]
     for name, field in sections:
         lines += _section_markdown(name, field)
-    lines += _sft_markdown()
+    lines += _command_markdown("sft", SFTConfig, "docs/sft.md")
+    lines += _command_markdown("rm", RMConfig, "docs/reward_models.md")
     lines += [
         "## Algorithm presets",
         "",
@@ -249,17 +251,18 @@ def render_reference() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sft_markdown() -> list[str]:
-    """The sections of `rlora sft` configs (SFTConfig) that differ from `rlora train`'s."""
-    shared = [name for name, field in SFTConfig.model_fields.items()
+def _command_markdown(command: str, root: type[BaseModel], doc: str) -> list[str]:
+    """The sections of another command's config class (SFTConfig, RMConfig) that differ from `rlora train`'s."""
+    shared = [name for name, field in root.model_fields.items()
               if RLConfig.model_fields.get(name) is not None and RLConfig.model_fields[name].annotation is field.annotation]
-    lines = ["## `rlora sft`", "",
-             "`rlora sft CONFIG.yaml [key=value ...]` (docs/sft.md) reads an `SFTConfig`: "
-             + ", ".join(f"`{name}`" for name in shared) + " are the sections above; `data` and `train` are these.",
+    own = [name for name in root.model_fields if name not in shared]
+    lines = [f"## `rlora {command}`", "",
+             f"`rlora {command} CONFIG.yaml [key=value ...]` ({doc}) reads an `{root.__name__}`: "
+             + ", ".join(f"`{name}`" for name in shared) + " are the sections above; "
+             + " and ".join(f"`{name}`" for name in own) + " are these.",
              ""]
-    for name, field in SFTConfig.model_fields.items():
-        if name not in shared:
-            lines += _section_markdown(name, field, title=f"### `rlora sft`: `{name}`")
+    for name in own:
+        lines += _section_markdown(name, root.model_fields[name], title=f"### `rlora {command}`: `{name}`")
     return lines
 
 

@@ -19,7 +19,7 @@ from rlora.errors import UserError
 RUN_FILES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval_before.jsonl", "eval_after.jsonl",
              "summary.json", "tensorboard", "wandb", "completions", "plots", "model"}
 # ... and names starting with these
-RUN_FOLDER_PREFIXES = ("adapter", ".adapter", "checkpoints", ".model")
+RUN_FOLDER_PREFIXES = ("adapter", ".adapter", "checkpoints", ".model", "reward_model", ".reward_model")
 
 
 def finite_or_none(obj: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,10 +84,10 @@ def model_device(model) -> torch.device:
 
 # ---- plumbing ------------------------------------------------------------------------------------------
 
-def check_inputs(cfg: SFTConfig) -> RunDir:
-    """What can be checked before the tokenizer and model load."""
+def check_inputs(cfg, command: str = "sft") -> RunDir:
+    """What can be checked before the tokenizer and model load (`rlora sft` and `rlora rm` configs)."""
     if cfg.train.output_dir is None:
-        cfg.train.output_dir = default_output_dir("sft")
+        cfg.train.output_dir = default_output_dir(command)
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite)
     run_dir.check_writable()
     for path in (cfg.data.path, cfg.data.eval_path):
@@ -165,31 +166,54 @@ def run_sft(cfg: SFTConfig) -> dict:
     return summary
 
 
+def optimizer_steps(label: str, steps: int, params, optimizer, scheduler, max_grad_norm: float | None,
+                    one_batch: Callable[[int], dict], held_out: Callable[[], dict] | None, eval_every: int,
+                    run_dir: RunDir, summary: dict, describe: Callable[[dict], str]) -> None:
+    """The step loop `rlora sft` and `rlora rm` share: one_batch(step) accumulates the batch's gradient and
+    returns its metrics; then clip, step, schedule; held_out() (eval mode) every eval_every steps and at the
+    end; one metrics.jsonl line and one progress update per step."""
+    with progress_bar(label, steps) as update:
+        for step in range(steps):
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            metrics = {"step": step + 1, **one_batch(step), "lr": scheduler.get_last_lr()[0]}
+            if max_grad_norm is not None:
+                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+            optimizer.step()
+            scheduler.step()
+            metrics["step_s"] = time.perf_counter() - start
+            if held_out is not None and (step + 1 == steps or (eval_every and (step + 1) % eval_every == 0)):
+                held = held_out()
+                metrics |= held
+                summary |= held
+            run_dir.append_jsonl("metrics.jsonl", metrics)
+            summary["steps"], summary["last_metrics"] = step + 1, metrics
+            update(step + 1, f"{describe(metrics)}  {metrics['step_s']:.1f}s/step")
+
+
 def train_loop(cfg: SFTConfig, run_dir: RunDir, model, params, optimizer, scheduler, data: SFTData, pad_id: int,
                steps: int, summary: dict) -> None:
     train = cfg.train
     order = LengthGroupedOrder([len(r.ids) for r in data.train], train.batch_size, train.group_window, train.seed)
-    with progress_bar("sft", steps) as update:
-        for step in range(steps):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            rows = sorted((data.train[i] for i in order.indices(step)), key=lambda r: len(r.ids))
-            loss, tokens = backward_batch(model, rows, train.micro_batch_size, pad_id)
-            metrics = {"step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": tokens}
-            if train.max_grad_norm is not None:
-                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm).item()
-            optimizer.step()
-            scheduler.step()
-            metrics["step_s"] = time.perf_counter() - start
-            last = step + 1 == steps
-            if data.eval and (last or (train.eval_every and (step + 1) % train.eval_every == 0)):
-                model.eval()
-                metrics["eval_loss"] = summary["eval_loss"] = mean_loss(model, data.eval, train.micro_batch_size, pad_id)
-                model.train()
-            run_dir.append_jsonl("metrics.jsonl", metrics)
-            summary["steps"], summary["last_metrics"] = step + 1, metrics
-            eval_text = f"  eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
-            update(step + 1, f"loss {loss:.4f}{eval_text}  {tokens} tokens  {metrics['step_s']:.1f}s/step")
+
+    def one_batch(step: int) -> dict:
+        rows = sorted((data.train[i] for i in order.indices(step)), key=lambda r: len(r.ids))
+        loss, tokens = backward_batch(model, rows, train.micro_batch_size, pad_id)
+        return {"loss": loss, "tokens": tokens}
+
+    def held_out() -> dict:
+        model.eval()
+        try:
+            return {"eval_loss": mean_loss(model, data.eval, train.micro_batch_size, pad_id)}
+        finally:
+            model.train()
+
+    def describe(m: dict) -> str:
+        eval_text = f"  eval_loss {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+        return f"loss {m['loss']:.4f}{eval_text}  {m['tokens']} tokens"
+
+    optimizer_steps("sft", steps, params, optimizer, scheduler, train.max_grad_norm, one_batch,
+                    held_out if data.eval else None, train.eval_every, run_dir, summary, describe)
 
 
 def _print_final(run_dir: RunDir, summary: dict) -> None:

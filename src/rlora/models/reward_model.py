@@ -1,0 +1,143 @@
+"""A reward model on the shared base: a LoRA adapter plus a scalar score head (fp32 `nn.Linear(hidden, 1)`)
+that reads the decoder's last hidden state (after the final norm) at the last real token of each sequence.
+
+Saved format (docs/reward_models.md): the PEFT adapter files (adapter_config.json, adapter_model.safetensors),
+score_head.safetensors (weight [1, H], bias [1], float32) and reward_model.json (format, version, hidden
+size, base model, how the score is read)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rlora.errors import UserError, first_line
+from rlora.models.loading import causal_lm, check_adapter_folder
+
+FORMAT = "rlora-reward-model"
+VERSION = 1
+HEAD_FILE = "score_head.safetensors"
+META_FILE = "reward_model.json"
+READS = "last_real_token"  # the hidden state at the last position whose attention_mask is 1
+
+
+def new_score_head(hidden_size: int, init_std: float = 0.0, device: torch.device | str = "cpu") -> torch.nn.Linear:
+    """fp32 Linear(hidden, 1); weight ~ N(0, init_std) (zeros when 0), bias 0."""
+    head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        head.weight.normal_(0.0, init_std) if init_std > 0 else head.weight.zero_()
+        head.bias.zero_()
+    return head
+
+
+def hidden_size(model: torch.nn.Module) -> int:
+    return causal_lm(model).config.hidden_size
+
+
+def last_token_index(attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """[B] position of the last 1 in each row of the mask (right or left padding alike)."""
+    positions_T = torch.arange(attention_mask_BT.shape[1], device=attention_mask_BT.device)
+    return (attention_mask_BT.long() * positions_T).argmax(-1)
+
+
+def last_hidden(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] final hidden states of the decoder (with the active adapter; no vocabulary projection)."""
+    decoder = causal_lm(model).get_decoder()
+    return decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
+
+
+def score(model: torch.nn.Module, head: torch.nn.Linear, input_ids_BT: torch.Tensor,
+          attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """[B] float32 rewards: head(hidden state at each row's last real token). Batches are right-padded by
+    rlora; left padding picks the right token too, but shifts Llama's positions (a slightly different score)."""
+    hidden_BTH = last_hidden(model, input_ids_BT, attention_mask_BT)
+    rows_B = torch.arange(hidden_BTH.shape[0], device=hidden_BTH.device)
+    hidden_BH = hidden_BTH[rows_B, last_token_index(attention_mask_BT)]
+    return head(hidden_BH.float()).squeeze(-1)
+
+
+# ---- saving and loading --------------------------------------------------------------------------------
+
+def save_reward_model(folder: Path | str, model, head: torch.nn.Linear, adapter_name: str = "default") -> None:
+    """Write the reward model into `folder` (the caller makes it atomic, e.g. RunDir.write_folder)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    model.save_pretrained(str(folder), safe_serialization=True, selected_adapters=[adapter_name])
+    if adapter_name != "default":  # peft writes named adapters into a subfolder
+        for child in (folder / adapter_name).iterdir():
+            child.replace(folder / child.name)
+        (folder / adapter_name).rmdir()
+    save_file({"weight": head.weight.detach().float().cpu().contiguous(),
+               "bias": head.bias.detach().float().cpu().contiguous()}, str(folder / HEAD_FILE))
+    lm = causal_lm(model)
+    meta = {"format": FORMAT, "version": VERSION, "hidden_size": lm.config.hidden_size,
+            "base_model": getattr(lm.config, "_name_or_path", None), "model_type": lm.config.model_type,
+            "score": READS, "head": {"file": HEAD_FILE, "weight": [1, lm.config.hidden_size], "bias": [1],
+                                     "dtype": "float32"}}
+    (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_reward_meta(folder: str) -> dict:
+    """reward_model.json of a reward folder, checked (UserError with one line when it is not one)."""
+    path = Path(folder)
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise UserError(f"'{folder}' is not a reward model folder (no {META_FILE}; `rlora rm` writes OUTPUT/reward_model)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{meta_path} is not valid JSON") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserError(f"{meta_path} is not an rlora reward model description (format != {FORMAT})")
+    if meta.get("version") != VERSION or meta.get("score") != READS:
+        raise UserError(f"{meta_path}: unsupported version {meta.get('version')} / score {meta.get('score')!r} "
+                        f"(this rlora reads version {VERSION}, score {READS!r})")
+    check_adapter_folder(folder, key="reward model")
+    if not (path / HEAD_FILE).is_file():
+        raise UserError(f"reward model '{folder}' has no {HEAD_FILE}")
+    return meta
+
+
+def load_score_head(folder: str, size: int, device: torch.device | str = "cpu") -> torch.nn.Linear:
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(Path(folder) / HEAD_FILE))
+    except Exception as err:  # noqa: BLE001 - truncated or not safetensors
+        raise UserError(f"{Path(folder) / HEAD_FILE} is damaged: {first_line(err)}") from None
+    weight, bias = tensors.get("weight"), tensors.get("bias")
+    if weight is None or bias is None or tuple(weight.shape) != (1, size) or tuple(bias.shape) != (1,):
+        raise UserError(f"{Path(folder) / HEAD_FILE} must hold weight [1, {size}] and bias [1]")
+    head = new_score_head(size, device=device)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
+    head.requires_grad_(False)
+    return head
+
+
+def load_reward_model(folder: str, base_model, adapter_name: str = "reward"):
+    """(model, head): the reward adapter of `folder` attached to `base_model` under `adapter_name`, frozen.
+
+    `base_model` is a plain transformers causal LM (-> a new PeftModel whose active adapter is the reward one)
+    or an existing peft model, e.g. the policy (-> `load_adapter` adds it beside the others; call
+    `model.set_adapter(adapter_name)` before `score`). A folder built for another base: one-line UserError."""
+    from peft import PeftModel
+
+    meta = read_reward_meta(folder)
+    size = hidden_size(base_model)
+    if meta.get("hidden_size") != size:
+        raise UserError(f"reward model '{folder}' was built for a base with hidden size {meta.get('hidden_size')} "
+                        f"({meta.get('base_model')}); this base has {size}: load it on its own base model")
+    try:
+        if isinstance(base_model, PeftModel):
+            base_model.load_adapter(folder, adapter_name=adapter_name, is_trainable=False)
+            model = base_model
+        else:
+            model = PeftModel.from_pretrained(base_model, folder, adapter_name=adapter_name, is_trainable=False)
+    except Exception as err:  # noqa: BLE001 - shape/name mismatch with this base
+        raise UserError(f"reward model '{folder}' does not fit this base model: {first_line(err)}") from None
+    device = next(model.parameters()).device
+    return model, load_score_head(folder, size, device)

@@ -1,0 +1,178 @@
+"""The reward-model recipe: a LoRA adapter plus a scalar score head on the shared base, trained on pairwise
+preferences with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), reporting pair
+accuracy on a held-out split; saves OUTPUT/reward_model (docs/reward_models.md)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from rlora.config import RMConfig, to_yaml
+from rlora.data.pref_data import PreferenceData, TokenizedPair, load_preference_data
+from rlora.data.sft_data import LengthGroupedOrder
+from rlora.logging.console import info, print_summary
+from rlora.models.loading import (
+    attach_lora, load_base_model, load_tokenizer, resolve_model_path, trainable_parameters,
+)
+from rlora.models.reward_model import hidden_size, new_score_head, save_reward_model, score
+from rlora.train.grpo import seed_everything
+from rlora.train.optim import build_optimizer
+from rlora.train.outputs import RunDir
+from rlora.train.sft import check_inputs, micro_batches, model_device, optimizer_steps
+
+
+# ---- pure math -----------------------------------------------------------------------------------------
+
+def bradley_terry_loss_sum(r_chosen_P: torch.Tensor, r_rejected_P: torch.Tensor,
+                           margin_P: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over pairs of -log sigmoid(r_chosen - r_rejected - margin)."""
+    diff_P = r_chosen_P - r_rejected_P
+    if margin_P is not None:
+        diff_P = diff_P - margin_P
+    return -F.logsigmoid(diff_P).sum()
+
+
+def bradley_terry_loss(r_chosen_P: torch.Tensor, r_rejected_P: torch.Tensor,
+                       margin_P: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over pairs of -log sigmoid(r_chosen - r_rejected - margin)."""
+    return bradley_terry_loss_sum(r_chosen_P, r_rejected_P, margin_P) / r_chosen_P.shape[0]
+
+
+def pair_correct(r_chosen_P: torch.Tensor, r_rejected_P: torch.Tensor) -> int:
+    """Pairs whose chosen response scores strictly higher (a tie counts as wrong)."""
+    return int((r_chosen_P > r_rejected_P).sum().item())
+
+
+def pair_accuracy(r_chosen_P: torch.Tensor, r_rejected_P: torch.Tensor) -> float:
+    return pair_correct(r_chosen_P, r_rejected_P) / r_chosen_P.shape[0]
+
+
+def collate(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids [B, T], attention_mask [B, T])."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+    return ids, mask
+
+
+def score_pairs(model, head, pairs: list[TokenizedPair], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_chosen [P], r_rejected [P]) from one forward pass over the 2P sequences."""
+    ids, mask = (t.to(model_device(model)) for t in
+                 collate([p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs], pad_id))
+    rewards_2P = score(model, head, ids, mask)
+    return rewards_2P[: len(pairs)], rewards_2P[len(pairs):]
+
+
+def margins(pairs: list[TokenizedPair], extra: float, device) -> torch.Tensor:
+    return torch.tensor([p.margin + extra for p in pairs], dtype=torch.float32, device=device)
+
+
+def backward_batch(model, head, pairs: list[TokenizedPair], micro_size: int, pad_id: int,
+                   margin: float = 0.0) -> dict:
+    """Accumulate the gradient of the batch's mean pair loss: each micro-batch's summed loss is divided by the
+    whole batch's pair count, so the split does not change the gradient. -> loss, accuracy, reward_gap."""
+    loss_sum, correct, gap_sum = 0.0, 0, 0.0
+    for chunk in micro_batches(pairs, micro_size):
+        r_chosen, r_rejected = score_pairs(model, head, chunk, pad_id)
+        nll = bradley_terry_loss_sum(r_chosen, r_rejected, margins(chunk, margin, r_chosen.device))
+        (nll / len(pairs)).backward()
+        loss_sum += nll.item()
+        correct += pair_correct(r_chosen, r_rejected)
+        gap_sum += (r_chosen - r_rejected).sum().item()
+    return {"loss": loss_sum / len(pairs), "accuracy": correct / len(pairs), "reward_gap": gap_sum / len(pairs)}
+
+
+@torch.no_grad()
+def evaluate_pairs(model, head, pairs: list[TokenizedPair], micro_size: int, pad_id: int,
+                   margin: float = 0.0) -> dict:
+    """Mean loss and accuracy over all pairs."""
+    loss_sum, correct = 0.0, 0
+    for chunk in micro_batches(pairs, micro_size):
+        r_chosen, r_rejected = score_pairs(model, head, chunk, pad_id)
+        loss_sum += bradley_terry_loss_sum(r_chosen, r_rejected, margins(chunk, margin, r_chosen.device)).item()
+        correct += pair_correct(r_chosen, r_rejected)
+    return {"loss": loss_sum / len(pairs), "accuracy": correct / len(pairs)}
+
+
+# ---- plumbing ------------------------------------------------------------------------------------------
+
+def run_rm(cfg: RMConfig) -> dict:
+    run_dir = check_inputs(cfg, "rm")
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    data = load_preference_data(cfg.data, tokenizer, tok.eos_ids[0], cfg.train.max_length)  # before the model
+    model = attach_lora(load_base_model(cfg.model, model_path), cfg.lora)
+    model.train()
+    head = new_score_head(hidden_size(model), cfg.train.head_init_std, model_device(model))
+    params = trainable_parameters(model) + list(head.parameters())
+    optimizer, scheduler = build_optimizer(params, cfg.train, cfg.train.steps)
+    n_params = sum(p.numel() for p in params)
+    info(f"rlora rm: {cfg.model.path}, {n_params:,} parameters (adapter + score head), {len(data.train)} pairs "
+         f"({data.truncated} truncated, {data.dropped} dropped), {len(data.eval)} held out, {cfg.train.steps} steps "
+         f"-> {cfg.train.output_dir}")
+    run_dir.create()
+    run_dir.write_text("config.yaml", to_yaml(cfg))
+    summary = {"status": "completed", "steps": 0, "trainable_params": n_params, "train_pairs": len(data.train),
+               "eval_pairs": len(data.eval), "truncated_pairs": data.truncated, "dropped_pairs": data.dropped,
+               "last_metrics": {}, "eval_loss": None, "eval_accuracy": None}
+
+    def save() -> None:
+        run_dir.write_folder("reward_model", lambda folder: save_reward_model(folder, model, head))
+
+    t0 = time.perf_counter()
+    try:
+        train_loop(cfg, run_dir, model, head, params, optimizer, scheduler, data, tok.pad_id, summary)
+    except BaseException as stop:  # keep what was learnt and say why it stopped
+        summary["status"] = "interrupted" if isinstance(stop, KeyboardInterrupt) else \
+            f"failed: {type(stop).__name__}: {stop}"
+        save()
+        run_dir.write_json("summary.json", summary)
+        raise
+    save()
+    summary["train_s"] = time.perf_counter() - t0
+    run_dir.write_json("summary.json", summary)
+    _print_final(run_dir, summary)
+    return summary
+
+
+def train_loop(cfg: RMConfig, run_dir: RunDir, model, head, params, optimizer, scheduler, data: PreferenceData,
+               pad_id: int, summary: dict) -> None:
+    train = cfg.train
+    order = LengthGroupedOrder([p.length() for p in data.train], train.batch_size, 1, train.seed)
+
+    def one_batch(step: int) -> dict:
+        pairs = sorted((data.train[i] for i in order.indices(step)), key=TokenizedPair.length)
+        return backward_batch(model, head, pairs, train.micro_batch_size, pad_id, train.margin)
+
+    def held_out() -> dict:
+        model.eval()
+        try:
+            held = evaluate_pairs(model, head, data.eval, train.micro_batch_size, pad_id, train.margin)
+        finally:
+            model.train()
+        return {"eval_loss": held["loss"], "eval_accuracy": held["accuracy"]}
+
+    def describe(m: dict) -> str:
+        eval_text = f"  eval_loss {m['eval_loss']:.4f} eval_acc {m['eval_accuracy']:.2f}" if "eval_loss" in m else ""
+        return f"loss {m['loss']:.4f} acc {m['accuracy']:.2f}{eval_text}"
+
+    optimizer_steps("rm", train.steps, params, optimizer, scheduler, train.max_grad_norm, one_batch,
+                    held_out if data.eval else None, train.eval_every, run_dir, summary, describe)
+
+
+def _print_final(run_dir: RunDir, summary: dict) -> None:
+    last = summary["last_metrics"]
+    rows = [("output", str(run_dir.path)), ("steps", str(summary["steps"])),
+            ("train time", f"{summary['train_s']:.1f} s"), ("last loss", f"{last['loss']:.4f}"),
+            ("last train accuracy", f"{last['accuracy']:.3f}")]
+    if summary["eval_loss"] is not None:
+        rows += [("eval loss", f"{summary['eval_loss']:.4f}"), ("eval accuracy", f"{summary['eval_accuracy']:.3f}")]
+    print_summary("rlora rm: done", rows)

@@ -12,10 +12,11 @@ from rich.console import Console
 from test_policy_model import make_policy, perturb_adapter
 
 from rlora.chat import (ChatState, Command, ContextFull, Conversation, Settings, apply_command, check_base_matches,
-                        fit_context, load_chat_model, parse_adapter_specs, parse_command, run_chat, user_text)
+                        fit_context, load_chat_model, parse_command, run_chat, user_text)
 from rlora.cli import main
 from rlora.errors import UserError
 from rlora.models.loading import save_adapter
+from rlora.models.named_adapters import parse_named_adapters
 from rlora.models.tiny import build_random_model
 
 MAX_NEW = 8
@@ -37,13 +38,20 @@ def test_parse_command_and_user_text():
     assert parse_command("//etc/passwd is a file") is None and user_text("//etc/passwd") == "/etc/passwd"
 
 
-def test_parse_adapter_specs():
-    assert parse_adapter_specs(["a=runs/x/adapter", "runs/y/adapter-step10/"]) == {
-        "a": "runs/x/adapter", "adapter-step10": "runs/y/adapter-step10/"}
+def test_parse_adapter_specs(adapters, tmp_path):
+    """Named, or after the folder (its run folder for .../adapter; unusable characters made '_')."""
+    a, b = adapters["a"], adapters["b"]
+    run = tmp_path / "run.v2"
+    run.mkdir()
+    (run / "adapter").symlink_to(a)
+    assert parse_named_adapters([f"x={a}", str(b) + "/", str(run / "adapter")]) == {
+        "x": a, "b": str(b) + "/", "run_v2": str(run / "adapter")}
     with pytest.raises(UserError, match="given twice"):
-        parse_adapter_specs(["runs/x/adapter", "runs/y/adapter"])
-    with pytest.raises(UserError, match="may hold only"):
-        parse_adapter_specs(["my.adapter"])
+        parse_named_adapters([f"x={a}", f"x={b}"])
+    with pytest.raises(UserError, match="not usable"):
+        parse_named_adapters([f"my.x={a}"])
+    with pytest.raises(UserError, match="not a PEFT adapter folder"):
+        parse_named_adapters(["y=/no/such/folder"])
 
 
 def test_conversation_messages_reset_and_drop():

@@ -14,19 +14,15 @@ Layers, so that most of it is tested without a model or a terminal:
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlora.errors import UserError, first_line
+from rlora.models.named_adapters import activated, attach_named, parse_named_adapters, recorded_base
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # peft keeps adapters in ModuleDicts: no dots
-# peft's name for adapter NAME: peft warns about names inside its key prefix 'lora_' ('a', 'o', 'lora', ...)
-PEFT_NAME = "chat_{}"
 
 HELP = {
     "adapter": ("/adapter [NAME]", "switch to adapter NAME; alone: list the adapters (* = active)"),
@@ -241,43 +237,7 @@ def fit_context(conv: Conversation, render: Callable[[list[dict]], list[int]], l
         dropped += 1
 
 
-def parse_adapter_specs(specs: list[str]) -> dict[str, str]:
-    """['NAME=PATH' or 'PATH', ...] -> {name: path}; a bare PATH is named after its folder."""
-    adapters: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = Path(spec.rstrip("/")).name, spec
-        if not ADAPTER_NAME.match(name):
-            raise UserError(f"--adapter '{spec}': the name '{name}' may hold only letters, digits, '_' and '-' "
-                            "(give it as NAME=PATH)")
-        if name in adapters:
-            raise UserError(f"--adapter: the name '{name}' is given twice (name them: --adapter NAME=PATH)")
-        adapters[name] = path
-    return adapters
-
-
 # ---------------------------------------------------------------- the model -------------------------------------
-
-
-def _adapter_config(adapter: str) -> dict:
-    return json.loads((Path(adapter) / "adapter_config.json").read_text())
-
-
-def recorded_base(adapter: str) -> str | None:
-    """The base model an adapter folder names in its adapter_config.json (None: none)."""
-    return _adapter_config(adapter).get("base_model_name_or_path") or None
-
-
-def check_adapters(adapters: dict[str, str]) -> None:
-    """Each folder is a readable LoRA adapter (whether it fits the base is checked when loading it)."""
-    from rlora.models.loading import check_adapter_folder
-
-    for folder in adapters.values():
-        check_adapter_folder(folder, key="--adapter")
-        kind = _adapter_config(folder).get("peft_type")
-        if kind != "LORA":
-            raise UserError(f"--adapter '{folder}' is a {kind} adapter: rlora chat loads LoRA adapters only")
 
 
 def choose_model(model: str | None, adapters: dict[str, str]) -> str:
@@ -314,19 +274,6 @@ class ChatModel:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    @contextmanager
-    def using(self, adapter: str | None):
-        """The model with `adapter` active (None: the adapter switched off, the plain base)."""
-        if not hasattr(self.model, "peft_config"):
-            yield self.model
-            return
-        if adapter is None:
-            with self.model.disable_adapter():
-                yield self.model
-            return
-        self.model.set_adapter(PEFT_NAME.format(adapter), inference_mode=True)
-        yield self.model
-
     def reply(self, state: ChatState) -> Reply:
         """Sample the assistant's answer to the conversation (whose last turn is the user's)."""
         from rlora.types import SamplingParams
@@ -335,7 +282,7 @@ class ChatModel:
         ids, dropped = fit_context(state.conv, self.render, self.max_length - s.max_new_tokens)
         params = (SamplingParams(max_new_tokens=s.max_new_tokens, greedy=True) if s.temperature == 0 else
                   SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p))
-        with self.using(state.active) as model:
+        with activated(self.model, state.active) as model:
             rollout = self.generator.sample(model, [ids], 1, params, seed=s.seed + state.replies)
         return Reply(rollout.completions[0], rollout.finish_reasons[0], dropped)
 
@@ -349,23 +296,6 @@ def model_max_length(model, tokenizer) -> int:
     return int(limit)
 
 
-def attach_adapters(base, adapters: dict[str, str], model_path: str):
-    """All adapters onto the one base (peft named adapters). An adapter that does not fit -> UserError."""
-    from peft import PeftModel
-
-    model = base
-    for name, folder in adapters.items():
-        try:
-            if model is base:
-                model = PeftModel.from_pretrained(base, folder, adapter_name=PEFT_NAME.format(name))
-            else:
-                model.load_adapter(folder, adapter_name=PEFT_NAME.format(name))
-        except Exception as err:  # noqa: BLE001 - an adapter for another base, broken weights ...
-            raise UserError(f"adapter '{folder}' does not fit model '{model_path}': {first_line(err)}") from None
-    model.eval()
-    return model
-
-
 def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_new_tokens: int) -> ChatModel:
     from rlora.config import ModelConfig, RolloutConfig
     from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer
@@ -376,7 +306,7 @@ def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_n
         raise UserError(f"the tokenizer of '{model_path}' has no chat template: rlora chat needs a chat (instruct) model")
     base = load_base_model(ModelConfig(path=model_path, dtype=dtype), model_path)
     add_model_eos_ids(tok, base)
-    model = attach_adapters(base, adapters, model_path)
+    model = attach_named(base, adapters, model_path)
     max_length = model_max_length(model, tokenizer)
     if max_new_tokens >= max_length:
         raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for the prompt in the model's "
@@ -478,8 +408,7 @@ def chat_main(args) -> int:
 
     settings = Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     settings.check()
-    adapters = parse_adapter_specs(args.adapter or [])
-    check_adapters(adapters)
+    adapters = parse_named_adapters(args.adapter or [])
     model_path = choose_model(args.model, adapters)
     with console.status(f"loading {model_path} ...") if console.is_terminal else nullcontext():
         bot = load_chat_model(model_path, adapters, args.dtype, settings.max_new_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NamedTuple
 
 from rlora import __version__
 from rlora.errors import UserError
@@ -52,6 +53,33 @@ examples:
 """
 
 
+class Supervised(NamedTuple):
+    """A supervised command (`rlora sft`, `rlora rm`): its config, recipe and help texts."""
+
+    config_class: str
+    example: str
+    module: str
+    function: str
+    help: str
+    description: str
+    epilog: str
+
+
+SUPERVISED = {
+    "sft": Supervised(
+        "SFTConfig", "configs/sft_math.yaml", "rlora.train.sft", "run_sft",
+        "supervised fine-tuning of a LoRA adapter (or a small model) on prompt/completion or chat rows",
+        "Supervised fine-tuning with the loss on completion (assistant) tokens only; writes the same run folder and "
+        "adapter format as `rlora train` (docs/sft.md).", SFT_EPILOG),
+    "rm": Supervised(
+        "RMConfig", "configs/rm_pairs.yaml", "rlora.train.rm", "run_rm",
+        "train a reward model (a LoRA adapter plus a scalar score head) on preference pairs",
+        "Train a reward adapter and a scalar score head on the same base with the Bradley-Terry loss on "
+        "chosen/rejected pairs; reports held-out pair accuracy and saves OUTPUT/reward_model (docs/reward_models.md).",
+        RM_EPILOG),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlora", description="RL fine-tuning of language models with LoRA adapters on one frozen base model."
@@ -68,27 +96,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="an optional YAML config file, then dotted overrides")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
-    sft = commands.add_parser(
-        "sft", help="supervised fine-tuning of a LoRA adapter (or a small model) on prompt/completion or chat rows",
-        description="Supervised fine-tuning with the loss on completion (assistant) tokens only; writes the same run "
-                    "folder and adapter format as `rlora train` (docs/sft.md).",
-        epilog=SFT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sft.add_argument("items", nargs="+", metavar="CONFIG.yaml [key=value ...]",
-                     help="a YAML config file, then dotted overrides")
-    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    sft.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
-    rm = commands.add_parser(
-        "rm", help="train a reward model (a LoRA adapter plus a scalar score head) on preference pairs",
-        description="Train a reward adapter and a scalar score head on the same base with the Bradley-Terry loss on "
-                    "chosen/rejected pairs; reports held-out pair accuracy and saves OUTPUT/reward_model "
-                    "(docs/reward_models.md).",
-        epilog=RM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    rm.add_argument("items", nargs="+", metavar="CONFIG.yaml [key=value ...]",
-                    help="a YAML config file, then dotted overrides")
-    rm.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    rm.add_argument("--debug", action="store_true", help="on bad input, print the traceback before the one-line error")
+    for name, spec in SUPERVISED.items():
+        command = commands.add_parser(name, help=spec.help, description=spec.description, epilog=spec.epilog,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_argument("items", nargs="+", metavar="CONFIG.yaml [key=value ...]",
+                             help="a YAML config file, then dotted overrides")
+        command.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        command.add_argument("--debug", action="store_true",
+                             help="on bad input, print the traceback before the one-line error")
     evaluate = commands.add_parser(
         "eval", help="evaluate the base model and adapters side by side on held-out prompts",
         description="Evaluate the base model (adapters off) and each --adapter on the held-out prompts of a config: "
@@ -203,27 +218,20 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-# `rlora sft` / `rlora rm`: (config class, example config, module and function of the recipe)
-SUPERVISED = {
-    "sft": ("SFTConfig", "configs/sft_math.yaml", "rlora.train.sft", "run_sft"),
-    "rm": ("RMConfig", "configs/rm_pairs.yaml", "rlora.train.rm", "run_rm"),
-}
-
-
 def _supervised(args: argparse.Namespace) -> int:
     import importlib
 
     from rlora import config as config_module
 
-    class_name, example, module, function = SUPERVISED[args.command]
+    spec = SUPERVISED[args.command]
     config_path, overrides = _split_config_and_overrides(args.items)
     if config_path is None:
-        raise UserError(f"rlora {args.command} needs a CONFIG.yaml first (e.g. {example}), then key=value overrides")
-    cfg = config_module.load_config(config_path, overrides, model_cls=getattr(config_module, class_name))
+        raise UserError(f"rlora {args.command} needs a CONFIG.yaml first (e.g. {spec.example}), then key=value overrides")
+    cfg = config_module.load_config(config_path, overrides, model_cls=getattr(config_module, spec.config_class))
     if args.print_config:
         print(config_module.to_yaml(cfg), end="")
         return 0
-    getattr(importlib.import_module(module), function)(cfg)
+    getattr(importlib.import_module(spec.module), spec.function)(cfg)
     return 0
 
 

@@ -382,11 +382,16 @@ class SFTTrainConfig(OptimizerConfig):
         "OUTPUT/model, a transformers folder with the tokenizer")
 
 
-class SFTConfig(_Section):
-    """Root of a `rlora sft` config."""
+class _SupervisedRoot(_Section):
+    """The sections `rlora sft` and `rlora rm` configs share with `rlora train`'s."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class SFTConfig(_SupervisedRoot):
+    """Root of a `rlora sft` config."""
+
     data: SFTDataConfig
     train: SFTTrainConfig = Field(default_factory=SFTTrainConfig)
 
@@ -434,11 +439,9 @@ class RMTrainConfig(OptimizerConfig):
     head_init_std: float = Field(0.0, ge=0, description="Normal std of the score head's initial weight (0: zeros)")
 
 
-class RMConfig(_Section):
+class RMConfig(_SupervisedRoot):
     """Root of a `rlora rm` config."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
     data: RMDataConfig
     train: RMTrainConfig = Field(default_factory=RMTrainConfig)
 

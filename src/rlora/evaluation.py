@@ -9,8 +9,6 @@ weights, not the draws. Outputs (written atomically): eval.json (metrics per can
 
 from __future__ import annotations
 
-import re
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,18 +16,16 @@ import torch
 
 from rlora.config import RLConfig, load_config, to_yaml
 from rlora.data.prompts import load_prompt_sets, prompt_text, render_prompt
-from rlora.errors import UserError, first_line
+from rlora.errors import UserError
 from rlora.logging.console import info, progress_bar
-from rlora.models.loading import (
-    add_model_eos_ids, check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path,
-)
+from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer, resolve_model_path
+from rlora.models.named_adapters import activated, attach_named, parse_named_adapters
 from rlora.rollout.backends import build_generator
 from rlora.train.evaluate import eval_sampling, evaluate
 from rlora.train.grpo import check_data_and_rewards, seed_everything
 from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
 
 BASE = "base"
-_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # peft keeps adapters in module dicts: no '.'
 _TRAINING_OUTPUTS = ("metrics.jsonl", "adapter", "checkpoints", "summary.json")
 
 
@@ -40,22 +36,8 @@ class Candidate:
 
 
 def parse_adapters(specs: list[str]) -> list[Candidate]:
-    """`NAME=PATH` or `PATH` (named after its folder, or its run folder for .../adapter) -> candidates."""
-    candidates = []
-    for spec in specs:
-        # NAME=PATH, unless the whole text is an existing path (paths may hold '=', names may not)
-        name, _, path = ("", "", spec) if Path(spec).exists() or "=" not in spec else spec.partition("=")
-        if not name:  # named after the folder (or its run folder for .../adapter), made usable
-            path_obj = Path(path)
-            name = re.sub(r"[^A-Za-z0-9_-]", "_", path_obj.parent.name if path_obj.name == "adapter" else path_obj.name)
-        if not _NAME.match(name) or name == BASE:
-            raise UserError(f"--adapter name '{name}' is not usable: give NAME=PATH with NAME of letters, digits, "
-                            f"'_', '-' (and not '{BASE}')")
-        if name in {c.name for c in candidates}:
-            raise UserError(f"two adapters are named '{name}': give each a name with NAME=PATH")
-        check_adapter_folder(path, key="--adapter")
-        candidates.append(Candidate(name, path))
-    return candidates
+    """`--adapter [NAME=]PATH` values -> candidates (the name 'base' is the base model's)."""
+    return [Candidate(name, path) for name, path in parse_named_adapters(specs, reserved=(BASE,)).items()]
 
 
 def resolve_config(items: list[str]) -> tuple[RLConfig, str | None]:
@@ -77,33 +59,12 @@ def resolve_config(items: list[str]) -> tuple[RLConfig, str | None]:
 
 def _load_model(cfg: RLConfig, candidates: list[Candidate]):
     """The base with every adapter attached under its name (one copy of the base weights)."""
-    from peft import PeftModel
-
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    model = load_base_model(cfg.model, model_path)
-    add_model_eos_ids(tok, model)
-    for i, candidate in enumerate(c for c in candidates if c.adapter):
-        try:
-            if i == 0:
-                model = PeftModel.from_pretrained(model, candidate.adapter, adapter_name=candidate.name)
-            else:
-                model.load_adapter(candidate.adapter, adapter_name=candidate.name)
-        except Exception as err:  # noqa: BLE001 - an adapter for another base: shape or module-name mismatch
-            raise UserError(f"adapter '{candidate.adapter}' does not fit model '{cfg.model.path}': "
-                            f"{first_line(err)}") from None
-    model.eval()
-    return model, tokenizer, tok
-
-
-@contextmanager
-def _activated(model, candidate: Candidate):
-    if candidate.adapter is None:
-        with model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext():
-            yield
-    else:
-        model.set_adapter(candidate.name)
-        yield
+    base = load_base_model(cfg.model, model_path)
+    add_model_eos_ids(tok, base)
+    adapters = {c.name: c.adapter for c in candidates if c.adapter is not None}
+    return attach_named(base, adapters, cfg.model.path), tokenizer, tok
 
 
 def check_output(folder: Path, overwrite: bool) -> None:
@@ -152,7 +113,7 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     ev, results, samples = cfg.eval, {}, {}
     for candidate in candidates:
         seed_everything(ev.seed)  # the same draws for every candidate (and for rewards that use randomness)
-        with _activated(model, candidate), progress_bar(f"eval {candidate.name}", len(examples)) as update:
+        with activated(model, None if candidate.adapter is None else candidate.name), progress_bar(f"eval {candidate.name}", len(examples)) as update:
             metrics, samples[candidate.name] = evaluate(model, generator, examples, prompt_ids, texts, rewards, params,
                                                         ev.batch_size, ev.num_samples, tuple(ev.pass_k), ev.seed,
                                                         progress=update)

@@ -5,7 +5,6 @@ folder and the base folder are only read."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,13 +12,14 @@ from pathlib import Path
 from rlora.config import ModelConfig
 from rlora.errors import UserError, first_line
 from rlora.models.loading import check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path
+from rlora.models.named_adapters import recorded_base
 
 
 def adapter_base(adapter: str, base: str | None) -> str:
     """The base model folder: --base if given, else the adapter's own base_model_name_or_path."""
     if base is not None:
         return resolve_model_path(base)
-    recorded = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    recorded = recorded_base(adapter)
     if not recorded:
         raise UserError(f"adapter '{adapter}' does not name its base model: pass --base MODEL")
     return resolve_model_path(recorded)

@@ -1,0 +1,84 @@
+"""Several LoRA adapters on one copy of a base, by name (`rlora eval`, `rlora chat`): parsing
+`--adapter [NAME=]PATH`, loading every adapter onto the base, and switching between them (or off)."""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+from rlora.errors import UserError, first_line
+from rlora.models.loading import check_adapter_folder
+
+NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # peft keeps adapters in module dicts: no '.'
+# peft warns about adapter names found inside its 'lora_' parameter prefix ('a', 'o', 'ra' ...): prefix them
+PEFT_NAME = "named_{}"
+
+
+def parse_named_adapters(specs: list[str], reserved: tuple[str, ...] = ()) -> dict[str, str]:
+    """['NAME=PATH' or 'PATH', ...] -> {name: path}. A bare PATH (or any text that is an existing path:
+    paths may hold '=', names may not) is named after its folder, or its run folder for .../adapter, with
+    other characters than letters, digits, '_' and '-' made '_'. Each folder is checked to be a LoRA adapter."""
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, _, path = ("", "", spec) if Path(spec).exists() or "=" not in spec else spec.partition("=")
+        if not name:
+            folder = Path(path.rstrip("/"))
+            name = re.sub(r"[^A-Za-z0-9_-]", "_", folder.parent.name if folder.name == "adapter" else folder.name)
+        if not NAME.match(name) or name in reserved:
+            reserved_text = f" (and not {', '.join(reserved)})" if reserved else ""
+            raise UserError(f"--adapter name '{name}' is not usable: give NAME=PATH with NAME of letters, digits, "
+                            f"'_', '-'{reserved_text}")
+        if name in adapters:
+            raise UserError(f"--adapter: the name '{name}' is given twice (name them: --adapter NAME=PATH)")
+        check_lora_folder(path)
+        adapters[name] = path
+    return adapters
+
+
+def _adapter_config(folder: str) -> dict:
+    return json.loads((Path(folder) / "adapter_config.json").read_text())
+
+
+def check_lora_folder(folder: str) -> None:
+    check_adapter_folder(folder, key="--adapter")
+    kind = _adapter_config(folder).get("peft_type")
+    if kind != "LORA":
+        raise UserError(f"--adapter '{folder}' is a {kind} adapter: rlora loads LoRA adapters only")
+
+
+def recorded_base(folder: str) -> str | None:
+    """The base model an adapter folder names in its adapter_config.json (None: none)."""
+    return _adapter_config(folder).get("base_model_name_or_path") or None
+
+
+def attach_named(base, adapters: dict[str, str], model_label: str):
+    """Every adapter onto the one base (peft named adapters), in eval mode; the base itself when there are
+    none. An adapter that does not fit (another base: shapes or module names differ) -> UserError."""
+    from peft import PeftModel
+
+    model = base
+    for name, folder in adapters.items():
+        try:
+            if model is base:
+                model = PeftModel.from_pretrained(base, folder, adapter_name=PEFT_NAME.format(name))
+            else:
+                model.load_adapter(folder, adapter_name=PEFT_NAME.format(name))
+        except Exception as err:  # noqa: BLE001 - an adapter for another base, broken weights ...
+            raise UserError(f"adapter '{folder}' does not fit model '{model_label}': {first_line(err)}") from None
+    model.eval()
+    return model
+
+
+@contextmanager
+def activated(model, name: str | None):
+    """The model with adapter `name` active; None: every adapter switched off (the plain base)."""
+    if not hasattr(model, "peft_config"):
+        yield model
+    elif name is None:
+        with model.disable_adapter():
+            yield model
+    else:
+        model.set_adapter(PEFT_NAME.format(name), inference_mode=True)
+        yield model

@@ -30,10 +30,16 @@ def answer_reward(prompts, completions, answer, **_columns) -> list[float]:
 def task_rows(split: str, train_size: int = 1000, eval_size: int = 100) -> list[dict]:
     """Chat-format prompts with their answers: the same rows feed rlora (jsonl) and TRL (datasets). The split
     is rlora's (the demo's): held-out problems are distinct and never appear in the training rows."""
+    cached = cache_root() / "bench" / f"{TASK}-{split}-{train_size}-{eval_size}.jsonl"  # machines without reasoning-gym
+    if cached.is_file():
+        return [json.loads(line) for line in cached.read_text().splitlines()]
     cfg = DataConfig(task=TASK, task_args=TASK_ARGS, train_size=train_size, eval_size=eval_size,
                      seed=TRAIN_SEED, eval_seed=EVAL_SEED)
     examples = getattr(load_prompt_sets(cfg), split)
-    return [{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.columns["answer"]} for ex in examples]
+    rows = [{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.columns["answer"]} for ex in examples]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(rows, cached.with_suffix(".tmp")).replace(cached)  # a cut-off write leaves no cache behind
+    return rows
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:
@@ -41,21 +47,28 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
+# random-initialised Qwen2 shapes built by the benchmarks (with the SmolLM2 tokenizer; ids beyond its 49152
+# tokens decode to nothing, which only matters for the text, not the work)
+RANDOM_SHAPES = {
+    "qwen2-0.1b": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072),
+    "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab_size=151936),
+}
+
+
 def model_folder(name: str) -> str:
-    """'smollm2': the embedded SmolLM2-135M-Instruct; 'qwen2-0.1b': a random-initialised Qwen2 shape
-    (hidden 768, 12 layers, 12 heads, 4 KV heads, FFN 3072) with the SmolLM2 tokenizer, built once;
-    any other value is taken as a model folder."""
+    """'smollm2': the embedded SmolLM2-135M-Instruct; 'qwen2-0.1b' (hidden 768, 12 layers, 12 heads, 4 KV
+    heads, FFN 3072) and 'qwen2.5-0.5b' (vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads, FFN
+    4864, tied embeddings): random-initialised, built once into the cache; any other value is a model folder."""
     if name == "smollm2":
         return resolve_alias(SMOLLM2_ALIAS)
-    if name == "qwen2-0.1b":
-        folder = cache_root() / "bench" / "qwen2-0.1b-random"
+    if name in RANDOM_SHAPES:
+        folder = cache_root() / "bench" / f"{name}-random"
         if not (folder / "config.json").is_file():
             from transformers import AutoTokenizer
 
             from rlora.models.tiny import build_random_model
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_alias(SMOLLM2_ALIAS))
-            build_random_model(folder, family="qwen2", hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072,
-                               tokenizer=tokenizer, tie=True, seed=0)
+            build_random_model(folder, family="qwen2", tokenizer=tokenizer, tie=True, seed=0, **RANDOM_SHAPES[name])
         return str(folder)
     return name

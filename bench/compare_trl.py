@@ -60,25 +60,39 @@ class Work:
     train_size: int = 512
     output_dir: str = ""
     rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" samples from bf16 copies (not identical work)
+    device: str = "cpu"  # "cuda": both sides on the GPU
+    dtype: str = "float32"  # model weights and compute ("bfloat16" on GPUs)
 
     @property
     def total_steps(self) -> int:
         return self.steps + self.warmup
 
 
-# TRL GRPOConfig values that differ from TRL's defaults, pinned to rlora's behaviour (printed with results)
+# TRL GRPOConfig values that differ from TRL's defaults, pinned to rlora's behaviour (printed with results);
+# bf16 and use_cpu follow Work.dtype and Work.device (trl_pinned)
 TRL_PINNED = {
-    "bf16": False, "fp16": False, "gradient_checkpointing": False, "lr_scheduler_type": "constant",
+    "fp16": False, "gradient_checkpointing": False, "lr_scheduler_type": "constant",
     "warmup_steps": 0, "weight_decay": 0.0, "optim": "adamw_torch", "adam_beta1": 0.9, "adam_beta2": 0.999,
     "max_grad_norm": 1.0, "epsilon": 0.2, "epsilon_high": 0.2, "scale_rewards": "group", "num_iterations": 1,
-    "top_p": 1.0, "top_k": 0, "mask_truncated_completions": False, "disable_dropout": True, "use_cpu": True,
+    "top_p": 1.0, "top_k": 0, "mask_truncated_completions": False, "disable_dropout": True,
     "report_to": [], "save_strategy": "no", "logging_steps": 1, "log_completions": False,
     "shuffle_dataset": False,  # same prompts per step as rlora (data.shuffle=false)
 }
 
 
+def trl_pinned(work: Work) -> dict:
+    return {**TRL_PINNED, "bf16": work.dtype == "bfloat16", "use_cpu": work.device == "cpu"}
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_gpu_mb() -> float | None:
+    """Peak memory the process allocated on its GPU (None on CPU runs): weights, activations, caches."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None
 
 
 # --------------------------------------------------------------------------- rlora side
@@ -89,7 +103,8 @@ def run_rlora(work: Work) -> dict:
 
     data = write_jsonl(task_rows("train", work.train_size), Path(work.output_dir) / "prompts.jsonl")
     overrides = {
-        "model.path": model_folder(work.model), "data.task": None, "data.path": str(data), "data.eval_size": 0,
+        "model.path": model_folder(work.model), "model.device": work.device, "model.dtype": work.dtype,
+        "data.task": None, "data.path": str(data), "data.eval_size": 0,
         "data.shuffle": False,  # both sides take the prompts in file order, so each step sees the same prompts
         "rewards": [{"fn": "bench_common.answer_reward"}], "lora.rank": work.lora_rank,
         "lora.alpha": work.lora_alpha, "lora.target_modules": work.lora_targets,
@@ -140,11 +155,15 @@ class PhaseClock:
 
 
 def _wrap(obj, name: str, on_done) -> None:
+    import torch
+
     original = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         out = original(*args, **kwargs)
+        if torch.cuda.is_initialized():  # GPU work is asynchronous: end the phase when its kernels end
+            torch.cuda.synchronize()
         on_done(time.perf_counter() - start)
         return out
 
@@ -224,9 +243,9 @@ def run_trl(work: Work) -> dict:
         temperature=work.temperature, learning_rate=work.lr, beta=work.beta,
         loss_type=LOSS_AGG_TO_TRL[work.loss_agg], seed=work.seed, max_steps=work.total_steps,
         generation_kwargs={"min_new_tokens": work.completion_len} if work.fixed_length else None,
-        **TRL_PINNED,
+        **trl_pinned(work),
     )
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, work.dtype))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     lora = LoraConfig(r=work.lora_rank, lora_alpha=work.lora_alpha, target_modules=work.lora_targets,
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
@@ -254,7 +273,7 @@ def run_trl(work: Work) -> dict:
         "lora_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "reward_mean": statistics.mean(h["reward"] for h in logs) if logs else None,
         "adapter": str(adapter),
-        "trl_pinned": TRL_PINNED,
+        "trl_pinned": trl_pinned(work),
     }
 
 
@@ -268,7 +287,8 @@ def worker(side: str, work: Work, out: Path) -> None:
     _quiet_libraries()
     start = time.perf_counter()
     result = (run_rlora if side == "rlora" else run_trl)(work)
-    result |= {"side": side, "work": asdict(work), "wall_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb()}
+    result |= {"side": side, "work": asdict(work), "wall_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
+               "peak_gpu_mb": peak_gpu_mb()}
     out.write_text(json.dumps(result))
 
 
@@ -279,7 +299,8 @@ def spawn(side: str, work: Work, folder: Path | None = None) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         work = Work(**{**asdict(work), "output_dir": str(folder)})
         out = folder / "result.json"
-        env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": str(work.threads)}
+        path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(work.threads)}
         done = subprocess.run([sys.executable, __file__, "worker", side, json.dumps(asdict(work)), str(out)],
                               env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -311,11 +332,14 @@ def compare_one(work: Work, repeats: int) -> dict:
             **{p: statistics.median(x[p] for x in phases) for p in PHASES},
             "step_s_min": min(x["step_s"] for x in phases), "step_s_max": max(x["step_s"] for x in phases),
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
+            "peak_gpu_mb": statistics.median(r["peak_gpu_mb"] or 0.0 for r in results),
             "tokens_per_s_sampling": statistics.median(
                 r["completion_tokens"] / max(sum(s["rollout_s"] for s in r["steps"]), 1e-9) for r in results),
             "same_work": {k: results[0][k] for k in ("prompts", "completions", "prompt_tokens", "completion_tokens", "lora_params")},
         }
     summary["ratio_peak_rss"] = summary["rlora"]["peak_rss_mb"] / summary["trl"]["peak_rss_mb"]
+    if work.device != "cpu":
+        summary["ratio_peak_gpu"] = summary["rlora"]["peak_gpu_mb"] / summary["trl"]["peak_gpu_mb"]
     summary["ratio_sampling_speed"] = summary["rlora"]["tokens_per_s_sampling"] / summary["trl"]["tokens_per_s_sampling"]
     return summary
 
@@ -323,17 +347,20 @@ def compare_one(work: Work, repeats: int) -> dict:
 def print_timing_row(s: dict) -> None:
     w, a, b = s["work"], s["rlora"], s["trl"]
     model = w["model"] + (" (rlora: bf16 sampler)" if w.get("rlora_sampler_dtype", "model") != "model" else "")
+    on_gpu = w.get("device", "cpu") != "cpu"
+    memory = "peak_gpu_mb" if on_gpu else "peak_rss_mb"
+    model += f" ({w['device']}, {w['dtype']})" if on_gpu else ""
     print(f"| {model} | {w['completion_len']} | {w['num_generations']} | {w['beta']} | "
           f"{a['step_s']:.2f} ({a['step_s_min']:.2f}-{a['step_s_max']:.2f}) | "
           f"{b['step_s']:.2f} ({b['step_s_min']:.2f}-{b['step_s_max']:.2f}) | {s['ratio_step_median']:.2f} | "
           f"{a['rollout_s']:.2f} / {b['rollout_s']:.2f} | {a['ref_s']:.2f} / {b['ref_s']:.2f} | "
           f"{a['train_s']:.2f} / {b['train_s']:.2f} | {a['optim_s']:.3f} / {b['optim_s']:.3f} | "
-          f"{a['peak_rss_mb']:.0f} / {b['peak_rss_mb']:.0f} | {s['ratio_sampling_speed']:.2f} |", flush=True)
+          f"{a[memory]:.0f} / {b[memory]:.0f} | {s['ratio_sampling_speed']:.2f} |", flush=True)
 
 
 TIMING_HEADER = (
     "| model | T | G | beta | rlora step s (min-max) | TRL step s (min-max) | ratio | rollout s rlora / TRL | "
-    "ref s | train fwd+bwd s | optimizer s | peak RSS MB | sampling speed ratio |\n"
+    "ref s | train fwd+bwd s | optimizer s | peak memory MB (CPU: RSS; GPU: allocated) | sampling speed ratio |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -346,7 +373,8 @@ def timing(args) -> None:
         prompts = max(1, -(-32 // gens))  # at least 32 completions per step
         work = Work(model=model, completion_len=length, num_generations=gens, beta=beta, prompts_per_step=prompts,
                     micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                    train_size=args.train_size, rlora_sampler_dtype=args.rlora_sampler_dtype)
+                    train_size=args.train_size, rlora_sampler_dtype=args.rlora_sampler_dtype, device=args.device,
+                    dtype=args.dtype)
         summary = compare_one(work, args.repeats)
         if summary["rlora"]["same_work"] != summary["trl"]["same_work"]:
             print(f"<!-- work differs: rlora {summary['rlora']['same_work']} TRL {summary['trl']['same_work']} -->")
@@ -393,6 +421,8 @@ def main() -> int:
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--train-size", type=int, default=512)
     t.add_argument("--out", help="append one JSON summary per configuration")
+    t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16"],
                    help="rlora's sampler compute dtype; bfloat16 is not identical work (flagged in the output)")
     q = sub.add_parser("quality", help="held-out accuracy after equal wall-clock training")

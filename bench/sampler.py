@@ -42,6 +42,35 @@ def build(model_name: str, dtype: str):
     return tokenizer, tok, model
 
 
+def copy_bandwidth_gbs(device: torch.device, gib: float = 1.0, repeats: int = 10) -> float:
+    """Measured device memory bandwidth: a large device-to-device copy, bytes read + written per second."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * src.numel() * repeats / (time.perf_counter() - start) / 1e9
+
+
+def decode_bytes(model, prompt_lens: list[int], G: int, tokens: int) -> float:
+    """The fewest bytes the decode steps must read at fixed length: each step reads every decoder and
+    output-layer weight once (in the model's dtype; the embedding lookup is negligible) and the KV cache
+    so far, each prompt's part once per group. Prefill is not counted."""
+    cfg = model.get_base_model().config
+    itemsize = next(model.parameters()).element_size()
+    decoder = model.get_base_model().get_decoder()
+    weights = sum(p.numel() for n, p in decoder.layers.named_parameters() if "lora_" not in n)
+    weights += model.get_base_model().get_output_embeddings().weight.numel()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
+    steps = range(1, tokens)  # the first new token comes from the prefill
+    kv = sum(kv_per_token * (sum(prompt_lens) + len(prompt_lens) * G * t) for t in steps)
+    return len(steps) * weights * itemsize + kv
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2, qwen2-0.1b or a model folder")
@@ -53,7 +82,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--natural", action="store_true", help="let completions end at EOS")
     parser.add_argument("--sides", default="builtin,builtin-bf16,hf",
-                        help="comma-separated subset of builtin, builtin-unmerged, builtin-bf16, hf")
+                        help="comma-separated subset of builtin, builtin-eager, builtin-unmerged, builtin-bf16, hf")
     args = parser.parse_args()
     _quiet_libraries()
     tokenizer, tok, model = build(args.model, args.dtype)
@@ -65,7 +94,8 @@ def main() -> int:
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature,
                             min_new_tokens=0 if args.natural else args.tokens)
     sides = {
-        "builtin": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True),
+        "builtin": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True),  # GPU: CUDA graphs
+        "builtin-eager": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, decode="eager"),
         "builtin-unmerged": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False),
         "builtin-bf16": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, dtype=torch.bfloat16),
         "hf": HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=args.prompts * args.G),
@@ -94,6 +124,15 @@ def main() -> int:
         print(f"{name:<18} {med:9.2f} {min(times[name]):6.2f}-{max(times[name]):<6.2f} {statistics.median(tokens[name]):7.0f} "
               f"{tok_s:8.1f} {speedup:>15}")
     print("speed-up: median over repeats of (hf time / side time) within the same repeat")
+    device = next(model.parameters()).device
+    if device.type == "cuda" and not args.natural:
+        bandwidth = copy_bandwidth_gbs(device)
+        floor_s = decode_bytes(model, [len(p) for p in prompts], args.G, args.tokens) / (bandwidth * 1e9)
+        print(f"GPU {torch.cuda.get_device_name(device)}: copy bandwidth {bandwidth:.0f} GB/s; decode bandwidth floor "
+              f"{floor_s:.3f} s; peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+        for name in sides:
+            print(f"{name:<18} reaches {floor_s / statistics.median(times[name]):.1%} of the bandwidth bound "
+                  "(floor / median time, prefill included in the time)")
     return 0
 
 

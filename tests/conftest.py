@@ -8,6 +8,10 @@ from rlora.models.tiny import build_random_model
 
 # keep tests single-threaded-deterministic and quiet
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite checks exact CPU numbers (and calls models with CPU tensors), so it hides any GPU: model.device=auto
+# then means the CPU. RLORA_TEST_GPU=1 leaves the GPU visible for tests/test_gpu.py (bench/gpu_suite.sh).
+if os.environ.get("RLORA_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

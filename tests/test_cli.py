@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_overrides
 from rlora.cli import main
@@ -153,7 +154,18 @@ BAD_INPUTS = [
     ("unknown engine", lambda t, m, p: ["rollout.engine=vllm"], "invalid value for rollout.engine"),
     ("humaneval scored by gym", lambda t, m, p: ["data.task=humaneval", "data.task_args={}", f"train.output_dir={t / 'o'}"],
      "use rewards: [{fn: code}]"),
+    ("unknown device", lambda t, m, p: ["model.device=gpu"], "invalid value for model.device"),
 ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_asked_for_on_a_machine_without_one_is_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
+    for command, args in (("train", tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **{"model.device": "cuda"})),
+                          ("eval", [*tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "t"), **{
+                              "model.device": "cuda:1"}), "-o", str(tmp_path / "o")])):
+        code, err = run_cli([command, *args], capsys)
+        assert code == 2 and "rlora: error: model.device=cuda" in err and "set model.device=cpu" in err, err
+        assert "Traceback" not in err and not (tmp_path / "o").exists()
 
 
 def test_quantization_without_bitsandbytes_is_one_line(tiny_model_dir, prompts_file, tmp_path, capsys, monkeypatch):

@@ -34,11 +34,13 @@ def tokens_of(rollout, row):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("merge", [True, False])
-def test_greedy_matches_hf_generate_token_for_token(tiny_model_dir, qwen2_dir, family, merge):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_greedy_matches_hf_generate_token_for_token(tiny_model_dir, qwen2_dir, family, merge, decode):
     model_dir = tiny_model_dir if family == "llama" else qwen2_dir
     tokenizer, tok, model, prompts = policy(model_dir)
     greedy = SamplingParams(max_new_tokens=16, greedy=True)
-    ours = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge).sample(model, prompts, 2, greedy, seed=0)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge, decode=decode)
+    ours = engine.sample(model, prompts, 2, greedy, seed=0)
     hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
     base_differs = False
     for i, prompt in enumerate(prompts):
@@ -65,6 +67,25 @@ def test_sampling_logprobs_agree_with_the_trainer(tiny_model_dir, merge):
     gap = (trainer[mask] - rollout.sampling_logp_BTc[mask]).abs()
     assert gap.mean() < 1e-4 and gap.max() < 1e-3, (gap.mean(), gap.max())
     assert (rollout.sampling_logp_BTc[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_static_decode_samples_what_the_eager_step_samples(tiny_model_dir, merge):
+    """The fixed-shape step (the one CUDA graphs replay) against the row-dropping eager step: rows that end
+    early (EOS) and per-prompt settings, same tokens, same reasons, log-probs to float rounding."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    free = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(
+        model, prompts, 1, SamplingParams(max_new_tokens=16, greedy=True), seed=0)
+    eos = tokens_of(free, 1)[3]  # a token the model does produce, declared EOS, so rows finish at ragged steps
+    per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, top_p=p) for n, t, p in
+                  [(14, 0.7, 0.9), (6, 1.0, 1.0), (11, 1.3, 0.8), (14, 0.5, 1.0)]]
+    eager, static = (BuiltinGenerator(tokenizer, [eos], tok.pad_id, merge=merge, decode=mode).sample(
+        model, prompts, 3, per_prompt, seed=5) for mode in ("eager", "static"))
+    assert torch.equal(eager.completion_ids_BTc, static.completion_ids_BTc)
+    assert torch.equal(eager.completion_mask_BTc, static.completion_mask_BTc)
+    assert eager.finish_reasons == static.finish_reasons and "stop" in eager.finish_reasons
+    assert len(set(eager.completion_mask_BTc.sum(-1).tolist())) > 2, "rows must end at different steps"
+    assert (eager.sampling_logp_BTc - static.sampling_logp_BTc).abs().max() < 1e-5
 
 
 def test_the_adapter_changes_the_samples(tiny_model_dir):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlora.errors import UserError
 
@@ -30,6 +30,10 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Run model code shipped with a hub model (off unless asked)")
     quantization: Literal["none", "4bit", "8bit"] = Field(
         "none", description="Load the frozen base quantized with bitsandbytes (adapters stay in model.dtype)")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the model runs: auto (the GPU if torch sees one, else cpu), cpu, cuda or cuda:N. Under "
+        "torchrun each rank uses its LOCAL_RANK GPU")
 
 
 class LoraConfig(_Section):
@@ -53,6 +57,46 @@ class LoraConfig(_Section):
         return self
 
 
+class MoLoRAConfig(_Section):
+    """A mixture of LoRA experts instead of one LoRA adapter (docs/molora.md): N experts per adapted linear layer,
+    mixed by a router; `lora.*` keys then do not apply."""
+
+    num_experts: int = Field(4, ge=1, description="N: LoRA experts per adapted module")
+    rank: int = Field(8, gt=0, description="r of every expert")
+    alpha: float = Field(16.0, gt=0, description="Each expert is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (not the router's)")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' (every linear layer inside the decoder layers) or module names")
+    router: Literal["sequence", "token"] = Field(
+        "sequence", description="sequence: once per sequence from the prompt; token: every token at every module")
+    top_k: int = Field(2, ge=1, description="Experts kept per routing decision (1..num_experts)")
+    renormalize: bool = Field(
+        True, description="Kept gates are rescaled to sum to 1 (off: the raw softmax probabilities, as Switch)")
+    hydra: bool = Field(False, description="HydraLoRA: one shared A matrix, one B matrix per expert")
+    balance_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing loss")
+    z_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss")
+    router_init_std: float = Field(0.02, ge=0, description="Router weights ~ N(0, std) at start (0: uniform)")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str):
+            return value if value == "all-linear" else [value]
+        if not value:
+            raise ValueError("target_modules: give 'all-linear' or at least one module name")
+        return value
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoLoRAConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class DataConfig(_Section):
     task: str | None = Field(None, description="Built-in reasoning-gym task name (e.g. chain_sum)")
     task_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the task generator")
@@ -70,9 +114,11 @@ class DataConfig(_Section):
 
 
 class RewardSpec(_Section):
-    fn: str = Field(description="Built-in name (gym, format, math) or dotted import path module.function")
+    fn: str = Field(description="Built-in name (gym, format, math, code), reward_model (a reward adapter of `rlora "
+                    "rm` on the policy's base: args.path, docs/reward_models.md) or dotted import path module.function")
     weight: float = 1.0
-    args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function")
+    args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function "
+                                 "(reward_model: path, and optionally batch_size, use_chat_template, system_prompt)")
     timeout_s: float | None = Field(
         300.0, gt=0, description="A call (one batch) that runs longer stops the run with an error (None: no limit)")
 
@@ -105,6 +151,9 @@ class RolloutConfig(_Section):
     merge_adapter: bool = Field(
         True, description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
         "copy of the linear weights during sampling; set false for models whose weights would not fit twice)")
+    cuda_graphs: bool = Field(
+        True, description="builtin engine on a GPU: decode with fixed shapes, each step replayed as a CUDA graph (one "
+        "launch instead of ~30 per layer); false: the eager step that drops finished rows. No effect on CPUs")
     sampler_dtype: Literal["model", "bfloat16", "float16", "float32"] = Field(
         "model", description="builtin engine compute dtype; bfloat16 on a float32 model is ~2.2-2.6x faster on CPUs with "
         "AVX512-BF16 but samples slightly off-policy (pair with algo.sampler_is_cap)")
@@ -394,6 +443,9 @@ class SFTConfig(_SupervisedRoot):
 
     data: SFTDataConfig
     train: SFTTrainConfig = Field(default_factory=SFTTrainConfig)
+    molora: MoLoRAConfig | None = Field(
+        None, description="Train a mixture of LoRA experts (docs/molora.md) instead of the lora adapter; every "
+        "lora.* key must then keep its default (null: plain LoRA)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "SFTConfig":
@@ -404,7 +456,32 @@ class SFTConfig(_SupervisedRoot):
         if train.full_finetune and (self.lora.init_from or self.model.quantization != "none"):
             raise ValueError("train.full_finetune trains the model itself: unset lora.init_from and "
                              "model.quantization")
+        if self.molora is not None:
+            _check_molora(self)
         return self
+
+
+# lora.* keys with a molora.* counterpart; the others (layers, top_layers, use_rslora, init_from) have none
+_MOLORA_COUNTERPARTS = ("rank", "alpha", "dropout", "target_modules")
+
+
+def _check_molora(cfg) -> None:
+    """A config with a molora section: nothing of the lora section may be set to anything but its default (it
+    would be silently ignored), and the options MoLoRA does not support are refused."""
+    if cfg.train.full_finetune:
+        raise ValueError("molora trains adapters; train.full_finetune trains the model itself: use one of the two")
+    if cfg.model.quantization != "none":
+        raise ValueError("molora needs an unquantized base: set model.quantization=none")
+    defaults = LoraConfig()
+    for key in LoraConfig.model_fields:
+        if getattr(cfg.lora, key) == getattr(defaults, key):
+            continue
+        if key in _MOLORA_COUNTERPARTS:
+            raise ValueError(f"lora.{key} does not apply with molora (the experts use molora.{key}): remove lora.{key}")
+        if key == "init_from":
+            raise ValueError("lora.init_from loads a PEFT adapter; molora starts its experts fresh: remove "
+                             "lora.init_from (continuing from a MoLoRA folder is not supported yet)")
+        raise ValueError(f"lora.{key} is not supported with molora: remove lora.{key}")
 
 
 # ---- rlora rm ------------------------------------------------------------------------------------------

@@ -79,6 +79,14 @@ class RolloutSlice:
     temperature_B: torch.Tensor
     temperature_BTc: torch.Tensor | None = None  # per-token temperatures (None: temperature_B everywhere)
 
+    def to(self, device: torch.device) -> "RolloutSlice":
+        """The same slice on `device` (rollouts are kept on the CPU; a micro-batch moves to the model)."""
+        if self.prompt_ids_BTp.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return RolloutSlice(move(self.prompt_ids_BTp), move(self.prompt_mask_BTp), move(self.completion_ids_BTc),
+                            move(self.completion_mask_BTc), move(self.temperature_B), move(self.temperature_BTc))
+
 
 @dataclass(frozen=True)
 class Example:

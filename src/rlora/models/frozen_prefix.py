@@ -108,7 +108,7 @@ def _run_layers(decoder, hidden_BTH: torch.Tensor, inputs: _LayerInputs, start: 
 def prefix_hidden(model, batch: RolloutSlice, num_frozen: int) -> torch.Tensor:
     """Hidden states after the first `num_frozen` decoder layers, [B, Tp + Tc, H] (no gradient)."""
     decoder = causal_lm(model).get_decoder()
-    input_ids, attention_mask, position_ids = _batch_inputs(batch)
+    input_ids, attention_mask, position_ids = _batch_inputs(batch.to(decoder.embed_tokens.weight.device))
     hidden_BTH = decoder.embed_tokens(input_ids)
     inputs = _layer_inputs(decoder, hidden_BTH, attention_mask, position_ids)
     return _run_layers(decoder, hidden_BTH, inputs, 0, num_frozen)

@@ -79,17 +79,44 @@ def quantization_config(cfg: ModelConfig):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
+def resolve_device(name: str) -> torch.device:
+    """model.device -> a torch device. 'auto' is the current GPU when torch sees one (under torchrun:
+    the rank's LOCAL_RANK GPU, set by init_world), else the CPU. Asking for a GPU that is not there is an
+    error, not a silent fall-back to a run 100x slower."""
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"model.device={name} but torch sees no GPU (torch {torch.__version__}): install a CUDA "
+                            "build of torch, or set model.device=cpu")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"model.device={name} but torch sees {torch.cuda.device_count()} GPU(s): use cuda:0 .. "
+                            f"cuda:{torch.cuda.device_count() - 1}")
+        return torch.device("cuda", index)
+    return device
+
+
 def load_base_model(cfg: ModelConfig, path: str) -> torch.nn.Module:
+    """The frozen base on model.device (a quantized base is placed there by bitsandbytes while loading)."""
     quantization = quantization_config(cfg)
+    device = resolve_device(cfg.device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code,
-            **({"quantization_config": quantization} if quantization is not None else {}),
+            **({"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}),
         )
     except Exception as err:  # noqa: BLE001
         raise UserError(f"could not load the model '{path}': {first_line(err)}") from None
+    if quantization is None:
+        model.to(device)
     model.requires_grad_(False)
     return model
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def linear_module_names(base: torch.nn.Module) -> list[str]:
@@ -169,6 +196,8 @@ def adapter_disabled(model):
         yield model
 
 
-def save_adapter(model, folder: Path) -> None:
-    """PEFT format: adapter_config.json + adapter_model.safetensors in `folder` (the caller makes it atomic)."""
-    model.save_pretrained(str(folder), safe_serialization=True)
+def save_adapter(model, folder: Path, adapter_name: str = "default") -> None:
+    """PEFT format: adapter_config.json + adapter_model.safetensors in `folder` (the caller makes it atomic).
+    Only the named adapter: peft would write other adapters on the same base (a reward adapter) into
+    subfolders."""
+    model.save_pretrained(str(folder), safe_serialization=True, selected_adapters=[adapter_name])

@@ -17,7 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rlora.models.frozen_prefix import PrefixSlice, suffix_hidden
-from rlora.models.loading import causal_lm
+from rlora.models.loading import causal_lm, model_device
 from rlora.rollout.generator import position_ids_from_mask
 from rlora.types import RolloutSlice
 
@@ -37,7 +37,9 @@ def completion_logprobs(
     path, positions outside the completion mask hold 0. The entropy carries no gradient unless
     entropy_grad=True (an entropy bonus in the loss); that costs its graph, so it is off by default.
     `prefix`: the batch's hidden states after the frozen lower layers, computed once per rollout
-    (models/frozen_prefix.py); the decoder then starts above them (chunked path only)."""
+    (models/frozen_prefix.py); the decoder then starts above them (chunked path only). The results are on
+    the model's device."""
+    batch = batch.to(model_device(model))
     if chunk_tokens and supports_chunked(model):
         return _chunked_logprobs(model, batch, with_entropy, chunk_tokens, entropy_grad, prefix)
     if prefix is not None:

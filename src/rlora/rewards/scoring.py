@@ -98,7 +98,8 @@ def import_callable(dotted: str) -> Callable:
     module_name, sep, attr = dotted.replace(":", ".").rpartition(".")
     if not sep or not module_name:
         raise UserError(
-            f"reward fn '{dotted}' is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted path module.function"
+            f"reward fn '{dotted}' is neither a built-in ({', '.join(BUILTIN_REWARDS)}, reward_model) nor a dotted "
+            "path module.function"
         )
     try:
         module = importlib.import_module(module_name)
@@ -111,18 +112,25 @@ def import_callable(dotted: str) -> Callable:
 
 
 def resolve_rewards(specs: list[RewardSpec], has_task: bool) -> list[RewardFn]:
+    """`fn: reward_model` becomes a RewardAdapter (rewards/reward_adapter.py): checked here, loaded onto the
+    policy's model by `rlora train` (attach_reward_adapters); its args are its own, not call arguments."""
+    from rlora.rewards.reward_adapter import REWARD_MODEL, RewardAdapter
+
     resolved, seen = [], {}
-    for spec in specs:
-        if spec.fn in BUILTIN_REWARDS:
+    for index, spec in enumerate(specs):
+        base = spec.fn.replace(":", ".").rpartition(".")[2]
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}_{seen[base]}"
+        args = dict(spec.args)
+        if spec.fn == REWARD_MODEL:
+            fn, args = RewardAdapter.from_spec(spec, name, index), {}
+        elif spec.fn in BUILTIN_REWARDS:
             if spec.fn == "gym" and not has_task:
                 raise UserError("reward fn 'gym' scores reasoning-gym tasks: set data.task, or use another reward")
             fn = BUILTIN_REWARDS[spec.fn]
         else:
             fn = import_callable(spec.fn)
-        base = spec.fn.replace(":", ".").rpartition(".")[2]
-        seen[base] = seen.get(base, 0) + 1
-        name = base if seen[base] == 1 else f"{base}_{seen[base]}"
-        resolved.append(RewardFn(name=name, fn=fn, weight=spec.weight, args=dict(spec.args), timeout_s=spec.timeout_s))
+        resolved.append(RewardFn(name=name, fn=fn, weight=spec.weight, args=args, timeout_s=spec.timeout_s))
     return resolved
 
 

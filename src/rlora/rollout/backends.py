@@ -37,7 +37,8 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
             if dtype in (torch.bfloat16, torch.float16) and not _fast_half(model, dtype):
                 info(f"rollout.sampler_dtype={cfg.sampler_dtype} on a CPU without native support for it: sampling "
                      "will be slower, not faster")
-            return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype)
+            return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype,
+                                    decode="auto" if cfg.cuda_graphs else "eager")
         if cfg.think is not None:
             raise UserError(f"rollout.think (phase-aware sampling) needs the built-in engine, which does not support "
                             f"this model ({reason}): remove rollout.think to sample with transformers generate")

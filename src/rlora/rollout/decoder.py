@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from torch import nn
 
 from rlora.models.loading import causal_lm
@@ -127,6 +128,25 @@ class LayerView:
     down: FusedLinear
     act_fn: nn.Module
     scaling: float
+
+
+def mlp(layer: LayerView, x: torch.Tensor) -> torch.Tensor:
+    """The layer's gated MLP on its post-attention norm of x (the residual is the caller's)."""
+    gate, up = layer.gate_up(layer.post_norm(x))
+    return layer.down(layer.act_fn(gate) * up)[0]
+
+
+def decode_layers(view: "DecoderView", x_AH: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+    """One new token per row through every layer -> logits [A, V]. attend(layer, index, q_AHd, k_AKd,
+    v_AKd) stores the key/value and returns the attention output [A, H*d] (the eager and the static decode
+    steps differ only there)."""
+    A, H, K, d = x_AH.shape[0], view.num_heads, view.num_kv_heads, view.head_dim
+    for i, layer in enumerate(view.layers):
+        q, k, v = layer.qkv(layer.input_norm(x_AH))
+        q, k = apply_rotary_pos_emb(q.view(A, H, 1, d), k.view(A, K, 1, d), cos, sin)
+        x_AH = x_AH + layer.o_proj(attend(layer, i, q[:, :, 0], k[:, :, 0], v.view(A, K, d)))[0]
+        x_AH = x_AH + mlp(layer, x_AH)
+    return view.lm_head(view.norm(x_AH))[0]
 
 
 @dataclass

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from rlora.rollout.decoder import DecoderView, LayerView
+from rlora.rollout.decoder import DecoderView, LayerView, decode_layers, mlp
+from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
 from rlora.rollout.phase import ChunkPhases, think_phases
 from rlora.rollout.sampling import RowParams, counter_uniform, sample_tokens
@@ -31,11 +32,6 @@ class KVCache:
         self.gen = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                     for _ in view.layers]
         self.prompt_bias_P11T: torch.Tensor | None = None  # 0 on real prompt tokens, -inf on padding
-
-
-def _mlp(layer: LayerView, x: torch.Tensor) -> torch.Tensor:
-    gate, up = layer.gate_up(layer.post_norm(x))
-    return layer.down(layer.act_fn(gate) * up)[0]
 
 
 @torch.no_grad()
@@ -57,7 +53,7 @@ def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, cach
         cache.prompt.append((k, v))
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_P1TT, scale=layer.scaling, enable_gqa=K != H)
         x = x + layer.o_proj(attn.transpose(1, 2).reshape(P, T, H * d))[0]
-        x = x + _mlp(layer, x)
+        x = x + mlp(layer, x)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     cache.prompt_bias_P11T = torch.where(mask_PT.bool(), zero, float("-inf"))[:, None, None, :]
     return view.lm_head(view.norm(x[:, -1]))[0]
@@ -92,17 +88,10 @@ def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, 
 @torch.no_grad()
 def decode_step(view: DecoderView, tokens_A, rows_A, positions_A, t: int, cache: KVCache, P: int, G: int):
     """Feed generated token t of the active rows -> logits of token t+1 [A, V]."""
-    H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
-    A = len(rows_A)
     x = view.embed(tokens_A)  # [A, hidden]
     cos, sin = view.rotary(x[:, None], positions_A[:, None])  # [A, 1, d]
-    for i, layer in enumerate(view.layers):
-        q, k, v = layer.qkv(layer.input_norm(x))
-        q, k = apply_rotary_pos_emb(q.view(A, H, 1, d), k.view(A, K, 1, d), cos, sin)
-        attn = _decode_attention(layer, view, q[:, :, 0], k[:, :, 0], v.view(A, K, d), rows_A, t, cache, i, P, G)
-        x = x + layer.o_proj(attn)[0]
-        x = x + _mlp(layer, x)
-    return view.lm_head(view.norm(x))[0]
+    return decode_layers(view, x, cos, sin, lambda layer, i, q, k, v: _decode_attention(
+        layer, view, q, k, v, rows_A, t, cache, i, P, G))
 
 
 class _Chunk(NamedTuple):
@@ -114,16 +103,34 @@ class _Chunk(NamedTuple):
     temperature_BT: torch.Tensor | None  # per-token temperatures, only when some row has a think phase
 
 
+DECODE_MODES = ("auto", "eager", "static", "graph")
+# rows decoded together: a CPU step costs in proportion to the rows; a GPU step hardly grows with them
+MAX_ROWS = {"cpu": 256, "cuda": 2048}
+
+
 class BuiltinGenerator:
     """The built-in engine (Llama-family models). merge=True samples with LoRA merged into fresh
-    tensors (faster); merge=False calls the adapter layers as the trainer does."""
+    tensors (faster); merge=False calls the adapter layers as the trainer does.
+
+    decode: 'eager' drops finished rows from the dense layers each step (CPUs); 'static' keeps every row and
+    fixed shapes (graphed.py); 'graph' is 'static' replayed as a CUDA graph (GPUs only); 'auto' is 'graph'
+    on a GPU and 'eager' elsewhere. max_rows: rows decoded together (None: MAX_ROWS of the device)."""
 
     name = "builtin"
 
-    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, merge: bool = True, max_rows: int = 256,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, merge: bool = True, max_rows: int | None = None,
+                 dtype: torch.dtype | None = None, decode: str = "auto"):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, not {decode!r}")
         self.tokenizer, self.eos_ids, self.pad_id = tokenizer, eos_ids, pad_id
-        self.merge, self.max_rows, self.dtype = merge, max_rows, dtype
+        self.merge, self.max_rows, self.dtype, self.decode = merge, max_rows, dtype, decode
+
+    def _decode_mode(self, device: torch.device) -> str:
+        if self.decode == "auto":
+            return "graph" if device.type == "cuda" else "eager"
+        if self.decode == "graph" and device.type != "cuda":
+            raise ValueError("decode='graph' (CUDA graphs) needs the model on a CUDA GPU")
+        return self.decode
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,
@@ -140,7 +147,8 @@ class BuiltinGenerator:
         model.eval()
         try:
             view = DecoderView.of(model, self.merge, self.dtype)
-            per_chunk = max(1, self.max_rows // n)  # prompts decoded together: up to max_rows rows
+            max_rows = self.max_rows or MAX_ROWS.get(view.device.type, MAX_ROWS["cpu"])
+            per_chunk = max(1, max_rows // n)  # prompts decoded together: up to max_rows rows
             chunks = [self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk], seed,
                                          keys[i:i + per_chunk]) for i in range(0, len(prompts), per_chunk)]
         finally:
@@ -168,6 +176,7 @@ class BuiltinGenerator:
         length_B = torch.full((B,), max_new, dtype=torch.long)
         reasons = ["length"] * B
         active_A = torch.arange(B, device=device)
+        decode = self._decoder(view, cache, P, G, prompt_len_B)
         for t in range(max_new):
             rows_now = rows.select(active_A)
             if spans is not None:
@@ -190,9 +199,24 @@ class BuiltinGenerator:
             active_A, token_A = active_A[keep_A], token_A[keep_A]
             if len(active_A) == 0 or t + 1 == max_new:
                 break
-            logits_A = decode_step(view, token_A, active_A, prompt_len_B[active_A] + t, t, cache, P, G)
+            logits_A = decode(token_A, active_A, t)
         return _Chunk(tokens_BT, logp_BT, length_B, reasons, rows.temperature_A.cpu(),
                       None if spans is None else spans.temperature_BT)
+
+    def _decoder(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor):
+        """-> step(token_A, active_A, t) -> logits of the active rows' next token [A, V]."""
+        mode = self._decode_mode(view.device)
+        if mode == "eager":
+            return lambda token_A, active_A, t: decode_step(view, token_A, active_A, prompt_len_B[active_A] + t, t,
+                                                            cache, P, G)
+        static = StaticDecoder(view, cache, P, G, graph=mode == "graph")
+        tokens_B = torch.full((P * G,), self.pad_id, dtype=torch.long, device=view.device)
+
+        def step(token_A, active_A, t):
+            tokens_B[active_A] = token_A  # finished rows keep feeding their last token; their logits are dropped
+            return static(tokens_B, prompt_len_B + t, t)[active_A]  # indexing copies out of the graph's buffer
+
+        return step
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

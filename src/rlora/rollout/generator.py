@@ -90,7 +90,8 @@ class HFGenerator:
         repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
         row_params = [p for p in per_prompt for _ in range(n)]
         prompt_ids_BTp, prompt_mask_BTp = left_pad(repeated, self.pad_id)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # seeds the GPUs too
+        device = next(model.parameters()).device
         was_training = model.training
         model.eval()
         chunks = []
@@ -98,10 +99,11 @@ class HFGenerator:
             for start in range(0, len(repeated), self.batch_size):
                 # generate takes one setting per call: split the batch where the settings change
                 for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
-                    ids, mask = prompt_ids_BTp[lo:hi], prompt_mask_BTp[lo:hi]
+                    ids, mask = (t[lo:hi].to(device) for t in (prompt_ids_BTp, prompt_mask_BTp))
                     out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
                                          generation_config=self._generation_config(row_params[lo]))
-                    chunks.append(_masked(out[:, ids.shape[1]:], row_params[lo], self.tokenizer, self.eos_ids, self.pad_id))
+                    chunks.append(_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids,
+                                          self.pad_id))
         finally:
             model.train(was_training)
         # each call's masks are made before padding the calls to one width (pad may equal EOS)

@@ -20,11 +20,11 @@ from rlora.logging.console import console, info, metrics_line, print_summary, pr
 from rlora.logging.sinks import Sinks, check_sinks
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
-    load_tokenizer, quantization_config,
-    resolve_model_path, save_adapter, trainable_parameters,
+    load_tokenizer, quantization_config, resolve_device, resolve_model_path, save_adapter, trainable_parameters,
 )
 from rlora.plot import plot_after_run
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
+from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
 from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
@@ -99,20 +99,24 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
-    return run_dir, check_data_and_rewards(cfg), resume_from
+    return run_dir, check_data_and_rewards(cfg, command=None), resume_from
 
 
-def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
-    """The task or data files, the model's quantization needs and the reward functions, before any model loads."""
+def check_data_and_rewards(cfg: RLConfig, command: str | None = "rlora eval") -> list[RewardFn]:
+    """The task or data files, the model's quantization needs and the reward functions, before any model loads.
+    command: the command that cannot load reward adapters (fn: reward_model); None for `rlora train`."""
     if cfg.data.task is not None:
         check_task(cfg.data.task, cfg.data.task_args)
     for path in (cfg.data.path, cfg.data.eval_path):
         if path is not None and not Path(path).is_file():
             raise UserError(f"data file not found: {path}")
     quantization_config(cfg.model)  # bitsandbytes missing: say so before loading anything
+    resolve_device(cfg.model.device)  # a GPU asked for but absent: say so before loading anything
     if cfg.data.task == "humaneval" and any(spec.fn == "gym" for spec in cfg.rewards):
         raise UserError("task 'humaneval' is scored by running its tests: use rewards: [{fn: code}] instead of gym")
-    return resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
+    rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
+    check_reward_adapters(rewards, cfg.model.path, command)
+    return rewards
 
 
 def prepare(cfg: RLConfig, world: World = World()) -> Session:
@@ -126,6 +130,8 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     base = load_base_model(cfg.model, model_path)
     add_model_eos_ids(tok, base)
     model = attach_lora(base, cfg.lora)
+    num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
+    attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -150,7 +156,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
             raise UserError(f"{option} needs the sampler's log-probs, which only rollout.engine=builtin returns "
                             f"(this run samples with '{generator.name}'): {fix}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids, resume_from, world, frozen_layers_to_share(cfg, model))
+                   prompts, train_ids, eval_ids, resume_from, world, num_frozen)
 
 
 def frozen_layers_to_share(cfg: RLConfig, model) -> int:

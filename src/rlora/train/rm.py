@@ -14,13 +14,13 @@ from rlora.data.pref_data import PreferenceData, TokenizedPair, load_preference_
 from rlora.data.sft_data import LengthGroupedOrder
 from rlora.logging.console import info, print_summary
 from rlora.models.loading import (
-    attach_lora, load_base_model, load_tokenizer, resolve_model_path, trainable_parameters,
+    attach_lora, load_base_model, load_tokenizer, model_device, resolve_model_path, trainable_parameters,
 )
 from rlora.models.reward_model import hidden_size, new_score_head, save_reward_model, score
 from rlora.train.grpo import seed_everything
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir
-from rlora.train.sft import check_inputs, micro_batches, model_device, optimizer_steps
+from rlora.train.sft import check_inputs, micro_batches, optimizer_steps
 
 
 # ---- pure math -----------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """The SFT recipe: supervised fine-tuning of a LoRA adapter (or, for small models, every parameter) on
 prompt/completion or chat rows, with the loss on completion tokens only. Same run folder and adapter format
-as `rlora train`, so `rlora train lora.init_from=RUN/adapter` continues from it."""
+as `rlora train`, so `rlora train lora.init_from=RUN/adapter` continues from it. With a `molora:` section it
+trains a mixture of LoRA experts instead (docs/molora.md): every forward is routed by its rows' prompts, and
+the routers' auxiliary losses join the loss."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -16,9 +19,10 @@ from rlora.config import SFTConfig, to_yaml
 from rlora.data.sft_data import IGNORE, LengthGroupedOrder, SFTData, TokenizedRow, load_sft_data, num_targets
 from rlora.errors import UserError
 from rlora.logging.console import info, print_summary, progress_bar
+from rlora.models import molora as ml
 from rlora.models.loading import (
-    attach_lora, check_adapter_folder, load_base_model, load_tokenizer, quantization_config, resolve_model_path,
-    save_adapter, trainable_parameters,
+    attach_lora, check_adapter_folder, load_base_model, load_tokenizer, model_device, quantization_config, resolve_device,
+    resolve_model_path, save_adapter, trainable_parameters,
 )
 from rlora.train.grpo import seed_everything
 from rlora.train.optim import build_optimizer
@@ -54,32 +58,111 @@ def micro_batches(rows: list, size: int) -> list[list]:
     return [rows[i: i + size] for i in range(0, len(rows), size)]
 
 
-def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int) -> tuple[float, int]:
+def prompt_ids(row: TokenizedRow) -> list[int]:
+    """The row's prompt, which routes it (MoLoRA sequence router): its tokens before the first trained token
+    (at least one token). For a chat row with several assistant turns, the conversation up to the first one."""
+    first = next(i for i, label in enumerate(row.labels) if label != IGNORE)
+    return row.ids[: max(first, 1)]
+
+
+class BatchRouting:
+    """MoLoRA's part of one batch run as micro-batches: each micro-batch's routing context (sequence router:
+    the summaries of its rows' prompts), its share of the batch's auxiliary loss, and the router metrics.
+
+    The auxiliary loss of a step is that of the whole batch as one forward (`ml.batch_aux_losses`): the
+    z-loss and the balance loss's probabilities are summed per micro-batch and divided by the batch's unit
+    count (rows for a sequence router, unpadded tokens for a token router); the balance loss's utilisation f_e
+    (no gradient) is the whole batch's. It is known before the first backward: from the forward itself with one
+    micro-batch; from the prompt summaries with a sequence router (no forward); with a token router and
+    several micro-batches, from a no-grad routing pass over the batch first (one extra forward per step, only
+    when balance_coef > 0). So micro_batch_size does not change the gradient, auxiliary loss included."""
+
+    def __init__(self, model, rows: list[TokenizedRow], chunks: list[list[TokenizedRow]], pad_id: int):
+        self.model = model
+        config = ml.routing_state(model).config
+        sequence = config.router == "sequence"
+        self.summaries = [ml.prompt_summary(model, [prompt_ids(r) for r in chunk]) for chunk in chunks] \
+            if sequence else None
+        self.units = len(rows) if sequence else sum(len(r.ids) for r in rows)
+        self.stats = ml.RouterStats.for_model(model)  # of the training forwards: the metrics
+        self.aux_total = 0.0
+        self.utilisation = None  # the batch's f_e; None: from the training forwards (one micro-batch)
+        if config.balance_coef > 0 and len(chunks) > 1:
+            self.utilisation = self._routing_pass(chunks, pad_id)
+
+    def _routing_pass(self, chunks: list[list[TokenizedRow]], pad_id: int) -> torch.Tensor:
+        stats = ml.RouterStats.for_model(self.model)
+        if self.summaries is not None:
+            stats.add_summaries(self.model, torch.cat(self.summaries))
+            return stats.utilisation()
+        with torch.no_grad():
+            for chunk in chunks:
+                ids, mask, _ = (t.to(model_device(self.model)) for t in collate(chunk, pad_id))
+                self.model(input_ids=ids, attention_mask=mask)
+                stats.add_forward(self.model, mask)
+        return stats.utilisation()
+
+    def context(self, index: int):
+        """The routing context of micro-batch `index`'s forward."""
+        return nullcontext() if self.summaries is None else ml.sequence_routing(self.model, self.summaries[index])
+
+    def aux_share(self, mask: torch.Tensor) -> torch.Tensor:
+        """After a micro-batch's forward: its share of the batch's auxiliary loss (to add to its loss)."""
+        self.stats.add_forward(self.model, mask)
+        utilisation = self.stats.utilisation() if self.utilisation is None else self.utilisation
+        aux = ml.batch_aux_losses(self.model, utilisation, self.units, mask).total
+        self.aux_total += aux.item()
+        return aux
+
+    def metrics(self) -> dict[str, float]:
+        return {"aux_loss": self.aux_total, **self.stats.metrics()}
+
+
+def routing_contexts(model, chunks: list[list[TokenizedRow]]) -> list:
+    """Per micro-batch, the routing context its forward needs: a sequence router's prompt summaries, else
+    nothing (plain LoRA, token router)."""
+    molora = ml.molora_modules(model)
+    if not molora or molora[0][1].config.router != "sequence":
+        return [nullcontext() for _ in chunks]
+    return [ml.routing_from_prompts(model, [prompt_ids(r) for r in chunk]) for chunk in chunks]
+
+
+def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int,
+                   metrics: dict | None = None) -> tuple[float, int]:
     """Accumulate the gradient of the batch's mean token loss: every micro-batch's summed loss is divided by
-    the whole batch's target count, so how the batch is split does not change the gradient. -> (loss, tokens)."""
+    the whole batch's target count, so how the batch is split does not change the gradient. A MoLoRA model
+    adds the batch's auxiliary loss the same way (BatchRouting) and puts `aux_loss` and the router metrics
+    into `metrics`. -> (loss, tokens): the task loss alone."""
     total = sum(num_targets(r) for r in rows)
+    chunks = micro_batches(rows, micro_size)
+    routing = BatchRouting(model, rows, chunks, pad_id) if ml.molora_modules(model) else None
     loss_sum = 0.0
-    for chunk in micro_batches(rows, micro_size):
+    for index, chunk in enumerate(chunks):
         ids, mask, labels = (t.to(model_device(model)) for t in collate(chunk, pad_id))
-        nll = token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels)
-        (nll / total).backward()
+        with routing.context(index) if routing else nullcontext():
+            nll = token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels)
+        loss = nll / total
+        if routing is not None:
+            loss = loss + routing.aux_share(mask)
+        loss.backward()
         loss_sum += nll.item()
+    if routing is not None and metrics is not None:
+        metrics.update(routing.metrics())
     return loss_sum / total, total
 
 
 @torch.no_grad()
 def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int) -> float:
-    """Mean token loss over all rows (summed over tokens, divided by their count)."""
+    """Mean token loss over all rows (summed over tokens, divided by their count); MoLoRA: routed by the rows'
+    prompts, without the auxiliary loss."""
     total, loss_sum = 0, 0.0
-    for chunk in micro_batches(rows, micro_size):
+    chunks = micro_batches(rows, micro_size)
+    for chunk, context in zip(chunks, routing_contexts(model, chunks)):
         ids, mask, labels = (t.to(model_device(model)) for t in collate(chunk, pad_id))
-        loss_sum += token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels).item()
+        with context:
+            loss_sum += token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels).item()
         total += sum(num_targets(r) for r in chunk)
     return loss_sum / total
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 # ---- plumbing ------------------------------------------------------------------------------------------
@@ -94,6 +177,7 @@ def check_inputs(cfg, command: str = "sft") -> RunDir:
         if path is not None and not Path(path).is_file():
             raise UserError(f"data file not found: {path}")
     quantization_config(cfg.model)
+    resolve_device(cfg.model.device)  # a GPU asked for but absent: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
     return run_dir
@@ -101,6 +185,9 @@ def check_inputs(cfg, command: str = "sft") -> RunDir:
 
 def load_model(cfg: SFTConfig, model_path: str):
     base = load_base_model(cfg.model, model_path)
+    if cfg.molora is not None:
+        ml.attach_molora(base, cfg.molora)  # in place; freezes the base
+        return base
     if not cfg.train.full_finetune:
         return attach_lora(base, cfg.lora)
     n_params = sum(p.numel() for p in base.parameters())
@@ -117,6 +204,9 @@ def resolve_steps(cfg: SFTConfig, num_rows: int) -> int:
 
 
 def save_outputs(cfg: SFTConfig, run_dir: RunDir, model, tokenizer) -> None:
+    if cfg.molora is not None:  # adapter/ holds molora_config.json + molora_model.safetensors (docs/molora.md)
+        run_dir.write_folder("adapter", lambda folder: ml.save_molora(model, folder))
+        return
     if not cfg.train.full_finetune:
         run_dir.write_folder("adapter", lambda folder: save_adapter(model, folder))
         return
@@ -142,6 +232,9 @@ def run_sft(cfg: SFTConfig) -> dict:
     steps = resolve_steps(cfg, len(data.train))
     optimizer, scheduler = build_optimizer(params, cfg.train, steps)
     kind = "parameters (full fine-tuning)" if cfg.train.full_finetune else "adapter parameters"
+    if cfg.molora is not None:
+        kind = (f"MoLoRA parameters ({cfg.molora.num_experts} experts, top {cfg.molora.top_k}, {cfg.molora.router} "
+                f"router{', hydra' if cfg.molora.hydra else ''}, {len(ml.molora_modules(model))} modules)")
     info(f"rlora sft: {cfg.model.path}, {sum(p.numel() for p in params):,} {kind}, {len(data.train)} rows "
          f"({data.truncated} truncated, {data.dropped} dropped), {len(data.eval)} held out, {steps} steps "
          f"-> {cfg.train.output_dir}")
@@ -198,8 +291,9 @@ def train_loop(cfg: SFTConfig, run_dir: RunDir, model, params, optimizer, schedu
 
     def one_batch(step: int) -> dict:
         rows = sorted((data.train[i] for i in order.indices(step)), key=lambda r: len(r.ids))
-        loss, tokens = backward_batch(model, rows, train.micro_batch_size, pad_id)
-        return {"loss": loss, "tokens": tokens}
+        router_metrics: dict = {}
+        loss, tokens = backward_batch(model, rows, train.micro_batch_size, pad_id, router_metrics)
+        return {"loss": loss, "tokens": tokens, **router_metrics}
 
     def held_out() -> dict:
         model.eval()

@@ -253,6 +253,8 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
     }
+    if params_list and params_list[0].is_cuda:
+        metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(params_list[0].device) / 2**30
     if replay is not None:
         metrics |= {"replay_groups": len(batch.replayed), "replay_stored": stored, "replay_buffer": len(replay)}
     if batch.scores.errors:

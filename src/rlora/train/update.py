@@ -53,10 +53,15 @@ def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_token
             micro = trim(rollout.select(rows))
             logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens,
                                           prefix=None if prefix is None else prefix.rows(rows, micro))
-            parts.append(_pad_right(logp, width))
+            parts.append(_pad_right(logp, width).cpu())  # scored rollouts live on the CPU
     finally:
         model.train(was_training)
     return torch.cat(parts)
+
+
+def _on(device: torch.device):
+    """tensor -> the same tensor on `device` (a no-op where it is already there)."""
+    return lambda tensor: tensor.to(device, non_blocking=True)
 
 
 def batch_totals(loss_mask_BTc: torch.Tensor, constant_len: int) -> BatchTotals:
@@ -123,19 +128,21 @@ def accumulate_policy_gradient(
         index = rows[start:start + micro_batch_size]
         micro = trim(rollout.select(index))
         width = micro.completion_ids_BTc.shape[1]
-        mask_BT = scored.loss_mask_BTc[index, :width].float()
         logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
                                                   entropy_grad=cfg.entropy_coef > 0,
                                                   prefix=None if prefix is None else prefix.rows(index, micro))
-        old = scored.old_logp_BTc[index, :width] if scored.old_logp_BTc is not None else logp_BT.detach()
-        ref = scored.ref_logp_BTc[index, :width] if scored.ref_logp_BTc is not None else None
+        here = _on(logp_BT.device)  # the scored rollout is on the CPU, the model maybe on a GPU
+        mask_BT = here(scored.loss_mask_BTc[index, :width]).float()
+        old = here(scored.old_logp_BTc[index, :width]) if scored.old_logp_BTc is not None else logp_BT.detach()
+        ref = here(scored.ref_logp_BTc[index, :width]) if scored.ref_logp_BTc is not None else None
         is_weight = None
         if scored.behaviour_logp_BTc is not None:
-            is_weight = importance_weight(old, scored.behaviour_logp_BTc[index, :width], scored.is_cap_B[index])
-            weighted_BT = mask_BT * (~torch.isnan(scored.behaviour_logp_BTc[index, :width]))
+            behaviour_BT = here(scored.behaviour_logp_BTc[index, :width])
+            is_weight = importance_weight(old, behaviour_BT, here(scored.is_cap_B[index]))
+            weighted_BT = mask_BT * (~torch.isnan(behaviour_BT))
             sums["is_weight"] += float((is_weight * weighted_BT).sum())
             sums["weighted_tokens"] += float(weighted_BT.sum())
-        advantages = scored.advantages[index]
+        advantages = here(scored.advantages[index])
         inputs = LossInputs(logp_BT, old, advantages if advantages.dim() == 1 else advantages[:, :width], mask_BT, ref,
                             is_weight)
         out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=loss_beta)
@@ -148,8 +155,8 @@ def accumulate_policy_gradient(
         sums["entropy"] += float((entropy_BT.detach() * mask_BT).sum())
         sums["ratio"] += float((out.ratio_BT * mask_BT).sum())
         if sampled is not None:
-            fresh_mask_BT = mask_BT * fresh_B[index, None]
-            sums["gap"] += float(((old - sampled[index, :width]).abs() * fresh_mask_BT).sum())
+            fresh_mask_BT = mask_BT * here(fresh_B[index, None])
+            sums["gap"] += float(((old - here(sampled[index, :width])).abs() * fresh_mask_BT).sum())
             sums["gap_tokens"] += float(fresh_mask_BT.sum())
         if out.kl_BT is not None:
             sums["kl"] += float((out.kl_BT.detach() * mask_BT).sum())
@@ -178,6 +185,8 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float | None, lo
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
     if not skipped:
         optimizer.step()
+        if params and params[0].is_cuda:  # finish the update here, so step timings on a GPU are per phase
+            torch.cuda.synchronize(params[0].device)
     optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # a skipped update still advances the schedule; torch warns about that
         warnings.simplefilter("ignore", UserWarning)

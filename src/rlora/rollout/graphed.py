@@ -1,0 +1,93 @@
+"""Decoding with a fixed batch shape, replayed as a CUDA graph on GPUs.
+
+On a GPU the eager decode step (engine.decode_step) is bound by the CPU launching some thirty small
+kernels per layer: measured 36 ms a step for a 24-layer model at 256 rows on an H100, about 1 % of the
+memory-bandwidth bound. A CUDA graph records the kernels of one step once and replays them with a single
+launch. A graph needs fixed shapes and fixed addresses, so this step keeps all P x G rows (finished rows are
+computed and ignored) and attends over the whole preallocated cache with a mask, where the eager step drops
+finished rows and slices the cache to t + 1. Masked positions get probability exactly 0, so both steps
+compute the same function; only the order of some float sums differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlora.rollout.decoder import DecoderView, LayerView, decode_layers
+
+
+def _static_attention(layer: LayerView, view: DecoderView, q_BHd, k_BKd, v_BKd, t_1: torch.Tensor,
+                      gen_bias_T: torch.Tensor, cache, layer_index: int, P: int, G: int) -> torch.Tensor:
+    H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
+    per_kv = H // K
+    k_prompt, v_prompt = cache.prompt[layer_index]  # [P, K, Tp, d]
+    k_gen, v_gen = cache.gen[layer_index]  # [P, K, G, Tmax, d]
+    # this token's key/value into slot t of every row: [B, K, d] -> [P, K, G, 1, d]
+    k_gen.index_copy_(3, t_1, k_BKd.view(P, G, K, d).transpose(1, 2)[:, :, :, None])
+    v_gen.index_copy_(3, t_1, v_BKd.view(P, G, K, d).transpose(1, 2)[:, :, :, None])
+    q = q_BHd.view(P, G, K, per_kv, d).permute(0, 2, 1, 3, 4)  # [P, K, G, per_kv, d]
+    Tp, Tmax = k_prompt.shape[2], k_gen.shape[3]
+    scores_prompt = q.reshape(P, K, G * per_kv, d) @ k_prompt.transpose(-1, -2)  # [P, K, G*per_kv, Tp]
+    scores_prompt = scores_prompt * layer.scaling + cache.prompt_bias_P11T
+    scores_gen = q @ k_gen.transpose(-1, -2) * layer.scaling + gen_bias_T  # [P, K, G, per_kv, Tmax]
+    scores = torch.cat([scores_prompt.view(P, K, G, per_kv, Tp), scores_gen], dim=-1)
+    probs = scores.float().softmax(-1).to(q.dtype)
+    probs_prompt, probs_gen = probs.split([Tp, Tmax], dim=-1)
+    out = (probs_prompt.reshape(P, K, G * per_kv, Tp) @ v_prompt).view(P, K, G, per_kv, d)
+    out = out + probs_gen @ v_gen
+    return out.permute(0, 2, 1, 3, 4).reshape(P * G, H * d)
+
+
+@torch.no_grad()
+def static_decode_step(view: DecoderView, tokens_B: torch.Tensor, positions_B: torch.Tensor, t_1: torch.Tensor,
+                       cache, P: int, G: int) -> torch.Tensor:
+    """Feed generated token t (t_1: a one-element int64 tensor, so a graph can replay any t) of all B rows
+    -> logits of token t + 1, [B, V]."""
+    x = view.embed(tokens_B)  # [B, hidden]
+    cos, sin = view.rotary(x[:, None], positions_B[:, None])
+    Tmax = cache.gen[0][0].shape[3]
+    slots_T = torch.arange(Tmax, device=tokens_B.device)
+    gen_bias_T = torch.zeros(Tmax, dtype=x.dtype, device=x.device).masked_fill(slots_T > t_1, float("-inf"))
+    return decode_layers(view, x, cos, sin, lambda layer, i, q, k, v: _static_attention(
+        layer, view, q, k, v, t_1, gen_bias_T, cache, i, P, G))
+
+
+class StaticDecoder:
+    """static_decode_step with its inputs in fixed tensors. graph=True records it once as a CUDA graph and
+    then replays it; the returned logits are then a buffer the next call overwrites (copy what you keep)."""
+
+    def __init__(self, view: DecoderView, cache, P: int, G: int, graph: bool):
+        device = view.device
+        self.view, self.cache, self.P, self.G = view, cache, P, G
+        self.tokens_B = torch.zeros(P * G, dtype=torch.long, device=device)
+        self.positions_B = torch.zeros(P * G, dtype=torch.long, device=device)
+        self.t_1 = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits_BV: torch.Tensor | None = None
+        self.use_graph = graph
+
+    def _run(self) -> torch.Tensor:
+        return static_decode_step(self.view, self.tokens_B, self.positions_B, self.t_1, self.cache, self.P, self.G)
+
+    def _record(self) -> None:
+        # Warm-up on a side stream (lazy initialisation and allocations stay out of the graph), as torch asks.
+        # It writes cache slot t = 0 of every row, which the first real step overwrites.
+        side = torch.cuda.Stream(self.view.device)
+        side.wait_stream(torch.cuda.current_stream(self.view.device))
+        with torch.cuda.stream(side):
+            self._run()
+        torch.cuda.current_stream(self.view.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits_BV = self._run()
+
+    def __call__(self, tokens_B: torch.Tensor, positions_B: torch.Tensor, t: int) -> torch.Tensor:
+        self.tokens_B.copy_(tokens_B)
+        self.positions_B.copy_(positions_B)
+        self.t_1.fill_(t)
+        if not self.use_graph:
+            return self._run()
+        if self.graph is None:
+            self._record()
+        self.graph.replay()
+        return self.logits_BV

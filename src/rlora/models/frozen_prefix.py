@@ -150,6 +150,8 @@ class FrozenPrefix:
 
     def rows(self, index: slice | torch.Tensor, micro: RolloutSlice) -> "PrefixSlice":
         """The cached hidden states of the micro-batch made of rollout rows `index`, trimmed like `micro`."""
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.hidden_BTH.device)  # row indices come from the CPU-side rollout
         return PrefixSlice(self.hidden_BTH[index][:, self._columns(micro)], self.num_frozen)
 
 

@@ -162,6 +162,22 @@ def check_adapter_folder(folder: str, key: str = "lora.init_from") -> None:
             raise UserError(f"{weights} is damaged (truncated or not safetensors): {first_line(err)}") from None
 
 
+def read_format_file(folder: str | Path, filename: str, fmt: str, what: str, hint: str = "") -> tuple[Path, dict]:
+    """(path, contents) of the JSON description `filename` that rlora writes into its own folder formats
+    (reward models, MoLoRA adapters), checked: present, valid JSON, and tagged {"format": fmt}. Else a
+    one-line UserError naming `what` the folder should be."""
+    meta_path = Path(folder) / filename
+    if not meta_path.is_file():
+        raise UserError(f"'{folder}' is not a {what} folder (no {filename}{hint})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{meta_path} is not valid JSON") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise UserError(f"{meta_path} is not an rlora {what} description (format != {fmt})")
+    return meta_path, meta
+
+
 def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
     """Wrap the frozen base with a trainable LoRA adapter named 'default' (new, or loaded from a folder)."""
     from peft import PeftModel, get_peft_model

@@ -37,6 +37,7 @@ from torch import nn
 
 from rlora.config import MoLoRAConfig  # the settings: one definition, the YAML config's `molora:` section
 from rlora.errors import UserError, first_line
+from rlora.models.loading import read_format_file
 
 FORMAT = "rlora-molora"
 VERSION = 1
@@ -541,15 +542,7 @@ def save_molora(model: nn.Module, folder: Path | str) -> None:
 def read_molora_meta(folder: str | Path) -> tuple[dict, MoLoRAConfig]:
     """(molora_config.json, its config) of a MoLoRA folder, checked: a one-line UserError when it is not one."""
     path = Path(folder)
-    meta_path = path / CONFIG_FILE
-    if not meta_path.is_file():
-        raise UserError(f"'{folder}' is not a MoLoRA adapter folder (no {CONFIG_FILE})")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{meta_path} is not valid JSON") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{meta_path} is not an rlora MoLoRA description (format != {FORMAT})")
+    meta_path, meta = read_format_file(folder, CONFIG_FILE, FORMAT, "MoLoRA adapter")
     if meta.get("version") != VERSION:
         raise UserError(f"{meta_path}: unsupported version {meta.get('version')} (this rlora reads version {VERSION})")
     try:

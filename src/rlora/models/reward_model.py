@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rlora.errors import UserError, first_line
-from rlora.models.loading import causal_lm, check_adapter_folder
+from rlora.models.loading import causal_lm, check_adapter_folder, read_format_file
 
 FORMAT = "rlora-reward-model"
 VERSION = 1
@@ -82,15 +82,8 @@ def save_reward_model(folder: Path | str, model, head: torch.nn.Linear, adapter_
 def read_reward_meta(folder: str) -> dict:
     """reward_model.json of a reward folder, checked (UserError with one line when it is not one)."""
     path = Path(folder)
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise UserError(f"'{folder}' is not a reward model folder (no {META_FILE}; `rlora rm` writes OUTPUT/reward_model)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{meta_path} is not valid JSON") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{meta_path} is not an rlora reward model description (format != {FORMAT})")
+    meta_path, meta = read_format_file(folder, META_FILE, FORMAT, "reward model",
+                                       hint="; `rlora rm` writes OUTPUT/reward_model")
     if meta.get("version") != VERSION or meta.get("score") != READS:
         raise UserError(f"{meta_path}: unsupported version {meta.get('version')} / score {meta.get('score')!r} "
                         f"(this rlora reads version {VERSION}, score {READS!r})")

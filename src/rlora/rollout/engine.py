@@ -108,13 +108,26 @@ DECODE_MODES = ("auto", "eager", "static", "graph")
 MAX_ROWS = {"cpu": 256, "cuda": 2048}
 
 
+def rows_that_fit(view: DecoderView, max_new: int, prompt_len: int, share: float = 0.25) -> int:
+    """Rows to decode together: MAX_ROWS of the device, and on a GPU no more than let the generated KV
+    cache and the float32/float64 logits of the sampling step take `share` of the free memory."""
+    cap = MAX_ROWS.get(view.device.type, MAX_ROWS["cpu"])
+    if view.device.type != "cuda":
+        return cap
+    itemsize = torch.empty((), dtype=view.dtype).element_size()
+    kv_per_row = 2 * len(view.layers) * view.num_kv_heads * view.head_dim * itemsize * (max_new + prompt_len)
+    logits_per_row = 12 * view.lm_head.sizes[0]  # float32 scaled logits + the float64 cumulative sum
+    free, _ = torch.cuda.mem_get_info(view.device)
+    return max(1, min(cap, int(share * free / (kv_per_row + logits_per_row))))
+
+
 class BuiltinGenerator:
     """The built-in engine (Llama-family models). merge=True samples with LoRA merged into fresh
     tensors (faster); merge=False calls the adapter layers as the trainer does.
 
     decode: 'eager' drops finished rows from the dense layers each step (CPUs); 'static' keeps every row and
     fixed shapes (graphed.py); 'graph' is 'static' replayed as a CUDA graph (GPUs only); 'auto' is 'graph'
-    on a GPU and 'eager' elsewhere. max_rows: rows decoded together (None: MAX_ROWS of the device)."""
+    on a GPU and 'eager' elsewhere. max_rows: rows decoded together (None: rows_that_fit)."""
 
     name = "builtin"
 
@@ -147,7 +160,8 @@ class BuiltinGenerator:
         model.eval()
         try:
             view = DecoderView.of(model, self.merge, self.dtype)
-            max_rows = self.max_rows or MAX_ROWS.get(view.device.type, MAX_ROWS["cpu"])
+            max_new = max(p.max_new_tokens for p in per_prompt)
+            max_rows = self.max_rows or rows_that_fit(view, max_new, max(map(len, prompts)))
             per_chunk = max(1, max_rows // n)  # prompts decoded together: up to max_rows rows
             chunks = [self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk], seed,
                                          keys[i:i + per_chunk]) for i in range(0, len(prompts), per_chunk)]

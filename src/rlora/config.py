@@ -318,10 +318,16 @@ class RLConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    molora: MoLoRAConfig | None = Field(
+        None, description="The policy is a mixture of LoRA experts (docs/molora.md) instead of the lora adapter; "
+        "every lora.* key must then keep its default (null: plain LoRA)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":
         data, train, rollout = self.data, self.train, self.rollout
+        if self.molora is not None:
+            _check_molora(self)
+            _check_molora_rl(self)
         if (data.task is None) == (data.path is None):
             raise ValueError("set exactly one of data.task (a reasoning-gym task) or data.path (a local file)")
         if data.task is not None and data.seed == data.eval_seed:
@@ -468,7 +474,7 @@ _MOLORA_COUNTERPARTS = ("rank", "alpha", "dropout", "target_modules")
 def _check_molora(cfg) -> None:
     """A config with a molora section: nothing of the lora section may be set to anything but its default (it
     would be silently ignored), and the options MoLoRA does not support are refused."""
-    if cfg.train.full_finetune:
+    if getattr(cfg.train, "full_finetune", False):
         raise ValueError("molora trains adapters; train.full_finetune trains the model itself: use one of the two")
     if cfg.model.quantization != "none":
         raise ValueError("molora needs an unquantized base: set model.quantization=none")
@@ -482,6 +488,19 @@ def _check_molora(cfg) -> None:
             raise ValueError("lora.init_from loads a PEFT adapter; molora starts its experts fresh: remove "
                              "lora.init_from (continuing from a MoLoRA folder is not supported yet)")
         raise ValueError(f"lora.{key} is not supported with molora: remove lora.{key}")
+
+
+def _check_molora_rl(cfg: "RLConfig") -> None:
+    """What `rlora train` cannot do with a MoLoRA policy yet (docs/molora.md)."""
+    if cfg.train.checkpoint_every or cfg.train.resume is not None:
+        raise ValueError("train.checkpoint_every / train.resume do not support molora yet (checkpoints hold a PEFT "
+                         "adapter): set train.checkpoint_every=0 and unset train.resume")
+    if cfg.train.gradient_checkpointing and cfg.molora.router == "sequence":
+        raise ValueError("train.gradient_checkpointing re-runs the decoder outside the prompt routing of a molora "
+                         "sequence router: set train.gradient_checkpointing=false (or molora.router=token)")
+    if any(spec.fn == "reward_model" for spec in cfg.rewards):
+        raise ValueError("rewards fn: reward_model puts a PEFT reward adapter on the base, which a molora policy "
+                         "cannot share yet: use another reward function or train a LoRA policy")
 
 
 # ---- rlora rm ------------------------------------------------------------------------------------------

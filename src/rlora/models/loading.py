@@ -207,8 +207,10 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 @contextmanager
 def adapter_disabled(model):
-    """The reference policy: the same base with the adapter switched off."""
-    with model.disable_adapter():
+    """The reference policy: the same base with the adapter (or the MoLoRA mixture) switched off."""
+    from rlora.models.molora_runtime import reference_policy  # imports this module
+
+    with reference_policy(model):
         yield model
 
 

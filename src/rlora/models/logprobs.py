@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlora.models.frozen_prefix import PrefixSlice, suffix_hidden
 from rlora.models.loading import causal_lm, model_device
+from rlora.models.molora_runtime import prompt_routing
 from rlora.rollout.generator import position_ids_from_mask
 from rlora.types import RolloutSlice
 
@@ -40,11 +41,12 @@ def completion_logprobs(
     (models/frozen_prefix.py); the decoder then starts above them (chunked path only). The results are on
     the model's device."""
     batch = batch.to(model_device(model))
-    if chunk_tokens and supports_chunked(model):
-        return _chunked_logprobs(model, batch, with_entropy, chunk_tokens, entropy_grad, prefix)
-    if prefix is not None:
+    if prefix is not None and not (chunk_tokens and supports_chunked(model)):
         raise ValueError("a frozen prefix needs the chunked log-prob path (train.logprob_chunk_tokens > 0)")
-    return _full_logprobs(model, batch, with_entropy, entropy_grad)
+    with prompt_routing(model, batch.prompt_ids_BTp, batch.prompt_mask_BTp):  # MoLoRA: routed by the prompts
+        if chunk_tokens and supports_chunked(model):
+            return _chunked_logprobs(model, batch, with_entropy, chunk_tokens, entropy_grad, prefix)
+        return _full_logprobs(model, batch, with_entropy, entropy_grad)
 
 
 def _inputs(batch: RolloutSlice) -> dict:

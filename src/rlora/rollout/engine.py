@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from rlora.models.molora_runtime import SamplerRouting, sampler_routing
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers, mlp
 from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
@@ -163,13 +164,17 @@ class BuiltinGenerator:
             max_new = max(p.max_new_tokens for p in per_prompt)
             max_rows = self.max_rows or rows_that_fit(view, max_new, max(map(len, prompts)))
             per_chunk = max(1, max_rows // n)  # prompts decoded together: up to max_rows rows
-            chunks = [self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk], seed,
-                                         keys[i:i + per_chunk]) for i in range(0, len(prompts), per_chunk)]
+            chunks = []
+            for i in range(0, len(prompts), per_chunk):  # MoLoRA layers are called routed by their rows' prompts
+                with sampler_routing(model, prompts[i:i + per_chunk], n) as routing:
+                    chunks.append(self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk],
+                                                     seed, keys[i:i + per_chunk], routing))
         finally:
             model.train(was_training)
         return self._rollout(prompts, n, chunks)
 
-    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seed: int, keys: list[int]):
+    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seed: int, keys: list[int],
+                      routing: SamplerRouting):
         device = view.device
         P, B = len(prompts), len(prompts) * G
         row_keys_B = (torch.tensor(keys, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1).to(device)
@@ -177,6 +182,7 @@ class BuiltinGenerator:
         max_new = int(rows.max_new_A.max())
         ids_PT, mask_PT = (x.to(device) for x in left_pad(prompts, self.pad_id))
         cache = KVCache(view, P, G, max_new, view.dtype, device)
+        routing.prompts()
         logits_A = prefill(view, ids_PT, mask_PT, cache).repeat_interleave(G, dim=0)
         prompt_len_B = mask_PT.sum(-1).repeat_interleave(G)
         eos_V = torch.zeros(logits_A.shape[-1], dtype=torch.bool, device=device)
@@ -190,7 +196,7 @@ class BuiltinGenerator:
         length_B = torch.full((B,), max_new, dtype=torch.long)
         reasons = ["length"] * B
         active_A = torch.arange(B, device=device)
-        decode = self._decoder(view, cache, P, G, prompt_len_B)
+        decode = self._decoder(view, cache, P, G, prompt_len_B, routing)
         for t in range(max_new):
             rows_now = rows.select(active_A)
             if spans is not None:
@@ -217,12 +223,17 @@ class BuiltinGenerator:
         return _Chunk(tokens_BT, logp_BT, length_B, reasons, rows.temperature_A.cpu(),
                       None if spans is None else spans.temperature_BT)
 
-    def _decoder(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor):
+    def _decoder(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor,
+                 routing: SamplerRouting):
         """-> step(token_A, active_A, t) -> logits of the active rows' next token [A, V]."""
         mode = self._decode_mode(view.device)
         if mode == "eager":
-            return lambda token_A, active_A, t: decode_step(view, token_A, active_A, prompt_len_B[active_A] + t, t,
-                                                            cache, P, G)
+            def eager_step(token_A, active_A, t):
+                routing.rows(active_A)
+                return decode_step(view, token_A, active_A, prompt_len_B[active_A] + t, t, cache, P, G)
+
+            return eager_step
+        routing.rows(torch.arange(P * G))  # the static step runs every row, always
         static = StaticDecoder(view, cache, P, G, graph=mode == "graph")
         tokens_B = torch.full((P * G,), self.pad_id, dtype=torch.long, device=view.device)
 

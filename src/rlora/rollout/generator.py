@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
+from rlora.models.molora_runtime import prompt_list_routing
 from rlora.types import Rollout, SamplingParams
 
 
@@ -100,8 +101,9 @@ class HFGenerator:
                 # generate takes one setting per call: split the batch where the settings change
                 for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
                     ids, mask = (t[lo:hi].to(device) for t in (prompt_ids_BTp, prompt_mask_BTp))
-                    out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
-                                         generation_config=self._generation_config(row_params[lo]))
+                    with prompt_list_routing(model, repeated[lo:hi]):  # MoLoRA: rows routed by their prompts
+                        out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
+                                             generation_config=self._generation_config(row_params[lo]))
                     chunks.append(_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids,
                                           self.pad_id))
         finally:

@@ -23,6 +23,7 @@ from rlora.models.loading import (
     load_tokenizer, quantization_config, resolve_device, resolve_model_path, save_adapter, trainable_parameters,
 )
 from rlora.plot import plot_after_run
+from rlora.models import molora as ml
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
 from rlora.rewards.scoring import RewardFn, resolve_rewards
@@ -80,6 +81,9 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if cfg.algo.replay.enabled:
         raise UserError("algo.replay keeps a buffer per rank that checkpoints do not hold yet: disable it for data "
                         "parallel runs")
+    if cfg.molora is not None:
+        raise UserError("data parallel does not support molora yet (the routers' auxiliary loss would need the "
+                        "batch's routing over all ranks): train a molora policy in one process")
     if cfg.rollout.engine != "builtin":
         raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
                         "split across ranks)")
@@ -129,7 +133,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     base = load_base_model(cfg.model, model_path)
     add_model_eos_ids(tok, base)
-    model = attach_lora(base, cfg.lora)
+    model = attach_lora(base, cfg.lora) if cfg.molora is None else attach_molora_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
     attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
@@ -193,8 +197,19 @@ def _jsonl(obj) -> str:
     return to_json(obj) + "\n"
 
 
+def attach_molora_policy(base, cfg: RLConfig):
+    """The policy as a mixture of LoRA experts on the base (in place); the reference is the base with the mixture
+    off (molora_runtime.reference_policy)."""
+    ml.attach_molora(base, cfg.molora)
+    info(f"molora policy: {cfg.molora.num_experts} experts, top {cfg.molora.top_k}, {cfg.molora.router} router, "
+         f"{len(ml.molora_modules(base))} modules")
+    return base
+
+
 def save_final(s: Session, name: str = "adapter") -> None:
-    s.run_dir.write_folder(name, lambda folder: save_adapter(s.model, folder))
+    """The policy: a PEFT adapter folder, or a MoLoRA folder (docs/molora.md)."""
+    save = save_adapter if s.cfg.molora is None else ml.save_molora
+    s.run_dir.write_folder(name, lambda folder: save(s.model, folder))
 
 
 def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:

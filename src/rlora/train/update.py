@@ -15,6 +15,7 @@ from rlora.config import AlgoConfig
 from rlora.models.loading import trainable_parameters
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
+from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molora
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.rollout.batching import trim
 from rlora.types import Rollout
@@ -73,13 +74,14 @@ def batch_totals(loss_mask_BTc: torch.Tensor, constant_len: int) -> BatchTotals:
     )
 
 
-def rows_to_train(scored: ScoredRollout, beta: float, entropy_coef: float = 0.0) -> torch.Tensor:
+def rows_to_train(scored: ScoredRollout, beta: float, entropy_coef: float = 0.0, every_row: bool = False) -> torch.Tensor:
     """Indices of completions whose loss can be non-zero. Without a KL term or entropy bonus, a completion
     with advantage 0 has loss exactly 0 (every algorithm's surrogate is proportional to A), so skipping its
     forward/backward changes no gradient; the normalisers still count it (BatchTotals), so the result is
-    identical to training on every row."""
+    identical to training on every row. every_row: keep them (a MoLoRA router's auxiliary loss covers every
+    row of the batch)."""
     active_B = scored.loss_mask_BTc.sum(-1) > 0
-    if beta == 0 and entropy_coef == 0:
+    if beta == 0 and entropy_coef == 0 and not every_row:
         adv = scored.advantages
         active_B &= (adv != 0) if adv.dim() == 1 else ((adv != 0) & (scored.loss_mask_BTc > 0)).any(-1)
     return active_B.nonzero().squeeze(-1)
@@ -119,14 +121,18 @@ def accumulate_policy_gradient(
     rollout = scored.rollout
     totals = global_totals(world, batch_totals(scored.loss_mask_BTc, constant_len))
     loss_beta = 0.0 if algo.kl_in_reward else cfg.beta  # REINFORCE++ puts the KL into the reward instead
-    rows = rows_to_train(scored, loss_beta, cfg.entropy_coef)
+    rows = rows_to_train(scored, loss_beta, cfg.entropy_coef, every_row=aux_losses_on(model))
+    micros = [(rows[lo:lo + micro_batch_size], trim(rollout.select(rows[lo:lo + micro_batch_size])))
+              for lo in range(0, len(rows), micro_batch_size)]
+    routing = None  # MoLoRA: the routers' auxiliary loss over the whole batch, and their metrics
+    if has_molora(model):
+        routing = RolloutRouting(model, [micro for _, micro in micros],
+                                 lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens))
     sums = dict.fromkeys(("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight",
                           "weighted_tokens"), 0.0)
     sampled = rollout.sampling_logp_BTc
     fresh_B = scored.fresh_B if scored.fresh_B is not None else torch.ones(rollout.num_completions, dtype=torch.bool)
-    for start in range(0, len(rows), micro_batch_size):
-        index = rows[start:start + micro_batch_size]
-        micro = trim(rollout.select(index))
+    for index, micro in micros:
         width = micro.completion_ids_BTc.shape[1]
         logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
                                                   entropy_grad=cfg.entropy_coef > 0,
@@ -148,7 +154,7 @@ def accumulate_policy_gradient(
         out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=loss_beta)
         loss_BT = out.loss_BT - cfg.entropy_coef * entropy_BT if cfg.entropy_coef else out.loss_BT
         loss = aggregate(loss_BT, mask_BT, cfg.loss_agg, totals)
-        loss.backward()
+        (loss if routing is None else loss + routing.aux_share(micro)).backward()
         sums["loss"] += loss.item()
         sums["tokens"] += float(mask_BT.sum())
         sums["clipped"] += float((out.clipped_BT * mask_BT).sum())
@@ -172,6 +178,7 @@ def accumulate_policy_gradient(
         "trained_frac": len(rows) / max(rollout.num_completions, 1),
         "sampler_logp_gap": sums["gap"] / sums["gap_tokens"] if sums["gap_tokens"] else None,
         "is_weight_mean": sums["is_weight"] / sums["weighted_tokens"] if sums["weighted_tokens"] else None,
+        **(routing.metrics() if routing is not None else {}),
     }
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from rlora.config import ModelConfig
 from rlora.errors import UserError, first_line
 from rlora.models.loading import check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path
-from rlora.models.named_adapters import recorded_base
+from rlora.models import molora as ml
+from rlora.models.named_adapters import is_molora_folder, recorded_base
 
 
 def adapter_base(adapter: str, base: str | None) -> str:
@@ -25,10 +26,20 @@ def adapter_base(adapter: str, base: str | None) -> str:
     return resolve_model_path(recorded)
 
 
+def refuse_molora(adapter: str) -> None:
+    """A MoLoRA folder has no single merged weight: its router mixes the experts per sequence or per token."""
+    if is_molora_folder(adapter):
+        _, config = ml.read_molora_meta(adapter)
+        unit = "sequence (from its prompt)" if config.router == "sequence" else "token"
+        raise UserError(f"adapter '{adapter}' is a MoLoRA mixture: its router mixes {config.num_experts} experts per "
+                        f"{unit}, so it is not one fixed weight to fold into the base; use it with rlora eval / chat")
+
+
 def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str = "float32",
                   overwrite: bool = False) -> Path:
     from peft import PeftModel
 
+    refuse_molora(adapter)
     check_adapter_folder(adapter, key="adapter")
     target = Path(output)
     if target.exists() and any(target.iterdir()) and not overwrite:

@@ -1,15 +1,18 @@
 """Several LoRA adapters on one copy of a base, by name (`rlora eval`, `rlora chat`): parsing
-`--adapter [NAME=]PATH`, loading every adapter onto the base, and switching between them (or off)."""
+`--adapter [NAME=]PATH`, loading every adapter onto the base, and switching between them (or off).
+A MoLoRA folder (docs/molora.md) is loaded alone: the mixture on, or off for the base."""
 
 from __future__ import annotations
 
 import json
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from rlora.errors import UserError, first_line
+from rlora.models import molora as ml
 from rlora.models.loading import check_adapter_folder
+from rlora.models.molora_runtime import has_molora
 
 NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # peft keeps adapters in module dicts: no '.'
 # peft warns about adapter names found inside its 'lora_' parameter prefix ('a', 'o', 'ra' ...): prefix them
@@ -41,7 +44,15 @@ def _adapter_config(folder: str) -> dict:
     return json.loads((Path(folder) / "adapter_config.json").read_text())
 
 
+def is_molora_folder(folder: str) -> bool:
+    return (Path(folder) / ml.CONFIG_FILE).is_file()
+
+
 def check_lora_folder(folder: str) -> None:
+    """A LoRA adapter folder, or a MoLoRA folder (its description checked)."""
+    if is_molora_folder(folder):
+        ml.read_molora_meta(folder)
+        return
     check_adapter_folder(folder, key="--adapter")
     kind = _adapter_config(folder).get("peft_type")
     if kind != "LORA":
@@ -49,8 +60,25 @@ def check_lora_folder(folder: str) -> None:
 
 
 def recorded_base(folder: str) -> str | None:
-    """The base model an adapter folder names in its adapter_config.json (None: none)."""
+    """The base model an adapter folder names in its adapter_config.json or molora_config.json (None: none)."""
+    if is_molora_folder(folder):
+        return ml.read_molora_meta(folder)[0].get("base_model") or None
     return _adapter_config(folder).get("base_model_name_or_path") or None
+
+
+def _attach_molora(base, adapters: dict[str, str], model_label: str):
+    """The one MoLoRA folder among `adapters` onto the base (alone: its layers replace the base's linear layers,
+    where peft adapters would sit)."""
+    if len(adapters) > 1:
+        raise UserError(f"a MoLoRA adapter is loaded alone: give it as the only --adapter (got {len(adapters)}: "
+                        f"{', '.join(adapters)}); evaluate the others in another run")
+    [folder] = adapters.values()
+    try:
+        ml.load_molora(base, folder)
+    except UserError as err:
+        raise UserError(f"adapter '{folder}' does not fit model '{model_label}': {err}") from None
+    base.eval()
+    return base
 
 
 def attach_named(base, adapters: dict[str, str], model_label: str):
@@ -58,6 +86,8 @@ def attach_named(base, adapters: dict[str, str], model_label: str):
     none. An adapter that does not fit (another base: shapes or module names differ) -> UserError."""
     from peft import PeftModel
 
+    if any(is_molora_folder(folder) for folder in adapters.values()):
+        return _attach_molora(base, adapters, model_label)
     model = base
     for name, folder in adapters.items():
         try:
@@ -74,7 +104,10 @@ def attach_named(base, adapters: dict[str, str], model_label: str):
 @contextmanager
 def activated(model, name: str | None):
     """The model with adapter `name` active; None: every adapter switched off (the plain base)."""
-    if not hasattr(model, "peft_config"):
+    if has_molora(model):
+        with (ml.molora_disabled(model) if name is None else nullcontext()):
+            yield model
+    elif not hasattr(model, "peft_config"):
         yield model
     elif name is None:
         with model.disable_adapter():

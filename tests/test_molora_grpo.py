@@ -12,7 +12,8 @@ from test_policy_model import sample, vary_lengths
 from conftest import tiny_overrides
 from rlora.algos.registry import get_algorithm
 from rlora.cli import main
-from rlora.config import AlgoConfig, ModelConfig
+from rlora.config import AlgoConfig, ModelConfig, load_config
+from rlora.errors import UserError
 from rlora.models import molora as ml
 from rlora.models.loading import load_base_model, load_tokenizer
 from rlora.models.logprobs import completion_logprobs
@@ -20,6 +21,7 @@ from rlora.models.molora import MoLoRAConfig
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.train import grpo
+from rlora.train.distributed import World
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient
 from rlora.types import SamplingParams
 
@@ -224,11 +226,18 @@ def test_merge_refuses_a_molora_folder(molora_folder, tmp_path, capsys):
     ({"train.checkpoint_every": 1}, "do not support molora yet"),
     ({"train.gradient_checkpointing": "true"}, "train.gradient_checkpointing"),
     ({"lora.rank": 4}, "lora.rank does not apply with molora"),
+    ({"rewards": "[{fn: reward_model, args: {path: nowhere}}]"}, "fn: reward_model puts a PEFT reward adapter"),
 ])
 def test_bad_grpo_combinations_are_one_line(extra, message, tiny_model_dir, prompts_file, tmp_path, capsys):
     assert main(["train", *molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", "sequence", **extra)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_data_parallel_refuses_molora(tiny_model_dir, prompts_file, tmp_path):
+    cfg = load_config(None, molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", "sequence"))
+    with pytest.raises(UserError, match="data parallel does not support molora yet"):
+        grpo.check_world(cfg, World(rank=0, size=2))
 
 
 def test_a_molora_folder_beside_other_adapters_is_one_line(tiny_model_dir, prompts_file, molora_folder, tmp_path,

@@ -61,22 +61,27 @@ def score(model: torch.nn.Module, head: torch.nn.Linear, input_ids_BT: torch.Ten
 
 def save_reward_model(folder: Path | str, model, head: torch.nn.Linear, adapter_name: str = "default") -> None:
     """Write the reward model into `folder` (the caller makes it atomic, e.g. RunDir.write_folder)."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
-    model.save_pretrained(str(folder), safe_serialization=True, selected_adapters=[adapter_name])
-    if adapter_name != "default":  # peft writes named adapters into a subfolder
-        for child in (folder / adapter_name).iterdir():
-            child.replace(folder / child.name)
-        (folder / adapter_name).rmdir()
-    save_file({"weight": head.weight.detach().float().cpu().contiguous(),
-               "bias": head.bias.detach().float().cpu().contiguous()}, str(folder / HEAD_FILE))
+    save_adapter_and_head(folder, model, head, adapter_name, HEAD_FILE)
     lm = causal_lm(model)
     meta = {"format": FORMAT, "version": VERSION, "hidden_size": lm.config.hidden_size,
             "base_model": getattr(lm.config, "_name_or_path", None), "model_type": lm.config.model_type,
             "score": READS, "head": {"file": HEAD_FILE, "weight": [1, lm.config.hidden_size], "bias": [1],
                                      "dtype": "float32"}}
     (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def save_adapter_and_head(folder: Path, model, head: torch.nn.Linear, adapter_name: str, head_file: str) -> None:
+    """The named adapter's PEFT files at the top of `folder` and the fp32 head as `head_file` (weight, bias)."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(str(folder), safe_serialization=True, selected_adapters=[adapter_name])
+    if adapter_name != "default":  # peft writes named adapters into a subfolder
+        for child in (folder / adapter_name).iterdir():
+            child.replace(folder / child.name)
+        (folder / adapter_name).rmdir()
+    save_file({"weight": head.weight.detach().float().cpu().contiguous(),
+               "bias": head.bias.detach().float().cpu().contiguous()}, str(folder / head_file))
 
 
 def read_reward_meta(folder: str) -> dict:
@@ -93,16 +98,18 @@ def read_reward_meta(folder: str) -> dict:
     return meta
 
 
-def load_score_head(folder: str, size: int, device: torch.device | str = "cpu") -> torch.nn.Linear:
+def load_score_head(folder: str, size: int, device: torch.device | str = "cpu",
+                    head_file: str = HEAD_FILE) -> torch.nn.Linear:
+    """The fp32 Linear(size, 1) saved as `head_file` in `folder`, frozen (one-line UserError if damaged)."""
     from safetensors.torch import load_file
 
     try:
-        tensors = load_file(str(Path(folder) / HEAD_FILE))
+        tensors = load_file(str(Path(folder) / head_file))
     except Exception as err:  # noqa: BLE001 - truncated or not safetensors
-        raise UserError(f"{Path(folder) / HEAD_FILE} is damaged: {first_line(err)}") from None
+        raise UserError(f"{Path(folder) / head_file} is damaged: {first_line(err)}") from None
     weight, bias = tensors.get("weight"), tensors.get("bias")
     if weight is None or bias is None or tuple(weight.shape) != (1, size) or tuple(bias.shape) != (1,):
-        raise UserError(f"{Path(folder) / HEAD_FILE} must hold weight [1, {size}] and bias [1]")
+        raise UserError(f"{Path(folder) / head_file} must hold weight [1, {size}] and bias [1]")
     head = new_score_head(size, device=device)
     with torch.no_grad():
         head.weight.copy_(weight)

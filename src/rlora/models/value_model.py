@@ -63,7 +63,9 @@ class Critic:
         policy's layers, so they are the same)."""
         batch = batch.to(model_device(self.model))
         hidden_BTH = completion_hidden(self.model, batch, prefix)
-        return self.head(hidden_BTH.float()).squeeze(-1) * batch.completion_mask_BTc
+        # contiguous: on a strided view the CPU matmul's rounding depended on the head's storage (a reloaded head
+        # gave values 2e-7 apart); on a contiguous copy it does not
+        return self.head(hidden_BTH.float().contiguous()).squeeze(-1) * batch.completion_mask_BTc
 
     def save(self, folder: Path | str) -> None:
         save_value_model(folder, self.model, self.head, self.adapter_name)

@@ -342,3 +342,17 @@ def test_ppo_refuses_data_parallel():
     cfg = load_config(None, ["algo.name=ppo"])
     with pytest.raises(UserError, match="algo.name=ppo does not run data parallel yet"):
         check_world(cfg, World(rank=0, size=2))
+
+
+def test_not_a_value_model_is_one_line(tiny_model_dir, tmp_path):
+    from rlora.errors import UserError
+
+    _, _, model, critic, _ = critic_setup(tiny_model_dir)
+    with pytest.raises(UserError, match="is not a value model folder"):
+        load_value_model(tmp_path, model, adapter_name="other")
+    critic.save(tmp_path / "vm")
+    meta = json.loads((tmp_path / "vm" / "value_model.json").read_text())
+    (tmp_path / "vm" / "value_model.json").write_text(json.dumps({**meta, "hidden_size": 32}))
+    with pytest.raises(UserError, match="was built for a base with hidden size 32") as err:
+        load_value_model(tmp_path / "vm", model, adapter_name="other")
+    assert "\n" not in str(err.value)

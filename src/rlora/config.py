@@ -355,7 +355,8 @@ class RLConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
-    ppo: PPOConfig | None = Field(None, description="PPO's critic and GAE settings (algo.name=ppo; null: defaults)")
+    ppo: PPOConfig | None = Field(
+        None, description="PPO's critic and GAE settings: algo.name=ppo only (it fills in the defaults where absent)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":

@@ -9,18 +9,16 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from rlora.algos.advantages import token_returns
+from rlora.algos.advantages import token_returns, token_rewards
 from rlora.algos.gae import clipped_value_loss, explained_variance, gae, ppo_advantages
-from rlora.algos.advantages import token_rewards
+from rlora.algos.registry import get_algorithm
 from rlora.cli import main
-from rlora.config import ModelConfig
+from rlora.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig
 from rlora.models.loading import attach_lora, load_base_model, trainable_parameters
 from rlora.models.value_model import attach_critic, load_value_model, read_value_meta
 from rlora.train.optim import build_optimizer
 from rlora.train.ppo_step import accumulate_value_gradient, batched_values
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
-from rlora.algos.registry import get_algorithm
-from rlora.config import AlgoConfig, LoraConfig
 from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 
 
@@ -51,7 +49,8 @@ def test_gae_hand_computed_with_a_ragged_row():
     # row 0: t2: delta = 1 - 0.75 = 0.25 = A2
     #        t1: delta = 0.9 * 0.75 - 0.25 = 0.425; A1 = 0.425 + 0.72 * 0.25 = 0.605
     #        t0: delta = 0.9 * 0.25 - 0.5 = -0.275; A0 = -0.275 + 0.72 * 0.605 = 0.1606
-    # row 1 (length 2): t1: delta = 2 - 0.5 = 1.5 = A1;  t0: delta = 0.9 * 0.5 - 1 = -0.55; A0 = -0.55 + 0.72 * 1.5 = 0.53
+    # row 1 (length 2): t1: delta = 2 - 0.5 = 1.5 = A1
+    #                   t0: delta = 0.9 * 0.5 - 1 = -0.55; A0 = -0.55 + 0.72 * 1.5 = 0.53
     assert torch.allclose(adv, torch.tensor([[0.1606, 0.605, 0.25], [0.53, 1.5, 0.0]], dtype=torch.float64), atol=1e-12)
     # returns = A + V: [0.6606, 0.855, 1.0] and [1.53, 2.0, 0 (padding)]
     assert torch.allclose(ret, torch.tensor([[0.6606, 0.855, 1.0], [1.53, 2.0, 0.0]], dtype=torch.float64), atol=1e-12)
@@ -114,7 +113,8 @@ def test_whitening_over_real_tokens_and_returns_unwhitened():
 def test_failed_reward_rows_get_nothing():
     mask = torch.tensor([[1, 1], [0, 0]])  # row 1: its reward failed, so the loss mask is zero
     out = ppo_advantages(torch.tensor([1.0, float("nan")]), torch.ones(2, 2), mask, 1.0, 0.9, False, 1e-4)
-    assert torch.isfinite(out.advantages_BT).all() and (out.advantages_BT[1] == 0).all() and (out.returns_BT[1] == 0).all()
+    assert torch.isfinite(out.advantages_BT).all()
+    assert (out.advantages_BT[1] == 0).all() and (out.returns_BT[1] == 0).all()
 
 
 # ---- value loss, explained variance -----------------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_value_model_reloads_with_identical_values(tiny_model_dir, tmp_path):
 def test_value_and_policy_updates_do_not_leak(tiny_model_dir):
     _, _, model, critic, rollout = critic_setup(tiny_model_dir)
     policy, value = trainable_parameters(model), critic.parameters()
-    optimizer, _ = build_optimizer([{"params": policy}, {"params": value}], _train_cfg(), 10)
+    optimizer, _ = build_optimizer([{"params": policy}, {"params": value}], TrainConfig(lr=0.01), 10)
     snapshot = lambda params: [p.detach().clone() for p in params]  # noqa: E731
     mask = rollout.completion_mask_BTc
     old_values = batched_values(critic, rollout, 4)
@@ -220,12 +220,6 @@ def test_value_and_policy_updates_do_not_leak(tiny_model_dir):
     optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(value, value_before))
     assert not all(torch.equal(a, b) for a, b in zip(policy, policy_before))
-
-
-def _train_cfg():
-    from rlora.config import TrainConfig
-
-    return TrainConfig(lr=0.01)
 
 
 def test_value_gradient_is_micro_batch_invariant(tiny_model_dir):

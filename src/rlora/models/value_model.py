@@ -14,7 +14,6 @@ base model, how values are read)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,12 @@ import torch
 
 from rlora.errors import UserError, first_line
 from rlora.models.frozen_prefix import PrefixSlice
-from rlora.models.loading import causal_lm, check_adapter_folder, model_device, read_format_file
+from rlora.models.loading import check_adapter_folder, model_device, read_format_file
 from rlora.models.logprobs import completion_hidden
 from rlora.models.named_adapters import adapter_switched
-from rlora.models.reward_model import hidden_size, load_score_head, new_score_head, save_adapter_and_head
+from rlora.models.reward_model import (
+    check_hidden_size, hidden_size, load_score_head, new_score_head, save_adapter_and_head,
+)
 from rlora.types import RolloutSlice
 
 FORMAT = "rlora-value-model"
@@ -102,14 +103,8 @@ def attach_critic(model, rank: int, alpha: float, head_init_std: float = 0.0, ad
 
 def save_value_model(folder: Path | str, model, head: torch.nn.Linear, adapter_name: str = ADAPTER) -> None:
     """Write the value model into `folder` (the caller makes it atomic, e.g. RunDir.write_folder)."""
-    folder = Path(folder)
-    save_adapter_and_head(folder, model, head, adapter_name, HEAD_FILE)
-    lm = causal_lm(model)
-    meta = {"format": FORMAT, "version": VERSION, "hidden_size": lm.config.hidden_size,
-            "base_model": getattr(lm.config, "_name_or_path", None), "model_type": lm.config.model_type,
-            "values": READS, "head": {"file": HEAD_FILE, "weight": [1, lm.config.hidden_size], "bias": [1],
-                                      "dtype": "float32"}}
-    (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    save_adapter_and_head(Path(folder), model, head, adapter_name, HEAD_FILE, META_FILE,
+                          {"format": FORMAT, "version": VERSION, "values": READS})
 
 
 def read_value_meta(folder: Path | str) -> dict:
@@ -126,11 +121,7 @@ def read_value_meta(folder: Path | str) -> dict:
 def load_value_model(folder: Path | str, model, adapter_name: str = ADAPTER, trainable: bool = False) -> Critic:
     """The value model of `folder` attached beside the adapters of the peft `model` (e.g. a policy on the same
     base), frozen outside `Critic.active()`. A folder built for another base: one-line UserError."""
-    meta = read_value_meta(folder)
-    size = hidden_size(model)
-    if meta.get("hidden_size") != size:
-        raise UserError(f"value model '{folder}' was built for a base with hidden size {meta.get('hidden_size')} "
-                        f"({meta.get('base_model')}); this base has {size}: load it on its own base model")
+    size = check_hidden_size(read_value_meta(folder), model, folder, "value model")
     try:
         model.load_adapter(str(folder), adapter_name=adapter_name, is_trainable=trainable)
     except Exception as err:  # noqa: BLE001 - shape/name mismatch with this base

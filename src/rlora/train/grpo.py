@@ -253,7 +253,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
         info("train.release_memory has no effect here (needs glibc)")
     s = prepare(cfg, world)
     n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
-    info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters, {len(s.train_ids)} prompts "
+    critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
+    info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
          f"-> {cfg.train.output_dir}")
     optimizer, scheduler = build_optimizer(optimizer_groups(s), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed) if cfg.algo.replay.enabled else None

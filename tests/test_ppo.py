@@ -195,6 +195,31 @@ def test_value_model_reloads_with_identical_values(tiny_model_dir, tmp_path):
     assert torch.equal(batched_values(other, rollout, 4), values)
 
 
+def test_values_over_a_shared_frozen_prefix_are_the_same(tiny_model_dir):
+    from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer
+
+    tokenizer, tok, model = make_policy(tiny_model_dir, top_layers=1)  # adapters on layer 1 of 2
+    critic = attach_critic(model, rank=2, alpha=4, head_init_std=0.1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".value." in name and "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    assert first_adapter_layer(model) == 1  # the value adapter sits on the policy's layers
+    rollout = vary_lengths(sample(model, tokenizer, tok, n_prompts=1, G=4), tok.pad_id, lengths=(6, 2, 5, 1))
+    prefix = FrozenPrefix(model, rollout, 1, 2)
+    assert torch.allclose(batched_values(critic, rollout, 2, prefix), batched_values(critic, rollout, 2), atol=1e-6)
+    mask = rollout.completion_mask_BTc
+    old = batched_values(critic, rollout, 2)
+    returns = (old + torch.linspace(-1, 1, mask.numel()).view(mask.shape)) * mask
+    grads = []
+    for shared in (prefix, None):
+        accumulate_value_gradient(critic, rollout, returns, old, mask, 2, 0.2, shared)
+        grads.append(torch.cat([p.grad.reshape(-1) for p in critic.parameters()]))
+        for p in critic.parameters():
+            p.grad = None
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and grads[0].abs().max() > 1e-3
+
+
 def test_value_and_policy_updates_do_not_leak(tiny_model_dir):
     _, _, model, critic, rollout = critic_setup(tiny_model_dir)
     policy, value = trainable_parameters(model), critic.parameters()

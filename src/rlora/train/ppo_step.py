@@ -109,7 +109,7 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
     scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
     policy_params, value_params = trainable_parameters(s.model), critic.parameters()
     for _ in range(cfg.algo.num_iterations):
-        lr = scheduler.get_last_lr()[0]
+        lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
         update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
                                             prefix)
         update |= accumulate_value_gradient(critic, rollout, targets.returns_BT, old_values_BT, mask_BT, mb,
@@ -124,13 +124,16 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
 
     metrics = {
         "step": step + 1, **_reward_metrics(batch), **update, **_rollout_metrics(batch), **_collect_metrics(stats, cfg),
-        "lr": lr, "value_lr": scheduler.get_last_lr()[-1], "temperature": step_params(cfg, step).temperature,
+        "lr": lr, "value_lr": value_lr, "temperature": step_params(cfg, step).temperature,
         "explained_variance": explained_variance(old_values_BT, targets.returns_BT, mask_BT),
         "value_mean": _masked_mean(old_values_BT, mask_BT), "return_mean": _masked_mean(targets.returns_BT, mask_BT),
         "advantage_mean": _masked_mean(targets.advantages_BT, mask_BT),
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "values_s": t_values - t_collected, "train_s": t_end - t_values,
     }
+    if cfg.rollout.num_generations == 1:  # one sample per prompt: every "group" is trivially flat
+        for key in ("frac_groups_zero_std", "frac_zero_var_first"):
+            metrics.pop(key, None)
     if policy_params and policy_params[0].is_cuda:
         metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(policy_params[0].device) / 2**30
     if batch.scores.errors:

@@ -32,7 +32,7 @@ from rlora.types import Rollout
 
 CHECKPOINTS = "checkpoints"
 # sections whose change makes a checkpoint meaningless for the run (train.* may change: e.g. more steps)
-MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "train.seed", "train.prompts_per_step")
+MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "ppo", "train.seed", "train.prompts_per_step")
 
 
 def rng_state() -> dict:

@@ -37,7 +37,8 @@ def test_resolved_config_round_trips(tmp_path):
     (["data.eval_seed=0"], "held-out split would repeat"),
     (["rewards=[]"], "no reward functions"),
     (["algo.name=grpp"], "did you mean 'grpo'"),
-    (["rollout.num_generations=1"], "invalid value for rollout.num_generations"),
+    (["rollout.num_generations=0"], "invalid value for rollout.num_generations"),
+    (["rollout.num_generations=1", "train.micro_batch_size=2"], "rollout.num_generations=1 gives grpo no group"),
     (["train.steps"], "not of the form section.key=value"),
 ])
 def test_bad_config_gives_one_line(override, message):

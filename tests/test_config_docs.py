@@ -75,7 +75,7 @@ def _row(reference: str, key: str) -> list[str]:
 
 
 def test_known_defaults_types_and_constraints(reference):
-    assert _row(reference, "rollout.num_generations")[1:4] == ["`int`", "`8`", "`>= 2`"]
+    assert _row(reference, "rollout.num_generations")[1:4] == ["`int`", "`8`", "`>= 1`"]
     assert _row(reference, "algo.adv_scale")[1:3] == ['`"group" \\| "batch" \\| "none"`', '`"group"`']
     assert _row(reference, "rollout.temperature_end")[1:4] == ["`float \\| None`", "`null`", "`> 0`"]
     assert _row(reference, "rollout.stop")[1:3] == ["`list[str]`", "`[]`"]

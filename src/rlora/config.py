@@ -135,7 +135,7 @@ class ThinkConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt")
+    num_generations: int = Field(8, ge=1, description="G: completions sampled per prompt (1 only with algo.name=ppo)")
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (at the first step, with a schedule)")
     temperature_end: float | None = Field(None, gt=0, description="Temperature at the last step (None: constant)")
@@ -209,7 +209,7 @@ class ReplayConfig(_Section):
 
 class AlgoConfig(_Section):
     name: str = Field("grpo", description="Algorithm (see docs/algorithms.md): grpo, dr_grpo, dapo, gspo, cispo, "
-                      "rloo, reinforce_pp, reinforce_pp_baseline, adaptive_grpo; each presets the keys its paper uses")
+                      "rloo, reinforce_pp, reinforce_pp_baseline, adaptive_grpo, ppo; each presets the keys its paper uses")
     beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference (adapter off): k3 in the loss, or "
                         "k1 in the token reward for reinforce_pp")
     loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
@@ -230,6 +230,43 @@ class AlgoConfig(_Section):
     overlong_penalty: float = Field(1.0, ge=0, description="Penalty at max_new_tokens (linear from 0 over the buffer)")
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
+
+
+class PPOConfig(_Section):
+    """PPO with a critic on the policy's base (algo.name=ppo, docs/algorithms.md#ppo): a value adapter beside the
+    policy's plus an fp32 value head, GAE advantages, clipped value loss."""
+
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount per completion token")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1: Monte-Carlo returns minus V, 0: one-step TD)")
+    value_clip: float | None = Field(
+        0.2, gt=0, description="Clip new values to old +- this in the value loss (null: plain squared error)")
+    whiten_advantages: bool = Field(True, description="Advantages -> (A - mean) / (std + algo.adv_eps) over the "
+                                    "batch's real completion tokens")
+    kl_mode: Literal["reward", "loss"] = Field(
+        "reward", description="reward: -algo.beta x (old - ref log-prob) on every token's reward (k1, as InstructGPT); "
+        "loss: algo.beta x k3 KL in the policy loss")
+    value_rank: int | None = Field(None, gt=0, description="Rank of the value adapter (null: lora.rank)")
+    value_alpha: float | None = Field(None, gt=0, description="Alpha of the value adapter (null: lora.alpha)")
+    value_lr: float | None = Field(None, gt=0, description="Learning rate of the value adapter and head (null: "
+                                   "train.lr); same warmup/schedule")
+    value_head_init_std: float = Field(0.0, ge=0, description="Normal std of the value head's initial weight (0: zeros)")
+
+
+def _check_ppo(cfg) -> None:
+    """The ppo section belongs to algo.name=ppo; PPO has a critic, so no group tricks; G = 1 only with a critic."""
+    algo, rollout = cfg.algo, cfg.rollout
+    if algo.name != "ppo":
+        if cfg.ppo is not None:
+            raise ValueError(f"the ppo section applies to algo.name=ppo, not {algo.name}: remove it or set algo.name=ppo")
+        if rollout.num_generations < 2:
+            raise ValueError(f"rollout.num_generations=1 gives {algo.name} no group to compare (every advantage 0): "
+                             "use at least 2, or algo.name=ppo (its critic is the baseline)")
+        return
+    for wanted, key in ((algo.dynamic_sampling, "algo.dynamic_sampling"), (algo.adaptive.enabled, "algo.adaptive"),
+                        (algo.replay.enabled, "algo.replay")):
+        if wanted:
+            raise ValueError(f"{key} works on groups of samples and group advantages; algo.name=ppo scores each sample "
+                             f"with its critic: disable {key}")
 
 
 class OptimizerConfig(_Section):
@@ -321,6 +358,8 @@ class RLConfig(_Section):
     molora: MoLoRAConfig | None = Field(
         None, description="The policy is a mixture of LoRA experts (docs/molora.md) instead of the lora adapter; "
         "every lora.* key must then keep its default (null: plain LoRA)")
+    ppo: PPOConfig | None = Field(
+        None, description="PPO's critic and GAE settings: algo.name=ppo only (it fills in the defaults where absent)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":
@@ -354,6 +393,7 @@ class RLConfig(_Section):
             )
         self._apply_algorithm_presets()
         self._check_algorithm()
+        _check_ppo(self)
         if not self.rewards:
             raise ValueError("no reward functions: add e.g. `rewards: [{fn: gym}]` to the config")
         return self
@@ -501,6 +541,9 @@ def _check_molora_rl(cfg: "RLConfig") -> None:
     if any(spec.fn == "reward_model" for spec in cfg.rewards):
         raise ValueError("rewards fn: reward_model puts a PEFT reward adapter on the base, which a molora policy "
                          "cannot share yet: use another reward function or train a LoRA policy")
+    if cfg.algo.name == "ppo":
+        raise ValueError("algo.name=ppo puts a PEFT value adapter on the base, which a molora policy cannot share "
+                         "yet: use a group algorithm (e.g. grpo) or train a LoRA policy")
 
 
 # ---- rlora rm ------------------------------------------------------------------------------------------

@@ -81,16 +81,22 @@ def rloo_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "none", eps: fl
     return centred_P_G.float()
 
 
-def token_returns(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float) -> torch.Tensor:
-    """REINFORCE++ returns with gamma = 1: token reward -beta * kl_t on every completion token plus the
-    outcome reward on the last one, summed from t to the end: G_t = r + sum_{s >= t} -beta * kl_s."""
+def token_rewards(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float) -> torch.Tensor:
+    """Per-token rewards (float64): -beta * kl_t on every counted token plus the outcome reward on a row's last
+    counted one (right-padded masks). A NaN outcome (failed reward) counts 0: such rows leave the loss."""
     mask = mask_BT.double()
     token_reward_BT = torch.zeros_like(mask) if kl_BT is None or beta == 0 else -beta * kl_BT.double() * mask
     lengths_B = mask.sum(-1).long()
     rows = (lengths_B > 0).nonzero().squeeze(-1)
     outcome_B = rewards_B.double().nan_to_num(0.0)
     token_reward_BT[rows, lengths_B[rows] - 1] += outcome_B[rows]
-    return token_reward_BT.flip(-1).cumsum(-1).flip(-1) * mask
+    return token_reward_BT
+
+
+def token_returns(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float) -> torch.Tensor:
+    """REINFORCE++ returns with gamma = 1: token reward -beta * kl_t on every completion token plus the
+    outcome reward on the last one, summed from t to the end: G_t = r + sum_{s >= t} -beta * kl_s."""
+    return token_rewards(rewards_B, mask_BT, kl_BT, beta).flip(-1).cumsum(-1).flip(-1) * mask_BT.double()
 
 
 def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float, center: bool = True) -> torch.Tensor:

@@ -53,11 +53,23 @@ class Algorithm:
     # config keys (dotted, from the root) -> value, or a function of the config for values that depend on it
     presets: dict[str, Any] = field(default_factory=dict)
     kl_in_reward: bool = False  # the KL to the reference enters the token reward, not the loss (REINFORCE++)
+    critic: bool = False  # a value adapter + head is trained beside the policy; GAE advantages (train/ppo_step.py)
 
 
 def _dapo_buffer(cfg) -> int:
     # DAPO: 4096 of 20480 tokens (20 %) are the soft-punishment buffer
     return max(1, cfg.rollout.max_new_tokens // 5)
+
+
+def _ppo_section(cfg):
+    """the `ppo:` section with its defaults (gamma 1, lam 0.95, value_clip 0.2, KL in the reward)"""
+    from rlora.config import PPOConfig  # the config imports this module
+
+    return PPOConfig()
+
+
+def _from_critic(inp: AdvantageInputs) -> torch.Tensor:
+    raise TypeError("ppo's advantages come from its critic's values (GAE): train/ppo_step.py computes them")
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
@@ -77,6 +89,9 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               {"algo.beta": 0.01}, kl_in_reward=True),
     Algorithm("reinforce_pp_baseline", "Hu 2025, REINFORCE++ (arXiv:2501.03262), group-mean baseline",
               lambda inp: _reinforce_pp(inp, baseline=True), grpo_token_loss, {"algo.beta": 0.01}, kl_in_reward=True),
+    Algorithm("ppo", "Schulman et al. 2017, PPO (arXiv:1707.06347) with GAE (arXiv:1506.02438); KL in the reward as "
+              "Ouyang et al. 2022, InstructGPT (arXiv:2203.02155)", _from_critic, grpo_token_loss,
+              {"algo.beta": 0.05, "ppo": _ppo_section}, critic=True),
     Algorithm("adaptive_grpo", "rlora's corrected adaGRPO: GRPO that resamples failing groups", _group,
               grpo_token_loss, {"algo.adaptive.enabled": True}),
 )}

@@ -88,15 +88,23 @@ def _full_logprobs(model, batch: RolloutSlice, with_entropy: bool, entropy_grad:
     return token_logprobs(logits_BTV, batch.completion_ids_BTc, token_temperatures(batch), with_entropy, entropy_grad)
 
 
+def completion_hidden(model, batch: RolloutSlice, prefix: PrefixSlice | None = None) -> torch.Tensor:
+    """[B, Tc, H] final hidden states (after the last norm) at the positions that predict each completion token:
+    position t holds the state before completion token t (what the output layer, or a value head, reads).
+    `batch` must be on the model's device."""
+    Tc = batch.completion_ids_BTc.shape[1]
+    if prefix is None:
+        last_BTH = causal_lm(model).get_decoder()(**_inputs(batch)).last_hidden_state
+    else:
+        last_BTH = suffix_hidden(model, batch, prefix.hidden_BTH, prefix.num_frozen)
+    return last_BTH[:, -(Tc + 1):-1]
+
+
 def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_tokens: int, entropy_grad: bool,
                       prefix: PrefixSlice | None):
     hf = causal_lm(model)
     B, Tc = batch.completion_ids_BTc.shape
-    if prefix is None:
-        last_BTH = hf.get_decoder()(**_inputs(batch)).last_hidden_state
-    else:
-        last_BTH = suffix_hidden(model, batch, prefix.hidden_BTH, prefix.num_frozen)
-    hidden_BTH = last_BTH[:, -(Tc + 1):-1]
+    hidden_BTH = completion_hidden(model, batch, prefix)
     keep_BT = batch.completion_mask_BTc.bool()
     hidden_NH = hidden_BTH[keep_BT]
     targets_N = batch.completion_ids_BTc[keep_BT]

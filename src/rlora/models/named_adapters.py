@@ -115,3 +115,32 @@ def activated(model, name: str | None):
     else:
         model.set_adapter(PEFT_NAME.format(name), inference_mode=True)
         yield model
+
+
+@contextmanager
+def kept_flags(model):
+    """Put back every parameter's requires_grad and every module's training flag afterwards (peft's
+    set_adapter changes both)."""
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for param, requires_grad in grads:
+            param.requires_grad_(requires_grad)
+        for module, training in modes:
+            module.training = training
+
+
+@contextmanager
+def adapter_switched(model, name: str, trainable: bool = False):
+    """The peft model with adapter `name` active (its parameters requiring grad if `trainable`), then the
+    adapter that was active before, with every requires_grad and training flag as it was. Anything that
+    runs the adapter (a backward pass that recomputes checkpointed activations included) must run inside."""
+    previous = model.active_adapter
+    with kept_flags(model):
+        model.set_adapter(name, inference_mode=not trainable)
+        try:
+            yield model
+        finally:
+            model.set_adapter(previous)

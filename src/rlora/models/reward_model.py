@@ -61,22 +61,39 @@ def score(model: torch.nn.Module, head: torch.nn.Linear, input_ids_BT: torch.Ten
 
 def save_reward_model(folder: Path | str, model, head: torch.nn.Linear, adapter_name: str = "default") -> None:
     """Write the reward model into `folder` (the caller makes it atomic, e.g. RunDir.write_folder)."""
+    save_adapter_and_head(Path(folder), model, head, adapter_name, HEAD_FILE, META_FILE,
+                          {"format": FORMAT, "version": VERSION, "score": READS})
+
+
+def save_adapter_and_head(folder: Path, model, head: torch.nn.Linear, adapter_name: str, head_file: str,
+                          meta_file: str, description: dict) -> None:
+    """The named adapter's PEFT files at the top of `folder`, the fp32 head as `head_file` (weight, bias) and
+    `meta_file`: `description` (format, version, how the head is read) plus the base's hidden size, name and
+    type and the head's shapes."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
     model.save_pretrained(str(folder), safe_serialization=True, selected_adapters=[adapter_name])
     if adapter_name != "default":  # peft writes named adapters into a subfolder
         for child in (folder / adapter_name).iterdir():
             child.replace(folder / child.name)
         (folder / adapter_name).rmdir()
     save_file({"weight": head.weight.detach().float().cpu().contiguous(),
-               "bias": head.bias.detach().float().cpu().contiguous()}, str(folder / HEAD_FILE))
+               "bias": head.bias.detach().float().cpu().contiguous()}, str(folder / head_file))
     lm = causal_lm(model)
-    meta = {"format": FORMAT, "version": VERSION, "hidden_size": lm.config.hidden_size,
-            "base_model": getattr(lm.config, "_name_or_path", None), "model_type": lm.config.model_type,
-            "score": READS, "head": {"file": HEAD_FILE, "weight": [1, lm.config.hidden_size], "bias": [1],
-                                     "dtype": "float32"}}
-    (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    size = lm.config.hidden_size
+    meta = {**description, "hidden_size": size, "base_model": getattr(lm.config, "_name_or_path", None),
+            "model_type": lm.config.model_type,
+            "head": {"file": head_file, "weight": [1, size], "bias": [1], "dtype": "float32"}}
+    (folder / meta_file).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def check_hidden_size(meta: dict, model, folder, what: str) -> int:
+    """-> the model's hidden size, which must be the one the folder's head was built for (one-line UserError)."""
+    size = hidden_size(model)
+    if meta.get("hidden_size") != size:
+        raise UserError(f"{what} '{folder}' was built for a base with hidden size {meta.get('hidden_size')} "
+                        f"({meta.get('base_model')}); this base has {size}: load it on its own base model")
+    return size
 
 
 def read_reward_meta(folder: str) -> dict:
@@ -93,16 +110,18 @@ def read_reward_meta(folder: str) -> dict:
     return meta
 
 
-def load_score_head(folder: str, size: int, device: torch.device | str = "cpu") -> torch.nn.Linear:
+def load_score_head(folder: str, size: int, device: torch.device | str = "cpu",
+                    head_file: str = HEAD_FILE) -> torch.nn.Linear:
+    """The fp32 Linear(size, 1) saved as `head_file` in `folder`, frozen (one-line UserError if damaged)."""
     from safetensors.torch import load_file
 
     try:
-        tensors = load_file(str(Path(folder) / HEAD_FILE))
+        tensors = load_file(str(Path(folder) / head_file))
     except Exception as err:  # noqa: BLE001 - truncated or not safetensors
-        raise UserError(f"{Path(folder) / HEAD_FILE} is damaged: {first_line(err)}") from None
+        raise UserError(f"{Path(folder) / head_file} is damaged: {first_line(err)}") from None
     weight, bias = tensors.get("weight"), tensors.get("bias")
     if weight is None or bias is None or tuple(weight.shape) != (1, size) or tuple(bias.shape) != (1,):
-        raise UserError(f"{Path(folder) / HEAD_FILE} must hold weight [1, {size}] and bias [1]")
+        raise UserError(f"{Path(folder) / head_file} must hold weight [1, {size}] and bias [1]")
     head = new_score_head(size, device=device)
     with torch.no_grad():
         head.weight.copy_(weight)
@@ -119,11 +138,7 @@ def load_reward_model(folder: str, base_model, adapter_name: str = "reward"):
     `model.set_adapter(adapter_name)` before `score`). A folder built for another base: one-line UserError."""
     from peft import PeftModel
 
-    meta = read_reward_meta(folder)
-    size = hidden_size(base_model)
-    if meta.get("hidden_size") != size:
-        raise UserError(f"reward model '{folder}' was built for a base with hidden size {meta.get('hidden_size')} "
-                        f"({meta.get('base_model')}); this base has {size}: load it on its own base model")
+    size = check_hidden_size(read_reward_meta(folder), base_model, folder, "reward model")
     try:
         if isinstance(base_model, PeftModel):
             base_model.load_adapter(folder, adapter_name=adapter_name, is_trainable=False)

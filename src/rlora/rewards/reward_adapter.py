@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from rlora.errors import UserError
+from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.models.reward_model import META_FILE, load_score_head, read_reward_meta
 
 REWARD_MODEL = "reward_model"  # the `fn` of a reward adapter in rewards[]
@@ -120,7 +121,7 @@ class RewardAdapter:
         from rlora.models.reward_model import load_reward_model
 
         device = next(model.parameters()).device
-        with _kept_state(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with kept_flags(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             _, self.head = load_reward_model(self.folder, model, adapter_name=self.adapter_name)
         for name, param in model.named_parameters():
             if f".{self.adapter_name}." in name:
@@ -184,31 +185,12 @@ def _same_model(recorded: str, model_path: str) -> bool:
 
 
 @contextlib.contextmanager
-def _kept_state(model):
-    """Put back every parameter's requires_grad and every module's training flag afterwards."""
-    grads = [(p, p.requires_grad) for p in model.parameters()]
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for param, requires_grad in grads:
-            param.requires_grad_(requires_grad)
-        for module, training in modes:
-            module.training = training
-
-
-@contextlib.contextmanager
 def reward_adapter_active(model, adapter_name: str):
     """The model with `adapter_name` active, in eval mode; then the adapter that was active before (the
     policy's), with the parameters' requires_grad and the modules' training flags as they were."""
-    previous = model.active_adapter
-    with _kept_state(model):
+    with adapter_switched(model, adapter_name):
         model.eval()
-        model.set_adapter(adapter_name, inference_mode=True)
-        try:
-            yield model
-        finally:
-            model.set_adapter(previous)
+        yield model
 
 
 # ---- wiring into `rlora train` -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from rlora.models.loading import (
 from rlora.plot import plot_after_run
 from rlora.models import molora as ml
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
+from rlora.models.value_model import Critic, attach_critic
 from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
 from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
@@ -39,6 +40,7 @@ from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
 from rlora.train.checkpoint import set_aside_after
 from rlora.train.resume import check_same_run, find_checkpoint, restore_training_state, save_training_state
+from rlora.train.ppo_step import ppo_step
 from rlora.train.step import RewardFailure, grpo_step
 from rlora.types import Example
 
@@ -60,6 +62,7 @@ class Session:
     resume_from: Path | None = None  # checkpoint this run continues from
     world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
+    critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
 
 
 def seed_everything(seed: int) -> None:
@@ -84,6 +87,9 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if cfg.molora is not None:
         raise UserError("data parallel does not support molora yet (the routers' auxiliary loss would need the "
                         "batch's routing over all ranks): train a molora policy in one process")
+    if cfg.algo.name == "ppo":
+        raise UserError("algo.name=ppo does not run data parallel yet (its critic's gradients and batch-whitened "
+                        "advantages are per rank): run it in one process")
     if cfg.rollout.engine != "builtin":
         raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
                         "split across ranks)")
@@ -136,6 +142,10 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     model = attach_lora(base, cfg.lora) if cfg.molora is None else attach_molora_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
     attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
+    critic = None
+    if get_algorithm(cfg.algo.name).critic:  # beside the policy's, on its layers: frozen outside Critic.active()
+        critic = attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
+                               cfg.ppo.value_head_init_std)
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -160,7 +170,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
             raise UserError(f"{option} needs the sampler's log-probs, which only rollout.engine=builtin returns "
                             f"(this run samples with '{generator.name}'): {fix}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids, resume_from, world, num_frozen)
+                   prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic)
 
 
 def frozen_layers_to_share(cfg: RLConfig, model) -> int:
@@ -210,6 +220,16 @@ def save_final(s: Session, name: str = "adapter") -> None:
     """The policy: a PEFT adapter folder, or a MoLoRA folder (docs/molora.md)."""
     save = save_adapter if s.cfg.molora is None else ml.save_molora
     s.run_dir.write_folder(name, lambda folder: save(s.model, folder))
+    if s.critic is not None:  # adapter -> value_model, adapter-stepN -> value_model-stepN
+        s.run_dir.write_folder(name.replace("adapter", "value_model"), s.critic.save)
+
+
+def optimizer_groups(s: Session) -> list[dict]:
+    """The policy's adapter parameters; with a critic, its adapter and head as a second group (ppo.value_lr)."""
+    groups = [{"params": trainable_parameters(s.model)}]
+    if s.critic is not None:
+        groups.append({"params": s.critic.parameters(), "lr": s.cfg.ppo.value_lr or s.cfg.train.lr})
+    return groups
 
 
 def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
@@ -224,7 +244,7 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
         barrier(s.world)
         return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
-    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay)
+    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay, s.critic)
     s.run_dir.drop_steps_after(state["step"], ("metrics.jsonl", "samples.jsonl"))
     if s.world.is_main and s.run_dir.holds_checkpoint(s.resume_from):
         for folder in set_aside_after(s.resume_from.parent, state["step"]):
@@ -248,9 +268,10 @@ def _run(cfg: RLConfig, world: World) -> dict:
         info("train.release_memory has no effect here (needs glibc)")
     s = prepare(cfg, world)
     n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
-    info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters, {len(s.train_ids)} prompts "
+    critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
+    info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
          f"-> {cfg.train.output_dir}")
-    optimizer, scheduler = build_optimizer(trainable_parameters(s.model), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
+    optimizer, scheduler = build_optimizer(optimizer_groups(s), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed) if cfg.algo.replay.enabled else None
     first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
@@ -260,7 +281,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
         try:
             if world.is_main:
                 save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, replay,
-                                    time.perf_counter() - t0, evals["before"])
+                                    time.perf_counter() - t0, evals["before"], s.critic)
             barrier(world)
         except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
             raise UserError(f"could not write the checkpoint after step {done} ({err.strerror or err}); the previous "
@@ -270,7 +291,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
         with progress_bar("train", cfg.train.steps) as update:
             update(first_step, "")
             for step in range(first_step, cfg.train.steps):
-                last, samples = grpo_step(s, step, optimizer, scheduler, replay)
+                last, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, optimizer, scheduler, replay)
                 if world.active:
                     last, samples = gather_step(world, last, samples, trainable_parameters(s.model))
                 s.run_dir.append_jsonl("metrics.jsonl", last)

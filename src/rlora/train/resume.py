@@ -4,6 +4,8 @@
     trainer.pt        optimizer and scheduler state, RNG states of python/numpy/torch (and CUDA), read back
                       with torch.load(weights_only=True): no pickled code is ever executed
     replay.pt         the experience-replay buffer, when the run uses one
+    value_model/      PPO's critic (value adapter + head, models/value_model.py), when the run has one; its
+                      optimizer state is the second param group of trainer.pt's optimizer
     state.json        step, training time so far, the evaluation before training, the run's config
 
 Data order and sampling seeds are pure functions of (seed, step), so the step number is the data position.
@@ -30,7 +32,7 @@ from rlora.types import Rollout
 
 CHECKPOINTS = "checkpoints"
 # sections whose change makes a checkpoint meaningless for the run (train.* may change: e.g. more steps)
-MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "train.seed", "train.prompts_per_step")
+MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "ppo", "train.seed", "train.prompts_per_step")
 
 
 def rng_state() -> dict:
@@ -65,7 +67,7 @@ def _load_replay(buffer: ReplayBuffer, groups: list[dict]) -> None:
 
 
 def save_training_state(run_path: Path, step: int, cfg, model, optimizer, scheduler, replay: ReplayBuffer | None,
-                        train_s: float, eval_before: dict | None) -> Path:
+                        train_s: float, eval_before: dict | None, critic=None) -> Path:
     """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints)."""
 
     def fill(folder: Path) -> None:
@@ -74,6 +76,9 @@ def save_training_state(run_path: Path, step: int, cfg, model, optimizer, schedu
                    folder / "trainer.pt")
         if replay is not None:
             torch.save(_replay_state(replay), folder / "replay.pt")
+        if critic is not None:
+            (folder / "value_model").mkdir()
+            critic.save(folder / "value_model")
         state = {"step": step, "train_s": train_s, "eval_before": eval_before, "config": to_yaml(cfg)}
         (folder / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
 
@@ -125,7 +130,8 @@ def _first_difference(a, b, path: str) -> str:
     return f"{path} ({a!r} there, {b!r} now)"
 
 
-def restore_training_state(folder: Path, model, optimizer, scheduler, replay: ReplayBuffer | None) -> None:
+def restore_training_state(folder: Path, model, optimizer, scheduler, replay: ReplayBuffer | None,
+                           critic=None) -> None:
     from peft import set_peft_model_state_dict
 
     weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
@@ -133,6 +139,8 @@ def restore_training_state(folder: Path, model, optimizer, scheduler, replay: Re
     missing = [k for k in getattr(result, "unexpected_keys", [])]
     if missing:
         raise UserError(f"train.resume: the checkpoint's adapter does not fit this model ({missing[0]})")
+    if critic is not None:
+        critic.restore(folder / "value_model")
     trainer = _safe_load(folder / "trainer.pt")
     optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])

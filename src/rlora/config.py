@@ -269,6 +269,36 @@ def _check_ppo(cfg) -> None:
                              f"with its critic: disable {key}")
 
 
+def _check_policies(cfg: "RLConfig") -> None:
+    """Several policies on one base: unique names, and what a run of several policies does not do yet."""
+    names = [p.name for p in cfg.policies]
+    if len(names) < 2:
+        raise ValueError("policies lists one policy: remove the policies section (train.lr / train.seed set a single "
+                         "policy) or list at least two")
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"policies: the name '{twice}' is given twice: every policy needs its own name")
+    refused = [
+        (cfg.molora is not None, "a molora section", "remove molora (each policy is a plain LoRA adapter)"),
+        (cfg.algo.name == "ppo", "algo.name=ppo", "use a group algorithm such as grpo"),
+        (cfg.algo.name.startswith("reinforce_pp") or cfg.algo.adv_scale == "batch",
+         f"batch-wide advantage statistics ({cfg.algo.name}, adv_scale={cfg.algo.adv_scale})",
+         "use group statistics (e.g. grpo with algo.adv_scale=group)"),
+        (cfg.algo.dynamic_sampling, "algo.dynamic_sampling", "set algo.dynamic_sampling=false"),
+        (cfg.algo.adaptive.enabled, "adaptive resampling", "use another algorithm than adaptive_grpo"),
+        (cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false"),
+        (cfg.rollout.engine != "builtin", "rollout.engine=hf", "use rollout.engine=builtin (it batches the policies)"),
+        (bool(cfg.train.checkpoint_every) or cfg.train.resume is not None, "checkpoints",
+         "set train.checkpoint_every=0 and unset train.resume"),
+        (any(spec.fn == "reward_model" for spec in cfg.rewards), "rewards fn: reward_model",
+         "score with rule or function rewards"),
+    ]
+    for wanted, what, fix in refused:
+        if wanted:
+            raise ValueError(f"policies: several policies in one run do not support {what} yet: {fix}, or train "
+                             "the policies in separate runs")
+
+
 class OptimizerConfig(_Section):
     """The keys `rlora train` and `rlora sft` share: optimizer, schedule, seed, output folder."""
 
@@ -345,6 +375,15 @@ class LogConfig(_Section):
     plot: bool = Field(True, description="Write PNG figures of the metrics to OUTPUT/plots at the end of a run")
 
 
+class PolicySpec(_Section):
+    """One of several policy adapters trained together on one base (docs/policies.md)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Names the policy's folder OUTPUT/policies/NAME and "
+                      "its metrics (letters, digits, '_', '-')")
+    lr: float | None = Field(None, gt=0, description="Its learning rate (null: train.lr)")
+    seed: int | None = Field(None, description="Its adapter's initialisation and sampling seed (null: train.seed)")
+
+
 class RLConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -360,6 +399,9 @@ class RLConfig(_Section):
         "every lora.* key must then keep its default (null: plain LoRA)")
     ppo: PPOConfig | None = Field(
         None, description="PPO's critic and GAE settings: algo.name=ppo only (it fills in the defaults where absent)")
+    policies: list[PolicySpec] | None = Field(
+        None, description="Train several LoRA policies (same lora.* shape) on one base in one run, each with its own "
+        "optimizer, metrics and folder, all served by one batched pass (docs/policies.md); null: one policy")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RLConfig":
@@ -394,6 +436,8 @@ class RLConfig(_Section):
         self._apply_algorithm_presets()
         self._check_algorithm()
         _check_ppo(self)
+        if self.policies is not None:
+            _check_policies(self)
         if not self.rewards:
             raise ValueError("no reward functions: add e.g. `rewards: [{fn: gym}]` to the config")
         return self

@@ -143,10 +143,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_after_run(run_path: Path) -> None:
-    """End of `rlora train` with log.plot: the run is already saved, so a failure here is only a notice."""
+def plot_after_run(run_path: Path, runs: list[Path] | None = None) -> None:
+    """End of `rlora train` with log.plot: the run is already saved, so a failure here is only a notice.
+    runs: folders whose metrics to overlay into run_path/plots (default: the run's own)."""
     try:
-        result = plot_runs([str(run_path)])
+        result = plot_runs([str(r) for r in runs or [run_path]], output=str(run_path / "plots"))
     except Exception as err:
         info(f"could not plot the metrics ({first_line(err)}); the run is saved: try `rlora plot {run_path}`")
         return

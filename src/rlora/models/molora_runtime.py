@@ -77,9 +77,15 @@ def sampler_routing(model, prompts: list[list[int]], G: int):
 
 @contextmanager
 def reference_policy(model):
-    """The base alone: the MoLoRA mixture off (a MoLoRA model), else the peft adapter off."""
+    """The base alone: the MoLoRA mixture off (a MoLoRA model), every policy adapter off (several policies), else
+    the peft adapter off."""
+    from rlora.models.multi_lora import policies_disabled, policy_state
+
     if has_molora(model):
         with ml.molora_disabled(model):
+            yield model
+    elif policy_state(model) is not None:
+        with policies_disabled(model):
             yield model
     else:
         with model.disable_adapter():

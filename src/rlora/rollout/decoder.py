@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from torch import nn
 
 from rlora.models.loading import causal_lm
+from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -112,6 +113,29 @@ class FusedLinear:
         return (y,) if len(self.sizes) == 1 else y.split(self.sizes, dim=-1)
 
 
+class PolicyFusedLinear:
+    """Several linear maps of the same input, on a model with several policy adapters (models/multi_lora.py):
+    the base weights fused into one matmul over every row (in the compute dtype), plus each row's own policy
+    adapter, batched over the policies. The rows' policies are the state's current RowBlocks, set by the
+    sampler before each forward."""
+
+    def __init__(self, modules: list[nn.Module], state: PolicyState, dtype: torch.dtype):
+        bases = [m.get_base_layer() if hasattr(m, "lora_A") else m for m in modules]
+        self.base = FusedLinear(bases, merge=True, dtype=dtype)
+        if self.base.modules is not None:
+            raise ValueError("several policies need plain floating-point linear layers under their adapters")
+        self.sizes = self.base.sizes
+        self.factors = [stacked_factors(m, state.names, dtype) if hasattr(m, "lora_A") else None for m in modules]
+        self.state = state
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = self.base(x)
+        blocks = self.state.blocks
+        packed = blocks.pack(x)
+        return tuple(out if f is None else out + blocks.unpack(packed_lora_delta(packed, *f))
+                     for out, f in zip(outs, self.factors))
+
+
 def _weight_dtype(module: nn.Module) -> torch.dtype:
     base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
     weight = getattr(base, "weight", None)
@@ -165,27 +189,35 @@ class DecoderView:
     @classmethod
     def of(cls, model: nn.Module, merge: bool, dtype: torch.dtype | None = None) -> "DecoderView":
         """dtype: the sampler's compute dtype (default: the model's). A lower one, e.g. bfloat16 for a
-        float32 model, samples from merged weight copies in that dtype."""
+        float32 model, samples from merged weight copies in that dtype. A model with several policy adapters
+        gets each row's own adapter (PolicyFusedLinear; merge does not apply)."""
         hf = causal_lm(model)
         config, inner = hf.config, hf.model
         dtype = dtype or inner.embed_tokens.weight.dtype
+        policies = policy_state(model)
+
+        def fused(modules: list[nn.Module]):
+            if policies is not None:
+                return PolicyFusedLinear(modules, policies, dtype)
+            return FusedLinear(modules, merge, dtype)
+
         layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(LayerView(
                 input_norm=Cast(layer.input_layernorm, dtype),
-                qkv=FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], merge, dtype),
-                o_proj=FusedLinear([attn.o_proj], merge, dtype),
+                qkv=fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+                o_proj=fused([attn.o_proj]),
                 post_norm=Cast(layer.post_attention_layernorm, dtype),
-                gate_up=FusedLinear([mlp.gate_proj, mlp.up_proj], merge, dtype),
-                down=FusedLinear([mlp.down_proj], merge, dtype),
+                gate_up=fused([mlp.gate_proj, mlp.up_proj]),
+                down=fused([mlp.down_proj]),
                 act_fn=mlp.act_fn,
                 scaling=attn.scaling,
             ))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
             embed=Cast(inner.embed_tokens, dtype), rotary=inner.rotary_emb, layers=layers, norm=Cast(inner.norm, dtype),
-            lm_head=FusedLinear([hf.lm_head], merge, dtype), num_heads=config.num_attention_heads,
+            lm_head=fused([hf.lm_head]), num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=head_dim, dtype=dtype,
             device=inner.embed_tokens.weight.device,
         )

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlora.models.molora_runtime import SamplerRouting, sampler_routing
+from rlora.models.multi_lora import SamplerPolicies
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers, mlp
 from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
@@ -148,13 +149,17 @@ class BuiltinGenerator:
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,
-               params: SamplingParams | Sequence[SamplingParams], seed: int, keys: Sequence[int] | None = None) -> Rollout:
+               params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
+               keys: Sequence[int] | None = None, policies: Sequence[int] | None = None) -> Rollout:
         """keys: an integer per prompt (default its position) that, with the seed, alone decides the random
-        draws of its rows: the same (seed, key) samples the same completions in any batch, on any rank."""
+        draws of its rows: the same (seed, key) samples the same completions in any batch, on any rank.
+        seed: one for all prompts, or one per prompt. policies: on a model with several policy adapters
+        (models/multi_lora.py), the policy that samples each prompt; all of them decode in one batch."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         keys = list(range(len(prompts))) if keys is None else list(keys)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(per_prompt)} sampling settings for {len(prompts)} prompts")
+        seeds = [seed] * len(prompts) if isinstance(seed, int) else list(seed)
+        if not len(per_prompt) == len(seeds) == len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling settings and {len(seeds)} seeds for {len(prompts)} prompts")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
         was_training = model.training
@@ -166,18 +171,22 @@ class BuiltinGenerator:
             per_chunk = max(1, max_rows // n)  # prompts decoded together: up to max_rows rows
             chunks = []
             for i in range(0, len(prompts), per_chunk):  # MoLoRA layers are called routed by their rows' prompts
-                with sampler_routing(model, prompts[i:i + per_chunk], n) as routing:
-                    chunks.append(self._sample_chunk(view, prompts[i:i + per_chunk], n, per_prompt[i:i + per_chunk],
-                                                     seed, keys[i:i + per_chunk], routing))
+                part = slice(i, i + per_chunk)
+                with (sampler_routing(model, prompts[part], n) as routing,
+                      SamplerPolicies(model, None if policies is None else list(policies)[part], n, view.device) as rows):
+                    chunks.append(self._sample_chunk(view, prompts[part], n, per_prompt[part], seeds[part], keys[part],
+                                                     _RowContexts(routing, rows)))
         finally:
             model.train(was_training)
         return self._rollout(prompts, n, chunks)
 
-    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seed: int, keys: list[int],
-                      routing: SamplerRouting):
+    def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seeds: list[int], keys: list[int],
+                      routing: "_RowContexts"):
         device = view.device
         P, B = len(prompts), len(prompts) * G
         row_keys_B = (torch.tensor(keys, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1).to(device)
+        # one seed for the chunk (the usual case) keeps the scalar hash; several: one per row
+        seed = seeds[0] if len(set(seeds)) == 1 else torch.tensor(seeds, dtype=torch.int64, device=device).repeat_interleave(G)
         rows = RowParams.per_row(per_prompt, G, device)
         max_new = int(rows.max_new_A.max())
         ids_PT, mask_PT = (x.to(device) for x in left_pad(prompts, self.pad_id))
@@ -202,7 +211,7 @@ class BuiltinGenerator:
             if spans is not None:
                 rows_now = spans.settings(rows_now, active_A, t)
             banned_A = (rows_now.min_new_A > t) if any_min_new else None
-            u_A = counter_uniform(seed, row_keys_B[active_A], t)
+            u_A = counter_uniform(seed if isinstance(seed, int) else seed[active_A], row_keys_B[active_A], t)
             token_A, logp_A = sample_tokens(logits_A, rows_now, u_A, banned_A, self.eos_ids)
             active_cpu = active_A.cpu()
             tokens_BT[active_cpu, t], logp_BT[active_cpu, t] = token_A.cpu(), logp_A.float().cpu()
@@ -224,7 +233,7 @@ class BuiltinGenerator:
                       None if spans is None else spans.temperature_BT)
 
     def _decoder(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor,
-                 routing: SamplerRouting):
+                 routing: "_RowContexts"):
         """-> step(token_A, active_A, t) -> logits of the active rows' next token [A, V]."""
         mode = self._decode_mode(view.device)
         if mode == "eager":
@@ -265,6 +274,22 @@ class BuiltinGenerator:
             temperature_B=torch.cat([c.temperature_B for c in chunks]), sampling_logp_BTc=logp_BT,
             temperature_BTc=_token_temperatures(chunks, width, keep, mask_BT),
         )
+
+
+class _RowContexts:
+    """What the layers need to know about the rows of the next forward: MoLoRA's prompt routing and the rows'
+    policy adapters (each a no-op where the model has none)."""
+
+    def __init__(self, routing: SamplerRouting, policies: SamplerPolicies):
+        self.parts = (routing, policies)
+
+    def prompts(self) -> None:
+        for part in self.parts:
+            part.prompts()
+
+    def rows(self, rows_A: torch.Tensor) -> None:
+        for part in self.parts:
+            part.rows(rows_A)
 
 
 def _token_temperatures(chunks: list[_Chunk], width: int, keep: int, mask_BT: torch.Tensor) -> torch.Tensor | None:

@@ -23,10 +23,13 @@ class Generator(Protocol):
 
     def sample(
         self, model: torch.nn.Module, prompts: list[list[int]], n: int,
-        params: SamplingParams | Sequence[SamplingParams], seed: int, keys: Sequence[int] | None = None,
+        params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int], keys: Sequence[int] | None = None,
+        policies: Sequence[int] | None = None,
     ) -> Rollout:
         """-> Rollout with n completions per prompt (prompt-major), their masks, finish reasons, the
-        temperature of each row and, where the backend has them, the per-token sampling log-probs."""
+        temperature of each row and, where the backend has them, the per-token sampling log-probs. seed: one,
+        or one per prompt; policies: the policy adapter of each prompt on a model with several (built-in
+        engine only)."""
         ...
 
 
@@ -83,8 +86,11 @@ class HFGenerator:
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams | Sequence[SamplingParams],
-               seed: int, keys: Sequence[int] | None = None) -> Rollout:
+               seed: int | Sequence[int], keys: Sequence[int] | None = None,
+               policies: Sequence[int] | None = None) -> Rollout:
         # keys are ignored: generate draws from one stream, so samples depend on the batch composition
+        if policies is not None or not isinstance(seed, int):
+            raise ValueError("several policies, or a seed per prompt, need rollout.engine=builtin")
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if any(p.think is not None for p in per_prompt):  # generate takes one temperature per call
             raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")

@@ -66,11 +66,18 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def counter_uniform(seed: int, keys_A: torch.Tensor, t: int) -> torch.Tensor:
+_SEED_MIX, _STEP_MIX = _signed(0xD1B54A32D192ED03), _signed(0x8CB92BA72F3D8DD7)
+
+
+def counter_uniform(seed: int | torch.Tensor, keys_A: torch.Tensor, t: int) -> torch.Tensor:
     """One uniform in [0, 1) (float64) per row from (seed, row key, token index t): splitmix64 of a counter
     (int64 arithmetic wraps modulo 2^64, as the hash needs). A row's draws depend on nothing but its own
-    key, so splitting a batch across processes or chunks never changes what is sampled."""
-    offset = _signed(seed * 0xD1B54A32D192ED03 + t * 0x8CB92BA72F3D8DD7)
+    key, so splitting a batch across processes or chunks never changes what is sampled. seed: one for all
+    rows, or one per row (int64 [A]: rows of several policies, each with its own seed)."""
+    if isinstance(seed, torch.Tensor):
+        offset = seed.to(torch.int64) * _SEED_MIX + _signed(t * _STEP_MIX)
+    else:
+        offset = _signed(seed * _SEED_MIX + t * _STEP_MIX)
     x = keys_A.to(torch.int64) * _GOLDEN + offset
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2

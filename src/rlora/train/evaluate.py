@@ -49,15 +49,18 @@ def _is_correct(value) -> bool:
 @torch.no_grad()
 def evaluate(model, generator, examples: list[Example], prompt_ids: list[list[int]], prompt_texts: list[str],
              rewards: list[RewardFn], params: SamplingParams, batch_size: int, num_samples: int = 1,
-             pass_k: tuple[int, ...] = (), seed: int = 0, progress=None) -> tuple[dict, list[dict]]:
+             pass_k: tuple[int, ...] = (), seed: int = 0, progress=None, policy: int | None = None,
+             ) -> tuple[dict, list[dict]]:
     """-> (metrics, one row per completion). batch_size counts prompts per sampler call; sampling is seeded
     by `seed` (the built-in engine's draws depend on the prompt's position in its batch, so keep
-    batch_size fixed to reproduce a result)."""
+    batch_size fixed to reproduce a result). policy: which policy adapter samples, on a model with several."""
     if any(k > num_samples for k in pass_k):
         raise ValueError(f"pass@k needs k <= num_samples ({num_samples}), got {list(pass_k)}")
     completions: list[str] = []
     for start in range(0, len(examples), batch_size):
-        rollout = generator.sample(model, prompt_ids[start:start + batch_size], num_samples, params, seed=seed + start)
+        batch = prompt_ids[start:start + batch_size]
+        rollout = generator.sample(model, batch, num_samples, params, seed=seed + start,
+                                   policies=None if policy is None else [policy] * len(batch))
         completions.extend(rollout.completions)
         if progress is not None:
             progress(len(completions) // num_samples)

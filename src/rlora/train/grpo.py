@@ -40,6 +40,8 @@ from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
 from rlora.train.checkpoint import set_aside_after
 from rlora.train.resume import check_same_run, find_checkpoint, restore_training_state, save_training_state
+from rlora.models.multi_lora import attach_policies
+from rlora.train import policies as pol
 from rlora.train.ppo_step import ppo_step
 from rlora.train.step import RewardFailure, grpo_step
 from rlora.types import Example
@@ -63,6 +65,7 @@ class Session:
     world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
     critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
+    policies: list[pol.Policy] | None = None  # several policies on the base (cfg.policies), built by _run
 
 
 def seed_everything(seed: int) -> None:
@@ -87,6 +90,9 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if cfg.molora is not None:
         raise UserError("data parallel does not support molora yet (the routers' auxiliary loss would need the "
                         "batch's routing over all ranks): train a molora policy in one process")
+    if cfg.policies is not None:
+        raise UserError("several policies (the policies section) do not run data parallel yet: train them in one "
+                        "process")
     if cfg.algo.name == "ppo":
         raise UserError("algo.name=ppo does not run data parallel yet (its critic's gradients and batch-whitened "
                         "advantages are per rank): run it in one process")
@@ -139,7 +145,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     base = load_base_model(cfg.model, model_path)
     add_model_eos_ids(tok, base)
-    model = attach_lora(base, cfg.lora) if cfg.molora is None else attach_molora_policy(base, cfg)
+    model = attach_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
     attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
     critic = None
@@ -187,20 +193,37 @@ def frozen_layers_to_share(cfg: RLConfig, model) -> int:
     return num_frozen
 
 
-def run_eval(s: Session, label: str) -> dict | None:
+def run_eval(s: Session, label: str, policy: pol.Policy | None = None) -> dict | None:
+    """Held-out evaluation of the policy (with several policies: of `policy`, whose folder gets the samples;
+    before training every policy is the same function, so the first one stands for all)."""
     if not s.prompts.eval:
         return None
     ev = s.cfg.eval
+    if s.policies is not None and policy is None:
+        policy = s.policies[0]
     texts = [prompt_text(ex) for ex in s.prompts.eval]
-    with progress_bar(f"eval ({label})", len(texts)) as update:
+    name = "" if policy is None or label == "before" else f" {policy.name}"
+    with progress_bar(f"eval ({label}{name})", len(texts)) as update:
         result, samples = evaluate(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
                                    eval_sampling(s.cfg), ev.batch_size, ev.num_samples, tuple(ev.pass_k), ev.seed,
-                                   progress=update)
-    s.run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
+                                   progress=update, policy=None if policy is None else policy.index)
+    run_dir = s.run_dir if policy is None or label == "before" else policy.run_dir
+    run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
     reward = "-" if result["reward_mean"] is None else f"{result['reward_mean']:.3f}"
     failures = f", {result['reward_failures']} reward failures" if result["reward_failures"] else ""
-    info(f"held-out {label}: accuracy {result['accuracy']:.3f}  reward {reward}  (n={result['n']}{failures})")
+    info(f"held-out {label}{name}: accuracy {result['accuracy']:.3f}  reward {reward}  (n={result['n']}{failures})")
     return result
+
+
+def eval_after(s: Session) -> dict | None:
+    """The evaluation after training: of the policy, or {name: result} of every policy (each also in its folder)."""
+    if s.policies is None:
+        return run_eval(s, "after")
+    results = {p.name: run_eval(s, "after", p) for p in s.policies}
+    for policy in s.policies:
+        if results[policy.name] is not None:
+            policy.run_dir.write_json("eval.json", {"after": results[policy.name]})
+    return results if any(results.values()) else None
 
 
 def _jsonl(obj) -> str:
@@ -216,8 +239,22 @@ def attach_molora_policy(base, cfg: RLConfig):
     return base
 
 
+def attach_policy(base, cfg: RLConfig):
+    """The trainable policy on the base: a LoRA adapter, a mixture of LoRA experts, or several named adapters."""
+    if cfg.molora is not None:
+        return attach_molora_policy(base, cfg)
+    if cfg.policies is not None:
+        model = attach_policies(base, cfg.lora, *pol.names_and_seeds(cfg))
+        info(f"{len(cfg.policies)} policies on one base: {', '.join(p.name for p in cfg.policies)}")
+        return model
+    return attach_lora(base, cfg.lora)
+
+
 def save_final(s: Session, name: str = "adapter") -> None:
-    """The policy: a PEFT adapter folder, or a MoLoRA folder (docs/molora.md)."""
+    """The policy: a PEFT adapter folder, a MoLoRA folder (docs/molora.md), or one PEFT folder per policy."""
+    if s.policies is not None:
+        pol.save_adapters(s.model, s.policies, name)
+        return
     save = save_adapter if s.cfg.molora is None else ml.save_molora
     s.run_dir.write_folder(name, lambda folder: save(s.model, folder))
     if s.critic is not None:  # adapter -> value_model, adapter-stepN -> value_model-stepN
@@ -238,6 +275,8 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
     cfg = s.cfg
     if s.resume_from is None or not s.run_dir.holds_checkpoint(s.resume_from):
         s.run_dir.create()
+    if s.policies is not None:
+        pol.create_folders(s.policies)
     s.run_dir.write_text("config.yaml", to_yaml(cfg))
     if s.resume_from is None:
         before = run_eval(s, "before") if cfg.eval.before and s.world.is_main else None
@@ -271,7 +310,11 @@ def _run(cfg: RLConfig, world: World) -> dict:
     critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
     info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
          f"-> {cfg.train.output_dir}")
-    optimizer, scheduler = build_optimizer(optimizer_groups(s), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
+    optimizer = scheduler = None  # several policies: one of each per policy (s.policies)
+    if cfg.policies is not None:
+        s.policies = pol.build_policies(cfg, s.model, s.run_dir.path, world.is_main)
+    else:
+        optimizer, scheduler = build_optimizer(optimizer_groups(s), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed) if cfg.algo.replay.enabled else None
     first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
@@ -294,6 +337,11 @@ def _run(cfg: RLConfig, world: World) -> dict:
                 last, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, optimizer, scheduler, replay)
                 if world.active:
                     last, samples = gather_step(world, last, samples, trainable_parameters(s.model))
+                if s.policies is not None:
+                    last, per_policy = pol.split_metrics(last, s.policies)
+                    for policy in s.policies:
+                        policy.run_dir.append_jsonl("metrics.jsonl", per_policy[policy.name])
+                line = metrics_line(last) if s.policies is None else policies_line(last, s.policies)
                 s.run_dir.append_jsonl("metrics.jsonl", last)
                 sinks.log_metrics(step + 1, last)
                 if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
@@ -302,7 +350,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
                     save_final(s, f"adapter-step{step + 1}")
                 if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
                     checkpoint(step + 1)
-                update(step + 1, metrics_line(last))
+                update(step + 1, line)
                 out_of_time = bool(cfg.train.max_time_s) and time.perf_counter() - t0 >= cfg.train.max_time_s
                 if all_reduce_sums(world, [float(out_of_time)])[0]:  # every rank stops after the same step
                     info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
@@ -327,14 +375,14 @@ def _run(cfg: RLConfig, world: World) -> dict:
     if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every:
         checkpoint(done)  # the end of the run is a checkpoint too: `train.steps=more train.resume=auto` extends it
     train_s = time.perf_counter() - t0
-    evals["after"] = run_eval(s, "after") if cfg.eval.after and world.is_main else None
+    evals["after"] = eval_after(s) if cfg.eval.after and world.is_main else None
     barrier(world)
     if any(evals.values()):
         s.run_dir.write_json("eval.json", evals)
     summary = {"status": status, "steps": done, "train_s": train_s, "adapter_params": n_trainable, "last_metrics": last, "eval": evals}
     s.run_dir.write_json("summary.json", summary)
-    if cfg.log.plot and world.is_main:
-        plot_after_run(s.run_dir.path)
+    if cfg.log.plot and world.is_main:  # several policies: their curves overlaid
+        plot_after_run(s.run_dir.path, None if s.policies is None else [p.run_dir.path for p in s.policies])
     _print_final(s, summary)
     return summary
 
@@ -348,14 +396,23 @@ def gather_step(world: World, metrics: dict, samples: list[dict], params) -> tup
     return merged, [row for _, rows in gathered for row in rows]
 
 
+def policies_line(flat: dict, policies: list[pol.Policy]) -> str:
+    """The progress line of a step of several policies (flat metrics): each one's mean reward, the step time."""
+    rewards = "  ".join(f"{p.name} {'-' if flat.get(f'{p.name}/reward_mean') is None else format(flat[f'{p.name}/reward_mean'], '.3f')}"
+                        for p in policies)
+    return f"reward {rewards}  {flat['step_s']:.1f}s/step"
+
+
 def _print_final(s: Session, summary: dict) -> None:
     rows = [("output", str(s.run_dir.path)), ("steps", str(summary["steps"])),
             ("train time", f"{summary['train_s']:.1f} s")]
     last = summary["last_metrics"]
     if last:
-        rows.append(("last step", metrics_line(last)))
+        rows.append(("last step", metrics_line(last) if s.policies is None else policies_line(last, s.policies)))
     for label in ("before", "after"):
         result = summary["eval"].get(label)
-        if result:
-            rows.append((f"held-out accuracy {label}", f"{result['accuracy']:.3f} (n={result['n']})"))
+        per_policy = result if s.policies is not None and label == "after" and result else {"": result}
+        for name, one in per_policy.items():
+            if one:
+                rows.append((f"held-out accuracy {label}{' ' + name if name else ''}", f"{one['accuracy']:.3f} (n={one['n']})"))
     print_summary("rlora train: done", rows)

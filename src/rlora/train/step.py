@@ -22,8 +22,9 @@ from rlora.train.collect import CollectStats, Collector, Group, assemble, is_fla
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.train.schedules import progress_of, scheduled_value
 from rlora.train.distributed import all_reduce_sums
+from rlora.train.policies import row_policies
 from rlora.train.update import (
-    ScoredRollout, accumulate_policy_gradient, batched_logprobs, contribute_nothing, optimizer_step,
+    ScoredRollout, accumulate_gradient_per_policy, batched_logprobs, contribute_nothing, optimizer_step,
 )
 from rlora.types import Example, Rollout, SamplingParams
 
@@ -76,8 +77,19 @@ def step_params(cfg, step: int) -> SamplingParams:
                           stop=tuple(r.stop), think=r.think_phase())
 
 
-def step_seed(cfg, step: int) -> int:
-    return cfg.train.seed * 100_003 + step
+def step_seed(cfg, step: int, seed: int | None = None) -> int:
+    """The sampling seed of a step (of a run whose train.seed is `seed`, default the config's)."""
+    return (cfg.train.seed if seed is None else seed) * 100_003 + step
+
+
+def _sampling_args(s, step: int, slots: list[int], seed: int):
+    """(seed or seeds, keys, policies) of the sampler call for these slots. Several policies: slot k * P + i is
+    prompt slot i drawn by policy k, with the key (i) and seed a run of policy k alone would use."""
+    if s.policies is None:
+        return seed, slots, None
+    P, offset = s.cfg.train.prompts_per_step, seed - step_seed(s.cfg, step)  # offset: a later round or retry
+    policy = [slot // P for slot in slots]
+    return [step_seed(s.cfg, step, s.policies[k].seed) + offset for k in policy], [slot % P for slot in slots], policy
 
 
 def _sampler(s, step: int, timings: Timings, slot_prompt: dict[int, int]):
@@ -88,8 +100,9 @@ def _sampler(s, step: int, timings: Timings, slot_prompt: dict[int, int]):
     def sample(slots: list[int], params: list[SamplingParams], seed: int):
         t0 = time.perf_counter()
         prompts = [slot_prompt[slot] for slot in slots]
+        seeds, keys, policies = _sampling_args(s, step, slots, seed)
         rollout = s.generator.sample(s.model, [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations, params,
-                                     seed, keys=slots)
+                                     seeds, keys=keys, policies=policies)
         t1 = time.perf_counter()
         scores = score_rollout(s, rollout, [s.prompts.train[i] for i in prompts])
         check_failures(s, scores, step)
@@ -103,7 +116,8 @@ def _sampler(s, step: int, timings: Timings, slot_prompt: dict[int, int]):
 def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
-    slot_prompt = dict(enumerate(step_prompts))
+    copies = len(s.policies) if s.policies else 1  # several policies: each samples every prompt of the step
+    slot_prompt = {k * P + i: prompt for k in range(copies) for i, prompt in enumerate(step_prompts)}
     extra = ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, step_prompts)
 
     def more_slots(round_index: int) -> list[int]:
@@ -113,7 +127,7 @@ def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -
 
     collector = Collector(_sampler(s, step, timings, slot_prompt), step_params(cfg, step), cfg.rollout.num_generations,
                           cfg.algo, step_seed(cfg, step))
-    groups = collector.collect(s.world.share(list(range(P))), more_slots)
+    groups = collector.collect(s.world.share(list(range(copies * P))), more_slots)
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
@@ -227,39 +241,61 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
         with adapter_disabled(s.model):
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     t_ref = time.perf_counter()
-    old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix) if need_old else None
+    policy_B = None if s.policies is None else row_policies([g.prompt for g in batch.groups], cfg.train.prompts_per_step,
+                                                              cfg.rollout.num_generations)
+    old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix, policy_B) if need_old else None
     t_old = time.perf_counter()
 
     advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
     behaviour_BT, cap_B = behaviour(s, batch)
     fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
-    scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B)
-    params_list = trainable_parameters(s.model)
+    scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B)
+    # (parameters, optimizer, scheduler) of each policy: one unless the run trains several (train/policies.py)
+    trained = [(trainable_parameters(s.model), optimizer, scheduler)] if s.policies is None else \
+        [(p.params, p.optimizer, p.scheduler) for p in s.policies]
     optim_s = 0.0
     for _ in range(cfg.algo.num_iterations):
-        lr = scheduler.get_last_lr()[0]
-        update = accumulate_policy_gradient(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
-                                            prefix)
+        lrs = [sched.get_last_lr()[0] for _, _, sched in trained]
+        updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
+                                                 s.world, prefix, num_policies=len(trained))
         t_optim = time.perf_counter()
-        update |= optimizer_step(params_list, optimizer, scheduler, cfg.train.max_grad_norm, update["loss"])
+        for update, (params, opt, sched), lr in zip(updates, trained, lrs):
+            update |= optimizer_step(params, opt, sched, cfg.train.max_grad_norm, update["loss"]) | {"lr": lr}
         optim_s += time.perf_counter() - t_optim
     t_end = time.perf_counter()
     stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
 
-    metrics = {
-        "step": step + 1, **_reward_metrics(batch), **update,
-        **_rollout_metrics(batch), **_collect_metrics(stats, cfg), "lr": lr,
-        "temperature": step_params(cfg, step).temperature,
+    shared = {
+        "step": step + 1, **_collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
     }
-    if params_list and params_list[0].is_cuda:
-        metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(params_list[0].device) / 2**30
+    if s.policies is None:
+        metrics = {**shared, **_reward_metrics(batch), **updates[0], **_rollout_metrics(batch)}
+    else:
+        metrics = {**shared, "gen_tokens": int(rollout.completion_mask_BTc.sum()), "policies": {
+            p.name: {**_reward_metrics(part), **update, **_rollout_metrics(part)}
+            for p, update, part in zip(s.policies, updates, _policy_batches(batch, cfg.train.prompts_per_step, len(s.policies)))}}
+    first_params = trained[0][0]
+    if first_params and first_params[0].is_cuda:
+        metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(first_params[0].device) / 2**30
     if replay is not None:
         metrics |= {"replay_groups": len(batch.replayed), "replay_stored": stored, "replay_buffer": len(replay)}
     if batch.scores.errors:
         metrics["reward_errors"] = batch.scores.errors[:5]
     return metrics, _samples(s, batch, advantages, step)
+
+
+def _policy_batches(batch: Batch, prompts_per_step: int, num_policies: int) -> list[Batch]:
+    """Each policy's part of a step's batch (fresh groups only: several policies do not replay)."""
+    G = batch.num_fresh // len(batch.groups)
+    parts = []
+    for k in range(num_policies):
+        groups = [i for i, g in enumerate(batch.groups) if g.prompt // prompts_per_step == k]
+        rows = [i * G + j for i in groups for j in range(G)]
+        parts.append(Batch(select_rows(batch.rollout, rows), batch.scores.select(rows), batch.stats_rewards_P_S[groups],
+                           [batch.groups[i] for i in groups]))
+    return parts
 
 
 def _empty_rank_update(s, step: int, optimizer, scheduler, stats: CollectStats, timings: Timings, t_start: float) -> dict:
@@ -318,7 +354,8 @@ def _samples(s, batch: Batch, advantages, step: int) -> list[dict]:
     rows = []
     for i in range(batch.num_fresh):
         group = batch.groups[i // G]
-        rows.append({"step": step + 1, "prompt": prompt_text(s.prompts.train[batch.slot_prompt[group.prompt]]), "completion": rollout.completions[i],
+        policy = {} if s.policies is None else {"policy": s.policies[group.prompt // s.cfg.train.prompts_per_step].name}
+        rows.append({"step": step + 1, **policy, "prompt": prompt_text(s.prompts.train[batch.slot_prompt[group.prompt]]), "completion": rollout.completions[i],
                      "reward": _num(scores.total_B[i]), "advantage": float(per_row[i]),
                      "temperature": float(rollout.temperature_B[i]), "retries": group.retries,
                      **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}})

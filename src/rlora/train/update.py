@@ -16,6 +16,7 @@ from rlora.models.loading import trainable_parameters
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molora
+from rlora.models.multi_lora import policy_rows
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.rollout.batching import trim
 from rlora.types import Rollout
@@ -33,6 +34,7 @@ class ScoredRollout:
     behaviour_logp_BTc: torch.Tensor | None = None
     is_cap_B: torch.Tensor | None = None
     fresh_B: torch.Tensor | None = None  # bool: rows sampled by this step's policy (None: all)
+    policy_B: torch.Tensor | None = None  # long: each row's policy, with several policies on one base (None: one)
 
 
 def _pad_right(values_BT: torch.Tensor, width: int) -> torch.Tensor:
@@ -41,9 +43,10 @@ def _pad_right(values_BT: torch.Tensor, width: int) -> torch.Tensor:
 
 @torch.no_grad()
 def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_tokens: int = 256,
-                     prefix: FrozenPrefix | None = None) -> torch.Tensor:
+                     prefix: FrozenPrefix | None = None, policy_B: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probs of all completion tokens (no gradient, eval mode: no dropout), micro-batch by micro-batch
-    -> logp_BTc. `prefix`: the rollout's hidden states after the frozen lower layers (computed once)."""
+    -> logp_BTc. `prefix`: the rollout's hidden states after the frozen lower layers (computed once).
+    policy_B: each row's policy adapter, on a model with several (models/multi_lora.py)."""
     width = rollout.completion_ids_BTc.shape[1]
     parts = []
     was_training = model.training
@@ -52,8 +55,9 @@ def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_token
         for start in range(0, rollout.num_completions, micro_batch_size):
             rows = slice(start, start + micro_batch_size)
             micro = trim(rollout.select(rows))
-            logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens,
-                                          prefix=None if prefix is None else prefix.rows(rows, micro))
+            with policy_rows(model, None if policy_B is None else policy_B[rows]):
+                logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens,
+                                              prefix=None if prefix is None else prefix.rows(rows, micro))
             parts.append(_pad_right(logp, width).cpu())  # scored rollouts live on the CPU
     finally:
         model.train(was_training)
@@ -109,17 +113,40 @@ def contribute_nothing(world: World, model) -> float:
     return all_reduce_sums(world, [0.0])[0]
 
 
+METRIC_SUMS = ("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight", "weighted_tokens")
+
+
+def policy_totals(world: World, scored: ScoredRollout, constant_len: int, num_policies: int) -> list[BatchTotals]:
+    """The loss normalisers of each policy's rows (one policy: the whole batch's), summed over ranks."""
+    if scored.policy_B is None:
+        return [global_totals(world, batch_totals(scored.loss_mask_BTc, constant_len))]
+    return [global_totals(world, batch_totals(scored.loss_mask_BTc[scored.policy_B == k], constant_len))
+            for k in range(num_policies)]
+
+
 def accumulate_policy_gradient(
     model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
     chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None,
 ) -> dict[str, float]:
-    """Backward over all micro-batches; returns the summed loss and token metrics of the batch.
+    """accumulate_gradient_per_policy for a model with one policy -> its metrics."""
+    return accumulate_gradient_per_policy(model, algo, cfg, scored, micro_batch_size, constant_len, chunk_tokens, world,
+                                          prefix)[0]
+
+
+def accumulate_gradient_per_policy(
+    model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
+    chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None, num_policies: int = 1,
+) -> list[dict[str, float]]:
+    """Backward over all micro-batches; returns the summed loss and token metrics of the batch, one dict per policy.
     Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
     sampler_logp_gap: mean |old log-prob - sampler log-prob| over the fresh rows' trained tokens, where old
     is the trainer's log-prob of the policy that sampled (the two must agree; a gap means the rollout is
-    off-policy)."""
+    off-policy).
+    Several policies (scored.policy_B): each micro-batch is one forward of all its rows, each through its own
+    adapter; each policy's loss is normalised by its own rows' counts, so the gradient each adapter receives is
+    the one a run of that policy alone computes on the same rows."""
     rollout = scored.rollout
-    totals = global_totals(world, batch_totals(scored.loss_mask_BTc, constant_len))
+    totals = policy_totals(world, scored, constant_len, num_policies)
     loss_beta = 0.0 if algo.kl_in_reward else cfg.beta  # REINFORCE++ puts the KL into the reward instead
     rows = rows_to_train(scored, loss_beta, cfg.entropy_coef, every_row=aux_losses_on(model))
     micros = [(rows[lo:lo + micro_batch_size], trim(rollout.select(rows[lo:lo + micro_batch_size])))
@@ -128,57 +155,91 @@ def accumulate_policy_gradient(
     if has_molora(model):
         routing = RolloutRouting(model, [micro for _, micro in micros],
                                  lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens))
-    sums = dict.fromkeys(("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight",
-                          "weighted_tokens"), 0.0)
+    sums = [dict.fromkeys(METRIC_SUMS, 0.0) for _ in totals]
+    trained_rows = [0] * len(totals)
     sampled = rollout.sampling_logp_BTc
     fresh_B = scored.fresh_B if scored.fresh_B is not None else torch.ones(rollout.num_completions, dtype=torch.bool)
     for index, micro in micros:
         width = micro.completion_ids_BTc.shape[1]
-        logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
-                                                  entropy_grad=cfg.entropy_coef > 0,
-                                                  prefix=None if prefix is None else prefix.rows(index, micro))
-        here = _on(logp_BT.device)  # the scored rollout is on the CPU, the model maybe on a GPU
-        mask_BT = here(scored.loss_mask_BTc[index, :width]).float()
-        old = here(scored.old_logp_BTc[index, :width]) if scored.old_logp_BTc is not None else logp_BT.detach()
-        ref = here(scored.ref_logp_BTc[index, :width]) if scored.ref_logp_BTc is not None else None
-        is_weight = None
-        if scored.behaviour_logp_BTc is not None:
-            behaviour_BT = here(scored.behaviour_logp_BTc[index, :width])
-            is_weight = importance_weight(old, behaviour_BT, here(scored.is_cap_B[index]))
-            weighted_BT = mask_BT * (~torch.isnan(behaviour_BT))
-            sums["is_weight"] += float((is_weight * weighted_BT).sum())
-            sums["weighted_tokens"] += float(weighted_BT.sum())
-        advantages = here(scored.advantages[index])
-        inputs = LossInputs(logp_BT, old, advantages if advantages.dim() == 1 else advantages[:, :width], mask_BT, ref,
-                            is_weight)
-        out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=loss_beta)
-        loss_BT = out.loss_BT - cfg.entropy_coef * entropy_BT if cfg.entropy_coef else out.loss_BT
-        loss = aggregate(loss_BT, mask_BT, cfg.loss_agg, totals)
-        (loss if routing is None else loss + routing.aux_share(micro)).backward()
-        sums["loss"] += loss.item()
-        sums["tokens"] += float(mask_BT.sum())
-        sums["clipped"] += float((out.clipped_BT * mask_BT).sum())
-        sums["entropy"] += float((entropy_BT.detach() * mask_BT).sum())
-        sums["ratio"] += float((out.ratio_BT * mask_BT).sum())
+        micro_policy = None if scored.policy_B is None else scored.policy_B[index]
+        with policy_rows(model, micro_policy):
+            logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
+                                                      entropy_grad=cfg.entropy_coef > 0,
+                                                      prefix=None if prefix is None else prefix.rows(index, micro))
+            here = _on(logp_BT.device)  # the scored rollout is on the CPU, the model maybe on a GPU
+            mask_BT = here(scored.loss_mask_BTc[index, :width]).float()
+            old = here(scored.old_logp_BTc[index, :width]) if scored.old_logp_BTc is not None else logp_BT.detach()
+            ref = here(scored.ref_logp_BTc[index, :width]) if scored.ref_logp_BTc is not None else None
+            is_weight, weighted_BT = None, None
+            if scored.behaviour_logp_BTc is not None:
+                behaviour_BT = here(scored.behaviour_logp_BTc[index, :width])
+                is_weight = importance_weight(old, behaviour_BT, here(scored.is_cap_B[index]))
+                weighted_BT = mask_BT * (~torch.isnan(behaviour_BT))
+            advantages = here(scored.advantages[index])
+            inputs = LossInputs(logp_BT, old, advantages if advantages.dim() == 1 else advantages[:, :width], mask_BT,
+                                ref, is_weight)
+            out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=loss_beta)
+            loss_BT = out.loss_BT - cfg.entropy_coef * entropy_BT if cfg.entropy_coef else out.loss_BT
+            parts = _policy_parts(micro_policy, len(totals))
+            losses = [aggregate(loss_BT[part], mask_BT[part], cfg.loss_agg, totals[k]) for k, part in parts]
+            loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+            (loss if routing is None else loss + routing.aux_share(micro)).backward()
+        token_terms = {"clipped": out.clipped_BT, "entropy": entropy_BT.detach(), "ratio": out.ratio_BT,
+                       "kl": None if out.kl_BT is None else out.kl_BT.detach()}
         if sampled is not None:
-            fresh_mask_BT = mask_BT * here(fresh_B[index, None])
-            sums["gap"] += float(((old - here(sampled[index, :width])).abs() * fresh_mask_BT).sum())
-            sums["gap_tokens"] += float(fresh_mask_BT.sum())
-        if out.kl_BT is not None:
-            sums["kl"] += float((out.kl_BT.detach() * mask_BT).sum())
+            token_terms["gap"] = (old - here(sampled[index, :width])).abs()
+        fresh_mask_BT = mask_BT * here(fresh_B[index, None])
+        for (k, part), part_loss in zip(parts, losses):
+            _add_sums(sums[k], part_loss, mask_BT[part], token_terms, part, fresh_mask_BT[part],
+                      None if is_weight is None else (is_weight[part], weighted_BT[part]))
+            trained_rows[k] += len(mask_BT[part])
     all_reduce_gradients(world, trainable_parameters(model))  # each rank's loss is over global counts: sum
+    rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)
+    results = []
+    for k, policy_sums in enumerate(sums):
+        results.append(_update_metrics(world, policy_sums, trained_rows[k], int((rows_B == k).sum()),
+                                       scored.ref_logp_BTc is not None))
+    if routing is not None:
+        results[0] |= routing.metrics()
+    return results
+
+
+def _policy_parts(micro_policy: torch.Tensor | None, num_policies: int) -> list[tuple[int, slice | torch.Tensor]]:
+    """(policy, its rows of the micro-batch) for each policy present; one policy: all rows."""
+    if micro_policy is None:
+        return [(0, slice(None))]
+    return [(k, (micro_policy == k).nonzero().squeeze(-1)) for k in range(num_policies) if bool((micro_policy == k).any())]
+
+
+def _add_sums(sums: dict, loss: torch.Tensor, mask_BT: torch.Tensor, token_terms: dict, part, fresh_mask_BT,
+              importance) -> None:
+    """Add one micro-batch's (one policy's rows') loss and masked token sums to the policy's running sums."""
+    sums["loss"] += loss.item()
+    sums["tokens"] += float(mask_BT.sum())
+    for key in ("clipped", "entropy", "ratio", "kl"):
+        if token_terms[key] is not None:
+            sums[key] += float((token_terms[key][part] * mask_BT).sum())
+    if "gap" in token_terms:
+        sums["gap"] += float((token_terms["gap"][part] * fresh_mask_BT).sum())
+        sums["gap_tokens"] += float(fresh_mask_BT.sum())
+    if importance is not None:
+        weight_BT, weighted_BT = importance
+        sums["is_weight"] += float((weight_BT * weighted_BT).sum())
+        sums["weighted_tokens"] += float(weighted_BT.sum())
+
+
+def _update_metrics(world: World, sums: dict, trained_rows: int, num_rows: int, has_kl: bool) -> dict:
     trained = sums["tokens"]
     per_token = (lambda key: sums[key] / trained) if trained else (lambda key: None)
     return {
         "loss": all_reduce_sums(world, [sums["loss"]])[0],
-        "kl": per_token("kl") if scored.ref_logp_BTc is not None else None,
+        "kl": per_token("kl") if has_kl else None,
         "clip_frac": per_token("clipped"),
         "entropy": per_token("entropy"),
         "ratio_mean": per_token("ratio"),
-        "trained_frac": len(rows) / max(rollout.num_completions, 1),
+        "trained_frac": trained_rows / max(num_rows, 1),
         "sampler_logp_gap": sums["gap"] / sums["gap_tokens"] if sums["gap_tokens"] else None,
         "is_weight_mean": sums["is_weight"] / sums["weighted_tokens"] if sums["weighted_tokens"] else None,
-        **(routing.metrics() if routing is not None else {}),
     }
 
 

@@ -1,0 +1,244 @@
+"""Several policy adapters on one base, served in one pass (batched multi-LoRA, as in Punica / S-LoRA).
+
+K named peft LoRA adapters with one LoRA config sit on every adapted linear layer of one frozen base. In a
+forward over N rows, row n goes through the adapter of policy policy_N[n]:
+
+    y_n = W x_n + s_k * B_k A_k x_n,   k = policy_N[n]
+
+The base matmul W x runs once over all rows. For the adapter part the rows are packed into a [K, M, ...]
+layout (M: the most rows any policy has; the unused slots hold zeros) and each LoRA factor is one batched
+matmul over the K adapters (torch.bmm), so the adapters cost one pass over the base weights and no loop over
+adapters; the gradient of each adapter comes only from its own rows.
+
+While a model carries several policies, every adapted layer computes the formula above and refuses to run
+without knowing each row's policy (`policy_rows`): a forward that forgot it would otherwise silently run one
+adapter for every row. With the adapters disabled (the reference policy) they run the base alone.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlora.config import LoraConfig
+from rlora.errors import UserError, first_line
+from rlora.models.loading import causal_lm, check_adapter_folder, peft_lora_config
+
+STATE_ATTR = "_rlora_policies"
+PEFT_NAME = "policy_{}"  # peft adapter name of a policy (peft mistakes short names such as 'a' for its 'lora_' prefix)
+
+
+class RowBlocks:
+    """Where each of N rows sits in the packed [K, M] layout: rows of policy k, in their order, at [k, 0..]."""
+
+    def __init__(self, policy_N: torch.Tensor, num_policies: int):
+        policy_N = policy_N.long()
+        counts_K = torch.bincount(policy_N, minlength=num_policies)
+        self.K, self.M = num_policies, max(int(counts_K.max()), 1) if len(policy_N) else 1
+        order_N = torch.argsort(policy_N, stable=True)
+        starts_K = torch.cumsum(counts_K, 0) - counts_K
+        slot_N = torch.empty_like(policy_N)
+        slot_N[order_N] = torch.arange(len(policy_N), device=policy_N.device) - starts_K[policy_N[order_N]]
+        self.flat_N = policy_N * self.M + slot_N  # index into the K * M slots
+
+    def pack(self, x_N: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [K, M, ...] (zeros where a policy has fewer than M rows); differentiable."""
+        packed = x_N.new_zeros((self.K * self.M, *x_N.shape[1:])).index_copy(0, self.flat_N.to(x_N.device), x_N)
+        return packed.view(self.K, self.M, *x_N.shape[1:])
+
+    def unpack(self, y_KM: torch.Tensor) -> torch.Tensor:
+        """[K, M, ...] -> [N, ...] in the rows' order."""
+        return y_KM.reshape(self.K * self.M, *y_KM.shape[2:])[self.flat_N.to(y_KM.device)]
+
+
+def packed_lora_delta(x_KMI: torch.Tensor, A_KRI: torch.Tensor, B_KOR: torch.Tensor, scale_K: torch.Tensor,
+                      ) -> torch.Tensor:
+    """s_k * B_k A_k x for packed rows: x [K, M, ..., I] -> [K, M, ..., O], two batched matmuls."""
+    K, M = x_KMI.shape[:2]
+    x_KXI = x_KMI.reshape(K, -1, x_KMI.shape[-1])
+    h_KXR = torch.bmm(x_KXI, A_KRI.transpose(1, 2))
+    y_KXO = torch.bmm(h_KXR, B_KOR.transpose(1, 2)) * scale_K[:, None, None]
+    return y_KXO.view(K, M, *x_KMI.shape[2:-1], B_KOR.shape[1])
+
+
+def multi_lora_delta(x_NI: torch.Tensor, A_KRI: torch.Tensor, B_KOR: torch.Tensor, scale_K: torch.Tensor,
+                     blocks: RowBlocks) -> torch.Tensor:
+    """The adapter part for rows of several policies: x [N, ..., I] -> [N, ..., O] (row n: its policy's adapter)."""
+    return blocks.unpack(packed_lora_delta(blocks.pack(x_NI), A_KRI, B_KOR, scale_K))
+
+
+class PolicyState:
+    """The policies of a model and the policy of each row of the forwards now running."""
+
+    def __init__(self, names: list[str]):
+        self.names = list(names)  # peft adapter names, in policy order
+        self.blocks: RowBlocks | None = None
+
+    def set_rows(self, policy_N: torch.Tensor | None) -> None:
+        self.blocks = None if policy_N is None else RowBlocks(policy_N, len(self.names))
+
+
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+
+
+def stacked_factors(module: nn.Module, names: list[str], dtype: torch.dtype | None = None):
+    """(A [K, R, I], B [K, O, R], scale [K]) of the named adapters of one layer (differentiable when dtype is
+    None: torch.stack keeps each adapter's own parameters in the graph)."""
+    A = torch.stack([module.lora_A[n].weight for n in names])
+    B = torch.stack([module.lora_B[n].weight for n in names])
+    scale = torch.tensor([float(module.scaling[n]) for n in names], device=A.device)
+    if dtype is not None:
+        A, B, scale = A.detach().to(dtype), B.detach().to(dtype), scale.to(dtype)
+    return A, B, scale
+
+
+def _policy_forward(module: nn.Module, state: PolicyState):
+    """A forward for one peft LoRA layer that sends each row through its policy's adapter."""
+    dropout = module.lora_dropout[state.names[0]]  # one LoRA config: the same dropout for every policy
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = module.base_layer(x, *args, **kwargs)
+        if module.disable_adapters:
+            return result
+        if state.blocks is None:
+            raise RuntimeError("a model with several policy adapters ran a forward without rows' policies "
+                               "(wrap it in multi_lora.policy_rows)")
+        A, B, scale = stacked_factors(module, state.names)
+        x_in = dropout(x.to(A.dtype))
+        rows = x_in if x_in.dim() > 1 else x_in[None]
+        delta = multi_lora_delta(rows, A, B, scale, state.blocks)
+        return result + delta.view(*result.shape[:-1], -1).to(result.dtype)
+
+    return forward
+
+
+def policy_state(model: nn.Module) -> PolicyState | None:
+    """The model's PolicyState, or None for a model with one policy."""
+    return getattr(causal_lm(model), STATE_ATTR, None)
+
+
+def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds: list[int]):
+    """K trainable LoRA adapters for the named policies on the frozen base (peft named adapters), each initialised
+    with its seed (or each loaded from lora.init_from), and the batched forward installed on every adapted layer."""
+    from peft import PeftModel, get_peft_model
+
+    names = [PEFT_NAME.format(p) for p in policies]
+
+    try:
+        if cfg.init_from:
+            check_adapter_folder(cfg.init_from)
+            model = PeftModel.from_pretrained(base, cfg.init_from, adapter_name=names[0], is_trainable=True)
+            for name in names[1:]:
+                model.load_adapter(cfg.init_from, adapter_name=name, is_trainable=True)
+        else:
+            config = peft_lora_config(cfg, base)
+            torch.manual_seed(seeds[0])
+            model = get_peft_model(base, config, adapter_name=names[0])
+            for name, seed in zip(names[1:], seeds[1:]):
+                torch.manual_seed(seed)
+                model.add_adapter(name, config)
+    except (ValueError, RuntimeError, KeyError) as err:
+        raise UserError(f"the policies' LoRA does not fit the model: {first_line(err)}") from None
+    layers = lora_layers(model)
+    for module in layers:
+        if type(module).__name__ != "Linear" or any(module.lora_variant.get(n) for n in names):
+            raise UserError(f"policies: {type(module).__name__} LoRA layers (or DoRA) are not supported: "
+                            "target linear layers with plain LoRA")
+    state = PolicyState(names)
+    for module in layers:
+        module.forward = _policy_forward(module, state)
+    setattr(causal_lm(model), STATE_ATTR, state)
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(f".{n}." in name for n in names) and "lora_" in name)
+    return model
+
+
+@contextmanager
+def policy_rows(model: nn.Module, policy_N: torch.Tensor | None):
+    """The forwards inside send row n through policy policy_N[n] (a no-op for a model with one policy)."""
+    state = policy_state(model)
+    if state is None or policy_N is None:
+        yield
+        return
+    previous = state.blocks
+    state.set_rows(policy_N)
+    try:
+        yield
+    finally:
+        state.blocks = previous
+
+
+@contextmanager
+def policies_disabled(model: nn.Module):
+    """The base alone (the reference policy): every policy adapter off. peft's disable_adapter() would, on
+    leaving, make only the active adapter trainable again; this keeps every policy's parameters as they were."""
+    layers = lora_layers(model)
+    for module in layers:
+        module._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for module in layers:
+            module._disable_adapters = False
+
+
+def policy_parameters(model: nn.Module, policy: str) -> list[nn.Parameter]:
+    """The trainable parameters of one policy's adapter."""
+    key = f".{PEFT_NAME.format(policy)}."
+    return [p for n, p in model.named_parameters() if p.requires_grad and key in n]
+
+
+def save_policy(model: nn.Module, policy: str, folder) -> None:
+    """One policy's adapter as a plain PEFT folder (adapter_config.json + adapter_model.safetensors) that
+    `PeftModel.from_pretrained(base, folder)` loads as its default adapter (peft's own save_pretrained would put a
+    non-default adapter into a subfolder)."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    name = PEFT_NAME.format(policy)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    weights = get_peft_model_state_dict(model, adapter_name=name)
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(Path(folder) / "adapter_model.safetensors"))
+    config = copy.deepcopy(model.peft_config[name])
+    config.base_model_name_or_path = getattr(causal_lm(model), "name_or_path", None) or config.base_model_name_or_path
+    config.save_pretrained(str(folder))
+
+
+class SamplerPolicies:
+    """The policy of every row of a sampler that prefills P prompts, then decodes G rows per prompt (row b belongs
+    to prompt b // G) whose active subset changes from step to step. A no-op for a model with one policy."""
+
+    def __init__(self, model: nn.Module, policy_P: list[int] | None, G: int, device: torch.device):
+        self.state, self.G = policy_state(model), G
+        self.policy_P = None
+        if self.state is None:
+            if policy_P is not None and any(policy_P):
+                raise ValueError("policies given for a model with one policy adapter")
+            return
+        if policy_P is None:
+            raise ValueError("a model with several policy adapters samples with policies=[policy of each prompt]")
+        self.policy_P = torch.tensor(policy_P, dtype=torch.long, device=device)
+
+    def prompts(self) -> None:
+        """The next forward runs the P prompts (prefill)."""
+        if self.state is not None:
+            self.state.set_rows(self.policy_P)
+
+    def rows(self, rows_A: torch.Tensor) -> None:
+        """The next forwards run these rows of the P x G (a decoding step)."""
+        if self.state is not None:
+            self.state.set_rows(self.policy_P[rows_A.to(self.policy_P.device) // self.G])
+
+    def __enter__(self) -> "SamplerPolicies":
+        self.previous = None if self.state is None else self.state.blocks
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.state is not None:
+            self.state.blocks = self.previous

@@ -1,0 +1,270 @@
+"""Several policies on one base (models/multi_lora.py, train/policies.py): the batched multi-LoRA forward against a
+naive loop and against each adapter alone, the batched sampler against each policy sampled alone, each policy's
+update against a one-policy update on the same rows, a `policies:` run against separate runs, and bad input."""
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_overrides
+from rlora.algos.registry import get_algorithm
+from rlora.cli import main
+from rlora.config import AlgoConfig, LoraConfig, TrainConfig
+from rlora.models import multi_lora as mlr
+from rlora.models.loading import adapter_disabled, load_tokenizer, peft_lora_config, trainable_parameters
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.train.optim import build_optimizer
+from rlora.train.update import (
+    ScoredRollout, accumulate_gradient_per_policy, accumulate_policy_gradient, batched_logprobs, optimizer_step,
+)
+from rlora.types import Rollout, SamplingParams
+
+NAMES = ["a", "b", "c"]
+
+
+def base_model(model_dir, dtype=torch.float64):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def policies_model(model_dir, dtype=torch.float64, names=NAMES, scale=0.2):
+    """K policies with random (non-zero) B matrices, so that every adapter changes the outputs differently."""
+    model = mlr.attach_policies(base_model(model_dir, dtype), LoraConfig(rank=4, alpha=8), names, [1, 2, 3][:len(names)])
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return model
+
+
+def single_model(model_dir, multi, policy, folder, dtype=torch.float64, trainable=False):
+    """A separate base with one policy's adapter, loaded from the folder save_policy writes."""
+    mlr.save_policy(multi, policy, folder)
+    return PeftModel.from_pretrained(base_model(model_dir, dtype), str(folder), is_trainable=trainable)
+
+
+def test_packed_delta_equals_a_loop_over_rows():
+    g = torch.Generator().manual_seed(0)
+    K, R, I, O, N, T = 3, 4, 6, 5, 7, 2
+    A, B = torch.randn(K, R, I, generator=g, dtype=torch.float64), torch.randn(K, O, R, generator=g, dtype=torch.float64)
+    scale = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    x = torch.randn(N, T, I, generator=g, dtype=torch.float64)
+    policy = torch.tensor([2, 0, 2, 2, 0, 2, 0])  # policy 1 has no row; rows of a policy are not contiguous
+    blocks = mlr.RowBlocks(policy, K)
+    assert (blocks.K, blocks.M) == (3, 4)
+    delta = mlr.multi_lora_delta(x, A, B, scale, blocks)
+    for n in range(N):
+        k = int(policy[n])
+        expected = scale[k] * (x[n] @ A[k].T @ B[k].T)
+        assert torch.allclose(delta[n], expected, rtol=0, atol=1e-12)
+    # 2-D rows (a decoding step: one token per row) and the gradient reaches only the rows' own adapters
+    A.requires_grad_(True)
+    mlr.multi_lora_delta(x[:, 0], A, B, scale, blocks).sum().backward()
+    assert torch.equal(A.grad[1], torch.zeros_like(A.grad[1])) and A.grad[0].abs().sum() > 0
+
+
+def test_forward_and_gradients_equal_each_adapter_alone(tiny_model_dir, tmp_path):
+    model = policies_model(tiny_model_dir)
+    ids = torch.randint(3, 200, (5, 7), generator=torch.Generator().manual_seed(1))
+    policy = torch.tensor([2, 0, 2, 1, 0])
+    with mlr.policy_rows(model, policy):
+        logits = model(input_ids=ids).logits
+        logits.pow(2).sum().backward()
+    outputs = []
+    for k, name in enumerate(NAMES):
+        single = single_model(tiny_model_dir, model, name, tmp_path / name, trainable=True)
+        rows = (policy == k).nonzero().squeeze(-1)
+        expected = single(input_ids=ids[rows]).logits
+        expected.pow(2).sum().backward()
+        assert torch.allclose(logits[rows], expected, rtol=0, atol=1e-10)
+        grads = {n.replace(f".{mlr.PEFT_NAME.format(name)}.", ".default."): p.grad for n, p in model.named_parameters()
+                 if f".{mlr.PEFT_NAME.format(name)}." in n}
+        for n, p in single.named_parameters():
+            if p.requires_grad:
+                assert torch.allclose(grads[n], p.grad, rtol=0, atol=1e-10), n
+        outputs.append(single(input_ids=ids[:1]).logits)
+    assert not torch.allclose(outputs[0], outputs[1]) and not torch.allclose(outputs[1], outputs[2])
+
+
+def test_reference_is_the_base_and_keeps_every_policy_trainable(tiny_model_dir):
+    model = policies_model(tiny_model_dir)
+    ids = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(2))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    with adapter_disabled(model):
+        reference = model(input_ids=ids).logits
+    assert torch.equal(reference, base_model(tiny_model_dir)(input_ids=ids).logits)
+    # peft's disable_adapter() would leave only the active adapter trainable on exit (a bug seen here once)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
+    assert all(len(mlr.policy_parameters(model, name)) == 4 * 7 for name in NAMES)  # A and B on 7 modules x 2 layers
+
+
+def test_a_forward_without_rows_policies_is_refused(tiny_model_dir):
+    model = policies_model(tiny_model_dir)
+    with pytest.raises(RuntimeError, match="without rows' policies"):
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+@pytest.mark.parametrize("max_rows", [12, 9, 256])  # chunks of one policy, chunks mixing policies, one chunk
+def test_batched_sampler_samples_what_each_policy_samples_alone(tiny_model_dir, tmp_path, max_rows):
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = policies_model(tiny_model_dir)
+    prompts = [tokenizer(t)["input_ids"] for t in ("What is 1 + 1?", "Hello", "abab baba", "The quick brown")]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    P, G = len(prompts), 3
+    sampler = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=max_rows)
+    seeds = [100 + k for k in range(3) for _ in range(P)]  # every policy its own seed
+    together = sampler.sample(model, prompts * 3, G, params, seeds, keys=list(range(P)) * 3,
+                              policies=[k for k in range(3) for _ in range(P)])
+    for k, name in enumerate(NAMES):
+        single = single_model(tiny_model_dir, model, name, tmp_path / name)
+        alone = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False).sample(single, prompts, G, params, 100 + k)
+        rows = slice(k * P * G, (k + 1) * P * G)
+        assert together.completions[rows] == alone.completions
+        width = alone.sampling_logp_BTc.shape[1]
+        assert torch.allclose(together.sampling_logp_BTc[rows, :width], alone.sampling_logp_BTc, rtol=0, atol=1e-10)
+    assert together.completions[:P * G] != together.completions[P * G:2 * P * G]
+
+
+def test_sampler_refuses_a_policies_model_without_policies(tiny_model_dir):
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = policies_model(tiny_model_dir)
+    with pytest.raises(ValueError, match="policies="):
+        BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, [[5, 6]], 2, SamplingParams(4), 0)
+
+
+def _rollout(model, tokenizer, tok, policies, G=4):
+    prompts = [tokenizer(f"What is {i} + {i}?")["input_ids"] for i in range(1, 3)]
+    sampler = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    K = len(policies)
+    rollout = sampler.sample(model, prompts * K, G, SamplingParams(max_new_tokens=6, temperature=1.0), 5,
+                             keys=list(range(2)) * K, policies=[k for k in range(K) for _ in prompts])
+    for row, length in enumerate([6, 2, 5, 1, 6, 3, 4, 6] * K):  # ragged lengths, as if EOS had been drawn
+        rollout.completion_mask_BTc[row, length:] = 0
+    return rollout
+
+
+@pytest.mark.parametrize("loss_agg,beta,iterations", [("token_mean", 0.0, 1), ("seq_mean", 0.04, 2),
+                                                      ("constant", 0.04, 1)])
+def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, loss_agg, beta, iterations):
+    """Several policies trained on a shared batch (micro-batches of 3 rows straddle policies) end where each one
+    ends when trained alone on its own rows, AdamW steps included."""
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = policies_model(tiny_model_dir, names=NAMES[:2], scale=0.05)
+    singles = [single_model(tiny_model_dir, model, name, tmp_path / name, trainable=True) for name in NAMES[:2]]
+    rollout = _rollout(model, tokenizer, tok, NAMES[:2])
+    policy_B = torch.arange(2).repeat_interleave(8)
+    advantages = torch.linspace(-1, 1, 16, dtype=torch.float64).float()
+    cfg = AlgoConfig(loss_agg=loss_agg, beta=beta, num_iterations=iterations)
+    algo = get_algorithm("grpo")
+    with adapter_disabled(model):
+        ref = batched_logprobs(model, rollout, 5)
+    old = batched_logprobs(model, rollout, 5, policy_B=policy_B)
+    scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, old, ref if beta else None,
+                           policy_B=policy_B)
+    lrs = [1e-3, 3e-3]
+    optims = [build_optimizer(mlr.policy_parameters(model, n), TrainConfig(lr=lr), 4) for n, lr in zip(NAMES, lrs)]
+    for _ in range(iterations):
+        updates = accumulate_gradient_per_policy(model, algo, cfg, scored, 3, 6, num_policies=2)
+        for name, (opt, sched), update in zip(NAMES, optims, updates):
+            update |= optimizer_step(mlr.policy_parameters(model, name), opt, sched, 1.0, update["loss"])
+    for k, (single, lr) in enumerate(zip(singles, lrs)):
+        rows = slice(8 * k, 8 * (k + 1))
+        part = rollout.select(rows)
+        own = Rollout(part.prompt_ids_BTp, part.prompt_mask_BTp, part.completion_ids_BTc, part.completion_mask_BTc,
+                      rollout.completions[rows], rollout.finish_reasons[rows], part.temperature_B)
+        alone = ScoredRollout(own, advantages[rows], own.completion_mask_BTc, old[rows], ref[rows] if beta else None)
+        params = trainable_parameters(single)
+        opt, sched = build_optimizer(params, TrainConfig(lr=lr), 4)
+        for _ in range(iterations):
+            metrics = accumulate_policy_gradient(single, algo, cfg, alone, 3, 6)
+            metrics |= optimizer_step(params, opt, sched, 1.0, metrics["loss"])
+        # log-softmax runs in float32 whatever the model's dtype, and the two sides batch other rows together
+        assert updates[k]["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+        assert updates[k]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+        mine = {n.replace(f".{mlr.PEFT_NAME.format(NAMES[k])}.", ".default."): p for n, p in model.named_parameters()}
+        for n, p in single.named_parameters():
+            if p.requires_grad:
+                assert torch.allclose(mine[n], p, rtol=0, atol=1e-7), n
+
+
+def _policies_arg(specs):
+    return "policies=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs) + "]"
+
+
+def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys):
+    """`policies:` with two learning rates and seeds, both starting from one adapter, against two plain runs:
+    the same completions, metrics and (up to float32 summation order) the same adapters."""
+    start = tmp_path / "start"
+    base = base_model(tiny_model_dir, torch.float32)
+    init = get_peft_model(base, peft_lora_config(LoraConfig(rank=4), base))
+    with torch.no_grad():
+        for name, p in init.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    init.save_pretrained(str(start))
+    # float32 sampling on both sides (the demo config samples in bf16, where the batched and the plain adapter
+    # arithmetic round differently enough to flip a token)
+    common = dict(**{"lora.init_from": str(start), "algo.beta": 0.04, "algo.num_iterations": 2,
+                     "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.merge_adapter": "false",
+                     "train.micro_batch_size": 3, "rollout.num_generations": 3})
+    specs = [{"name": "slow", "lr": 1e-3, "seed": 4}, {"name": "fast", "lr": 1e-2, "seed": 9}]
+    out = tmp_path / "both"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **common), _policies_arg(specs)]) == 0
+    err = capsys.readouterr().err
+    assert "2 policies on one base: slow, fast" in err and "held-out after fast" in err
+    shared = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"slow/reward_mean", "fast/reward_mean", "slow/lr", "step_s"} <= set(shared[0])
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for spec in specs:
+        alone = tmp_path / spec["name"]
+        args = tiny_overrides(tiny_model_dir, prompts_file, str(alone), **common, **{"train.lr": spec["lr"],
+                                                                                     "train.seed": spec["seed"]})
+        assert main(["train", *args]) == 0
+        capsys.readouterr()
+        mine = out / "policies" / spec["name"]
+        theirs = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
+        ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
+        for a, b in zip(ours, theirs):
+            assert a["reward_mean"] == b["reward_mean"] and a["lr"] == b["lr"] == spec["lr"]
+            assert a["kl"] == pytest.approx(b["kl"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        their_samples = [json.loads(line) for line in (alone / "samples.jsonl").read_text().splitlines()]
+        assert [s["completion"] for s in samples if s["policy"] == spec["name"]] == [s["completion"] for s in their_samples]
+        a = load_file(str(mine / "adapter" / "adapter_model.safetensors"))
+        b = load_file(str(alone / "adapter" / "adapter_model.safetensors"))
+        assert a.keys() == b.keys()
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+        assert json.loads((mine / "eval.json").read_text())["after"] == json.loads((alone / "eval.json").read_text())["after"]
+    moved = [load_file(str(out / "policies" / s["name"] / "adapter" / "adapter_model.safetensors")) for s in specs]
+    assert any(not torch.equal(moved[0][k], moved[1][k]) for k in moved[0])
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({}, "policies: the name 'a' is given twice"),
+    ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
+    ({"algo.dynamic_sampling": "true"}, "do not support algo.dynamic_sampling yet"),
+    ({"algo.adv_scale": "batch"}, "do not support batch-wide advantage statistics"),
+    ({"train.checkpoint_every": 1}, "do not support checkpoints yet"),
+    ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},
+     "do not support rollout.engine=hf yet"),
+])
+def test_bad_policies_input_is_one_line_exit_2(tiny_model_dir, prompts_file, tmp_path, capsys, extra, message):
+    specs = [{"name": "a"}, {"name": "a" if not extra else "b"}]
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"), **extra)
+    assert main(["train", *args, _policies_arg(specs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"))
+    assert main(["train", *args, _policies_arg([{"name": "a"}])]) == 2
+    assert "policies lists one policy" in capsys.readouterr().err
+    assert main(["train", *args, _policies_arg([{"name": "a.b"}, {"name": "c"}])]) == 2
+    assert "policies" in capsys.readouterr().err

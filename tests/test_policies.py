@@ -268,3 +268,15 @@ def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tm
     assert "policies lists one policy" in capsys.readouterr().err
     assert main(["train", *args, _policies_arg([{"name": "a.b"}, {"name": "c"}])]) == 2
     assert "policies" in capsys.readouterr().err
+
+
+def test_several_policies_are_refused_under_torchrun(tiny_model_dir, prompts_file, tmp_path):
+    from rlora.config import load_config
+    from rlora.errors import UserError
+    from rlora.train.distributed import World
+    from rlora.train.grpo import check_world
+
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"))
+                      + [_policies_arg([{"name": "a"}, {"name": "b"}])])
+    with pytest.raises(UserError, match="several policies .* do not run data parallel yet"):
+        check_world(cfg, World(0, 2))

@@ -249,7 +249,6 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
     ({"algo.dynamic_sampling": "true"}, "do not support algo.dynamic_sampling yet"),
     ({"algo.adv_scale": "batch"}, "do not support batch-wide advantage statistics"),
-    ({"train.checkpoint_every": 1}, "do not support checkpoints yet"),
     ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},
      "do not support rollout.engine=hf yet"),
 ])
@@ -280,3 +279,36 @@ def test_several_policies_are_refused_under_torchrun(tiny_model_dir, prompts_fil
                       + [_policies_arg([{"name": "a"}, {"name": "b"}])])
     with pytest.raises(UserError, match="several policies .* do not run data parallel yet"):
         check_world(cfg, World(0, 2))
+
+
+def test_policies_resume_exactly(tiny_model_dir, prompts_file, tmp_path, capsys):
+    """4 steps straight == 3 steps (checkpoints at 2 and 3), the step-3 checkpoint lost, resume from 2, on to 4:
+    every policy's adapter and optimizer come back, the same completions are drawn, step 3 is logged once."""
+    import shutil
+
+    common = {"train.checkpoint_every": 2, "train.sample_every": 1, "algo.beta": 0.04, "eval.after": "false"}
+    specs = _policies_arg([{"name": "a", "lr": 0.01}, {"name": "b", "lr": 0.03, "seed": 2}])
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(straight), **common, **{"train.steps": 4}),
+                 specs]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{"train.steps": 3}),
+                 specs]) == 0
+    assert (resumed / "checkpoints" / "step-0000002" / "policies" / "b" / "adapter" / "adapter_model.safetensors").is_file()
+    shutil.rmtree(resumed / "checkpoints" / "step-0000003")  # as if killed after step 3 was logged
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
+        "train.steps": 4, "train.resume": "auto"}), specs]) == 0
+    assert "resuming from" in capsys.readouterr().err
+    for name in ("a", "b"):
+        logged = [(out / "policies" / name / "metrics.jsonl").read_text().splitlines() for out in (straight, resumed)]
+        assert [json.loads(line)["step"] for line in logged[1]] == [1, 2, 3, 4]
+        assert [json.loads(line)["reward_mean"] for line in logged[0]] == [json.loads(line)["reward_mean"] for line in logged[1]]
+        a, b = (load_file(str(out / "policies" / name / "adapter" / "adapter_model.safetensors")) for out in (straight, resumed))
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    samples = [[(json.loads(line)["step"], json.loads(line)["policy"], json.loads(line)["completion"])
+                for line in (out / "samples.jsonl").read_text().splitlines()] for out in (straight, resumed)]
+    assert samples[0] == samples[1] and {p for _, p, _ in samples[0]} == {"a", "b"}
+    # a checkpoint of other policies is refused
+    other = _policies_arg([{"name": "a", "lr": 0.01}, {"name": "c"}])
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
+        "train.steps": 5, "train.resume": "auto"}), other]) == 2
+    assert "different policies" in capsys.readouterr().err

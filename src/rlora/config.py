@@ -288,8 +288,6 @@ def _check_policies(cfg: "RLConfig") -> None:
         (cfg.algo.adaptive.enabled, "adaptive resampling", "use another algorithm than adaptive_grpo"),
         (cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false"),
         (cfg.rollout.engine != "builtin", "rollout.engine=hf", "use rollout.engine=builtin (it batches the policies)"),
-        (bool(cfg.train.checkpoint_every) or cfg.train.resume is not None, "checkpoints",
-         "set train.checkpoint_every=0 and unset train.resume"),
         (any(spec.fn == "reward_model" for spec in cfg.rewards), "rewards fn: reward_model",
          "score with rule or function rewards"),
     ]

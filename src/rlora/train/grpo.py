@@ -283,8 +283,10 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
         barrier(s.world)
         return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
-    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay, s.critic)
-    s.run_dir.drop_steps_after(state["step"], ("metrics.jsonl", "samples.jsonl"))
+    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay, s.critic, s.policies)
+    for run_dir, names in [(s.run_dir, ("metrics.jsonl", "samples.jsonl"))] + [(p.run_dir, ("metrics.jsonl",))
+                                                                                for p in s.policies or []]:
+        run_dir.drop_steps_after(state["step"], names)
     if s.world.is_main and s.run_dir.holds_checkpoint(s.resume_from):
         for folder in set_aside_after(s.resume_from.parent, state["step"]):
             info(f"checkpoint {folder.name.removeprefix('abandoned-')} is after the resumed step: kept as {folder}")
@@ -324,7 +326,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
         try:
             if world.is_main:
                 save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, replay,
-                                    time.perf_counter() - t0, evals["before"], s.critic)
+                                    time.perf_counter() - t0, evals["before"], s.critic, s.policies)
             barrier(world)
         except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
             raise UserError(f"could not write the checkpoint after step {done} ({err.strerror or err}); the previous "

@@ -17,7 +17,7 @@ from rlora.errors import UserError
 
 # what train.overwrite=true clears: these exact names (files or, for the log.* outputs, folders) ...
 RUN_FILES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "eval_before.jsonl", "eval_after.jsonl",
-             "summary.json", "tensorboard", "wandb", "completions", "plots", "model"}
+             "summary.json", "tensorboard", "wandb", "completions", "plots", "model", "policies"}
 # ... and names starting with these
 RUN_FOLDER_PREFIXES = ("adapter", ".adapter", "checkpoints", ".model", "reward_model", ".reward_model")
 

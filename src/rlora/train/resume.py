@@ -6,6 +6,8 @@
     replay.pt         the experience-replay buffer, when the run uses one
     value_model/      PPO's critic (value adapter + head, models/value_model.py), when the run has one; its
                       optimizer state is the second param group of trainer.pt's optimizer
+    policies/NAME/adapter/   with several policies (docs/policies.md), each one's adapter instead of adapter/;
+                      trainer.pt then holds one optimizer and one scheduler state per policy, in order
     state.json        step, training time so far, the evaluation before training, the run's config
 
 Data order and sampling seeds are pure functions of (seed, step), so the step number is the data position.
@@ -25,6 +27,7 @@ from safetensors.torch import load_file
 from rlora.config import to_yaml
 from rlora.errors import UserError
 from rlora.models.loading import save_adapter
+from rlora.models.multi_lora import PEFT_NAME, save_policy
 from rlora.rollout.batching import select_rows
 from rlora.train.checkpoint import latest_valid, verify, write_checkpoint
 from rlora.train.replay import ReplayBuffer, StoredGroup
@@ -32,7 +35,8 @@ from rlora.types import Rollout
 
 CHECKPOINTS = "checkpoints"
 # sections whose change makes a checkpoint meaningless for the run (train.* may change: e.g. more steps)
-MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "ppo", "train.seed", "train.prompts_per_step")
+MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "ppo", "policies", "train.seed",
+              "train.prompts_per_step")
 
 
 def rng_state() -> dict:
@@ -67,13 +71,20 @@ def _load_replay(buffer: ReplayBuffer, groups: list[dict]) -> None:
 
 
 def save_training_state(run_path: Path, step: int, cfg, model, optimizer, scheduler, replay: ReplayBuffer | None,
-                        train_s: float, eval_before: dict | None, critic=None) -> Path:
-    """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints)."""
+                        train_s: float, eval_before: dict | None, critic=None, policies=None) -> Path:
+    """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints). policies: several policies'
+    (train/policies.py Policy list; optimizer and scheduler are then None)."""
 
     def fill(folder: Path) -> None:
-        save_adapter(model, folder / "adapter")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-                   folder / "trainer.pt")
+        if policies is None:
+            save_adapter(model, folder / "adapter")
+            trainer = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        else:
+            for policy in policies:
+                save_policy(model, policy.name, folder / "policies" / policy.name / "adapter")
+            trainer = {"optimizers": [p.optimizer.state_dict() for p in policies],
+                       "schedulers": [p.scheduler.state_dict() for p in policies]}
+        torch.save(trainer | {"rng": rng_state()}, folder / "trainer.pt")
         if replay is not None:
             torch.save(_replay_state(replay), folder / "replay.pt")
         if critic is not None:
@@ -130,20 +141,29 @@ def _first_difference(a, b, path: str) -> str:
     return f"{path} ({a!r} there, {b!r} now)"
 
 
-def restore_training_state(folder: Path, model, optimizer, scheduler, replay: ReplayBuffer | None,
-                           critic=None) -> None:
+def _restore_adapter(model, path: Path, adapter_name: str = "default") -> None:
     from peft import set_peft_model_state_dict
 
-    weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, weights)
+    result = set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")), adapter_name=adapter_name)
     missing = [k for k in getattr(result, "unexpected_keys", [])]
     if missing:
         raise UserError(f"train.resume: the checkpoint's adapter does not fit this model ({missing[0]})")
+
+
+def restore_training_state(folder: Path, model, optimizer, scheduler, replay: ReplayBuffer | None,
+                           critic=None, policies=None) -> None:
+    trainer = _safe_load(folder / "trainer.pt")
+    if policies is None:
+        _restore_adapter(model, folder / "adapter")
+        optimizer.load_state_dict(trainer["optimizer"])
+        scheduler.load_state_dict(trainer["scheduler"])
+    else:
+        for policy, opt_state, sched_state in zip(policies, trainer["optimizers"], trainer["schedulers"]):
+            _restore_adapter(model, folder / "policies" / policy.name / "adapter", PEFT_NAME.format(policy.name))
+            policy.optimizer.load_state_dict(opt_state)
+            policy.scheduler.load_state_dict(sched_state)
     if critic is not None:
         critic.restore(folder / "value_model")
-    trainer = _safe_load(folder / "trainer.pt")
-    optimizer.load_state_dict(trainer["optimizer"])
-    scheduler.load_state_dict(trainer["scheduler"])
     set_rng_state(trainer["rng"])
     if replay is not None and (folder / "replay.pt").is_file():
         _load_replay(replay, _safe_load(folder / "replay.pt"))

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_overrides
+from test_reward_adapter import rm_folder  # noqa: F401 - the reward model fixture
 from rlora.algos.registry import get_algorithm
 from rlora.cli import main
 from rlora.config import AlgoConfig, LoraConfig, TrainConfig
@@ -312,3 +313,39 @@ def test_policies_resume_exactly(tiny_model_dir, prompts_file, tmp_path, capsys)
     assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
         "train.steps": 5, "train.resume": "auto"}), other]) == 2
     assert "different policies" in capsys.readouterr().err
+
+
+def test_a_reward_adapter_scores_beside_several_policies(tiny_model_dir, rm_folder, prompts_file, tmp_path, capsys):
+    """The reward adapter on the policies' base scores what the reward model loaded alone scores; every policy
+    stays trainable; a run with it trains both policies."""
+    from rlora.config import ModelConfig, RewardSpec, RLConfig
+    from rlora.data.prompts import PromptSets
+    from rlora.models.loading import load_base_model
+    from rlora.rewards.reward_adapter import attach_reward_adapters
+    from rlora.rewards.scoring import resolve_rewards
+    from test_reward_adapter import reference_scores
+
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = mlr.attach_policies(load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir), LoraConfig(rank=4),
+                                ["a", "b"], [0, 1])
+    [reward] = resolve_rewards([RewardSpec(fn="reward_model", args={"path": rm_folder})], has_task=False)
+    cfg = RLConfig(model={"path": tiny_model_dir}, data={"path": "unused.jsonl"}, rewards=[{"fn": "format"}])
+    attach_reward_adapters([reward], model, tokenizer, tok, cfg, PromptSets([], []))
+    prompts, completions = ["What is 1 + 1?", "Hello", "abab"], ["2", "abab baba aaa", "zzz"]
+    scores = reward.fn(prompts, completions)
+    assert scores == pytest.approx(reference_scores(tiny_model_dir, rm_folder, prompts, completions), abs=1e-6)
+    assert len(set(scores)) == 3  # the completions score differently (the comparison is not vacuous)
+    assert all(len(mlr.policy_parameters(model, name)) == 28 for name in ("a", "b"))  # still trainable
+    out = tmp_path / "run"
+    rewards = f"[{{fn: reward_model, args: {{path: {rm_folder}}}, weight: 0.5}}, {{fn: rewards_for_tests.count_a}}]"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), rewards=rewards, **{"eval.before": "false"})
+    assert main(["train", *args, _policies_arg([{"name": "a", "lr": 0.01}, {"name": "b", "lr": 0.02}])]) == 0, \
+        capsys.readouterr().err
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["policy"] for s in samples} == {"a", "b"}
+    for s in samples:
+        assert s["reward"] == pytest.approx(0.5 * s["reward/reward_model"] + s["reward/count_a"], abs=1e-9)
+    for name in ("a", "b"):
+        weights = load_file(str(out / "policies" / name / "adapter" / "adapter_model.safetensors"))
+        assert any(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_B" in k)  # it trained
+        assert not any("reward" in k for k in weights)

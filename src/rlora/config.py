@@ -288,8 +288,6 @@ def _check_policies(cfg: "RLConfig") -> None:
         (cfg.algo.adaptive.enabled, "adaptive resampling", "use another algorithm than adaptive_grpo"),
         (cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false"),
         (cfg.rollout.engine != "builtin", "rollout.engine=hf", "use rollout.engine=builtin (it batches the policies)"),
-        (any(spec.fn == "reward_model" for spec in cfg.rewards), "rewards fn: reward_model",
-         "score with rule or function rewards"),
     ]
     for wanted, what, fix in refused:
         if wanted:

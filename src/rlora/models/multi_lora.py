@@ -99,8 +99,12 @@ def stacked_factors(module: nn.Module, names: list[str], dtype: torch.dtype | No
 def _policy_forward(module: nn.Module, state: PolicyState):
     """A forward for one peft LoRA layer that sends each row through its policy's adapter."""
     dropout = module.lora_dropout[state.names[0]]  # one LoRA config: the same dropout for every policy
+    peft_forward = type(module).forward.__get__(module)
+    policies = set(state.names)
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if not policies.issuperset(module.active_adapters):  # another role's adapter is on (a reward adapter)
+            return peft_forward(x, *args, **kwargs)
         result = module.base_layer(x, *args, **kwargs)
         if module.disable_adapters:
             return result
@@ -187,9 +191,13 @@ def policies_disabled(model: nn.Module):
 
 
 def policy_parameters(model: nn.Module, policy: str) -> list[nn.Parameter]:
-    """The trainable parameters of one policy's adapter."""
+    """The parameters of one policy's adapter (all trainable: peft's adapter switching, which would freeze the
+    inactive ones, is only ever used inside contexts that restore the flags)."""
     key = f".{PEFT_NAME.format(policy)}."
-    return [p for n, p in model.named_parameters() if p.requires_grad and key in n]
+    params = [p for n, p in model.named_parameters() if key in n]
+    if not params or not all(p.requires_grad for p in params):
+        raise RuntimeError(f"policy '{policy}': {'no' if not params else 'frozen'} adapter parameters on the model")
+    return params
 
 
 def save_policy(model: nn.Module, policy: str, folder) -> None:

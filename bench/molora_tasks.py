@@ -13,7 +13,9 @@ training (the fresh routers) and after:
 - mean gate per expert (mean over prompts and modules), and per decoder layer (mean over the layer's modules);
 - separation: per module, the total variation distance between the two tasks' mean gate vectors
   (0.5 * sum_e |g_A[e] - g_B[e]|: 0 = the tasks are routed alike, 1 = to disjoint experts), averaged over
-  the modules; and the share of modules whose most-used expert differs between the tasks.
+  the modules; and the share of modules whose most-used expert differs between the tasks;
+- within-task baseline: the same mean TV between the even- and odd-numbered held-out prompts of one task
+  (averaged over the two tasks).
 Writes OUT/report.json (and OUT/run, the run folder with the MoLoRA adapter and metrics.jsonl).
 """
 
@@ -75,6 +77,10 @@ def routing_report(model, prompts_by_task: dict[str, list[list[int]]]) -> dict:
     report["separation_tv_mean"] = round(float(tv_M.mean()), 4)
     report["separation_tv_max"] = round(float(tv_M.max()), 4)
     report["top_expert_differs_frac"] = round(float((first.argmax(-1) != second.argmax(-1)).float().mean()), 4)
+    # the same TV between the even- and odd-numbered prompts of one task (averaged over both tasks): how far
+    # apart two groups of prompts are routed when the task is the same
+    halves = [0.5 * (g[:, 0::2].mean(1) - g[:, 1::2].mean(1)).abs().sum(-1).mean() for _, g in per_task.values()]
+    report["within_task_tv_mean"] = round(float(sum(halves) / len(halves)), 4)
     return report
 
 
@@ -149,7 +155,8 @@ def main() -> None:
     for label in ("before", "after"):
         r = report[label]
         print(f"{label}: separation TV mean {r['separation_tv_mean']} (max {r['separation_tv_max']}), "
-              f"top expert differs in {r['top_expert_differs_frac']:.0%} of modules")
+              f"top expert differs in {r['top_expert_differs_frac']:.0%} of modules; within-task TV mean "
+              f"{r['within_task_tv_mean']}")
         for task in tasks:
             print(f"  {task:18s} mean gate per expert {r['mean_gate_per_expert'][task]}")
 

@@ -6,14 +6,16 @@
 Rows: reasoning-gym problems of the two tasks, mixed, each with its reference answer as the completion
 ("The answer is X."), rendered with the chat template. Training: `rlora sft`'s own pieces (model loading
 with `attach_molora`, the training loop with the routers' auxiliary loss: train/sft.py) on a sequence-routed
-MoLoRA; the held-out rows give the eval loss. Routing: for each held-out prompt, each module's router applied
-to the prompt summary (exactly the gates that module uses for every token of that sequence in training and
-sampling), top-k and renormalised as configured. Reported per task, before training (the fresh routers)
-and after:
+MoLoRA; the held-out rows give the eval loss, before and after training. Routing: for each held-out prompt,
+each module's router applied to the prompt summary (exactly the gates that module uses for every token of
+that sequence in training and sampling), top-k and renormalised as configured. Reported per task, before
+training (the fresh routers) and after:
 - mean gate per expert (mean over prompts and modules), and per decoder layer (mean over the layer's modules);
 - separation: per module, the total variation distance between the two tasks' mean gate vectors
   (0.5 * sum_e |g_A[e] - g_B[e]|: 0 = the tasks are routed alike, 1 = to disjoint experts), averaged over
-  the modules; and the share of modules whose most-used expert differs between the tasks.
+  the modules; and the share of modules whose most-used expert differs between the tasks;
+- within-task baseline: the same mean TV between the even- and odd-numbered held-out prompts of one task
+  (averaged over the two tasks).
 Writes OUT/report.json (and OUT/run, the run folder with the MoLoRA adapter and metrics.jsonl).
 """
 
@@ -75,6 +77,10 @@ def routing_report(model, prompts_by_task: dict[str, list[list[int]]]) -> dict:
     report["separation_tv_mean"] = round(float(tv_M.mean()), 4)
     report["separation_tv_max"] = round(float(tv_M.max()), 4)
     report["top_expert_differs_frac"] = round(float((first.argmax(-1) != second.argmax(-1)).float().mean()), 4)
+    # the same TV between the even- and odd-numbered prompts of one task (averaged over both tasks): how far
+    # apart two groups of prompts are routed when the task is the same
+    halves = [0.5 * (g[:, 0::2].mean(1) - g[:, 1::2].mean(1)).abs().sum(-1).mean() for _, g in per_task.values()]
+    report["within_task_tv_mean"] = round(float(sum(halves) / len(halves)), 4)
     return report
 
 
@@ -125,6 +131,9 @@ def main() -> None:
     model = sft.load_model(cfg, cfg.model.path)
     model.train()
     before = routing_report(model, prompts_by_task)
+    model.eval()
+    eval_loss_before = sft.mean_loss(model, data.eval, cfg.train.micro_batch_size, tok.pad_id)
+    model.train()
     params = trainable_parameters(model)
     optimizer, scheduler = build_optimizer(params, cfg.train, args.steps)
     run_dir.create()
@@ -138,13 +147,16 @@ def main() -> None:
     report = {"model": args.model, "tasks": tasks, "train_rows": len(data.train), "held_out_rows": len(data.eval),
               "steps": args.steps, "batch": args.batch, "lr": args.lr, "molora": cfg.molora.model_dump(),
               "train_s": round(train_s, 1), "first_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
-              "eval_loss_after": summary.get("eval_loss"), "before": before, "after": after}
+              "eval_loss_before": eval_loss_before, "eval_loss_after": summary.get("eval_loss"),
+              "before": before, "after": after}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("train_s", "first_loss", "last_loss", "eval_loss_after")}))
+    losses = ("train_s", "first_loss", "last_loss", "eval_loss_before", "eval_loss_after")
+    print(json.dumps({k: report[k] for k in losses}))
     for label in ("before", "after"):
         r = report[label]
         print(f"{label}: separation TV mean {r['separation_tv_mean']} (max {r['separation_tv_max']}), "
-              f"top expert differs in {r['top_expert_differs_frac']:.0%} of modules")
+              f"top expert differs in {r['top_expert_differs_frac']:.0%} of modules; within-task TV mean "
+              f"{r['within_task_tv_mean']}")
         for task in tasks:
             print(f"  {task:18s} mean gate per expert {r['mean_gate_per_expert'][task]}")
 

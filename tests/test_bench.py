@@ -15,7 +15,7 @@ def test_step_phases_bench_prints_every_phase(tiny_model_dir, prompts_file, tmp_
     args = [a for a in tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o")) if not a.startswith("train.output_dir")]
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "step_phases.py"), *args, "algo.beta=0.04",
                            "--steps", "2", "--warmup", "1"], capture_output=True, text=True, cwd=ROOT,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "tests")})
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
     assert done.returncode == 0, done.stderr
     for phase in ("rollout_s", "ref_s", "old_s", "train_s", "step_s"):
         line = next(l for l in done.stdout.splitlines() if l.startswith(phase))
@@ -28,9 +28,9 @@ def test_policies_bench_reports_both_sides(tiny_model_dir, prompts_file, tmp_pat
     args = [a for a in tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o")) if not a.startswith("train.output_dir")]
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "policies.py"), "--k", "2", "--steps", "2", "--out",
                            str(tmp_path / "bench"), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "tests")})
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
     assert done.returncode == 0, done.stderr
-    report = __import__("json").loads((tmp_path / "bench" / "report.json").read_text())
+    report = json.loads((tmp_path / "bench" / "report.json").read_text())
     two = report["k"]["2"]
     assert two["batched_train_s"] > 0 and two["sequential_train_s"] > 0
     assert two["train_speedup"] == two["sequential_train_s"] / two["batched_train_s"]

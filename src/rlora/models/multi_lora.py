@@ -32,42 +32,63 @@ PEFT_NAME = "policy_{}"  # peft adapter name of a policy (peft mistakes short na
 
 
 class RowBlocks:
-    """Where each of N rows sits in the packed [K, M] layout: rows of policy k, in their order, at [k, 0..]."""
+    """Where each of N rows sits in the packed [K', M] layout: one block per policy that has rows (`present`, in
+    policy order), its rows in their order at [block, 0..], M = the most rows any of them has. Rows already grouped
+    in equal blocks (the usual micro-batch: rows come policy by policy) are packed by a view, without a copy."""
 
     def __init__(self, policy_N: torch.Tensor, num_policies: int):
         policy_N = policy_N.long()
+        N = len(policy_N)
         counts_K = torch.bincount(policy_N, minlength=num_policies)
-        self.K, self.M = num_policies, max(int(counts_K.max()), 1) if len(policy_N) else 1
-        order_N = torch.argsort(policy_N, stable=True)
-        starts_K = torch.cumsum(counts_K, 0) - counts_K
-        slot_N = torch.empty_like(policy_N)
-        slot_N[order_N] = torch.arange(len(policy_N), device=policy_N.device) - starts_K[policy_N[order_N]]
-        self.flat_N = policy_N * self.M + slot_N  # index into the K * M slots
+        self.present = (counts_K > 0).nonzero().squeeze(-1).tolist()
+        self.all_present = len(self.present) == num_policies
+        self.K, self.M = max(len(self.present), 1), max(int(counts_K.max()), 1) if N else 1
+        block_of_policy = torch.zeros(num_policies, dtype=torch.long, device=policy_N.device)
+        block_of_policy[self.present] = torch.arange(len(self.present), device=policy_N.device)
+        block_N = block_of_policy[policy_N]
+        grouped_N = torch.arange(N, device=policy_N.device) // self.M
+        self.flat_N = None  # None: rows are in block order, M per block, so packing is a view
+        if N != self.K * self.M or not torch.equal(block_N, grouped_N):
+            order_N = torch.argsort(block_N, stable=True)
+            starts = torch.cumsum(counts_K[self.present], 0) - counts_K[self.present]
+            slot_N = torch.empty_like(policy_N)
+            slot_N[order_N] = torch.arange(N, device=policy_N.device) - starts[block_N[order_N]]
+            self.flat_N = block_N * self.M + slot_N  # index into the K' * M slots
 
     def pack(self, x_N: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [K, M, ...] (zeros where a policy has fewer than M rows); differentiable."""
+        """[N, ...] -> [K', M, ...] (zeros where a policy has fewer than M rows); differentiable."""
+        if self.flat_N is None:
+            return x_N.view(self.K, self.M, *x_N.shape[1:])
         packed = x_N.new_zeros((self.K * self.M, *x_N.shape[1:])).index_copy(0, self.flat_N.to(x_N.device), x_N)
         return packed.view(self.K, self.M, *x_N.shape[1:])
 
     def unpack(self, y_KM: torch.Tensor) -> torch.Tensor:
-        """[K, M, ...] -> [N, ...] in the rows' order."""
-        return y_KM.reshape(self.K * self.M, *y_KM.shape[2:])[self.flat_N.to(y_KM.device)]
+        """[K', M, ...] -> [N, ...] in the rows' order."""
+        flat = y_KM.reshape(self.K * self.M, *y_KM.shape[2:])
+        return flat if self.flat_N is None else flat[self.flat_N.to(y_KM.device)]
+
+    def select(self, factor_K: torch.Tensor) -> torch.Tensor:
+        """The present policies' entries of a per-policy tensor [K, ...] -> [K', ...]."""
+        return factor_K if self.all_present else factor_K[self.present]
 
 
 def packed_lora_delta(x_KMI: torch.Tensor, A_KRI: torch.Tensor, B_KOR: torch.Tensor, scale_K: torch.Tensor,
                       ) -> torch.Tensor:
-    """s_k * B_k A_k x for packed rows: x [K, M, ..., I] -> [K, M, ..., O], two batched matmuls."""
+    """s_k * B_k A_k x for packed rows: x [K, M, ..., I] -> [K, M, ..., O], two batched matmuls (the scale is applied
+    to the rank-R intermediate, the smallest tensor)."""
     K, M = x_KMI.shape[:2]
     x_KXI = x_KMI.reshape(K, -1, x_KMI.shape[-1])
-    h_KXR = torch.bmm(x_KXI, A_KRI.transpose(1, 2))
-    y_KXO = torch.bmm(h_KXR, B_KOR.transpose(1, 2)) * scale_K[:, None, None]
+    h_KXR = torch.bmm(x_KXI, A_KRI.transpose(1, 2)) * scale_K[:, None, None]
+    y_KXO = torch.bmm(h_KXR, B_KOR.transpose(1, 2))
     return y_KXO.view(K, M, *x_KMI.shape[2:-1], B_KOR.shape[1])
 
 
 def multi_lora_delta(x_NI: torch.Tensor, A_KRI: torch.Tensor, B_KOR: torch.Tensor, scale_K: torch.Tensor,
                      blocks: RowBlocks) -> torch.Tensor:
-    """The adapter part for rows of several policies: x [N, ..., I] -> [N, ..., O] (row n: its policy's adapter)."""
-    return blocks.unpack(packed_lora_delta(blocks.pack(x_NI), A_KRI, B_KOR, scale_K))
+    """The adapter part for rows of several policies: x [N, ..., I] -> [N, ..., O] (row n: its policy's adapter).
+    A, B, scale hold every policy's (K of them); only the present policies' take part."""
+    packed = packed_lora_delta(blocks.pack(x_NI), blocks.select(A_KRI), blocks.select(B_KOR), blocks.select(scale_K))
+    return blocks.unpack(packed)
 
 
 class PolicyState:
@@ -111,10 +132,11 @@ def _policy_forward(module: nn.Module, state: PolicyState):
         if state.blocks is None:
             raise RuntimeError("a model with several policy adapters ran a forward without rows' policies "
                                "(wrap it in multi_lora.policy_rows)")
-        A, B, scale = stacked_factors(module, state.names)
+        blocks = state.blocks
+        A, B, scale = stacked_factors(module, [state.names[k] for k in blocks.present])  # the present ones only
         x_in = dropout(x.to(A.dtype))
         rows = x_in if x_in.dim() > 1 else x_in[None]
-        delta = multi_lora_delta(rows, A, B, scale, state.blocks)
+        delta = blocks.unpack(packed_lora_delta(blocks.pack(rows), A, B, scale))
         return result + delta.view(*result.shape[:-1], -1).to(result.dtype)
 
     return forward

@@ -132,7 +132,7 @@ class PolicyFusedLinear:
         outs = self.base(x)
         blocks = self.state.blocks
         packed = blocks.pack(x)
-        return tuple(out if f is None else out + blocks.unpack(packed_lora_delta(packed, *f))
+        return tuple(out if f is None else out + blocks.unpack(packed_lora_delta(packed, *map(blocks.select, f)))
                      for out, f in zip(outs, self.factors))
 
 

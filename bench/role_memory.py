@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/role_memory.py [--model smollm2] [--repeats 3] [--rows 16] [--prompt-tokens 32]
                                           [--completion-tokens 64] [--rank 16] [--device cpu]
-                                          [--gradient-checkpointing] [--json FILE]
+                                          [--gradient-checkpointing] [--release-memory] [--json FILE]
 
 Roles: the policy (base + LoRA), the reference (the base), a reward model (reward adapter + fp32 score head,
 rlora's reward_model format) and a value model (value adapter + fp32 value head). Two layouts:
@@ -74,7 +74,7 @@ def role_config(model_path: str, reward_folder: str, args):
         data={"path": "unused.jsonl"}, rewards=[{"fn": "reward_model", "args": {"path": reward_folder}}],
         algo={"name": "ppo"}, rollout={"max_new_tokens": args.completion_tokens},
         train={"micro_batch_size": args.rows, "threads": args.threads,
-               "gradient_checkpointing": args.gradient_checkpointing},
+               "gradient_checkpointing": args.gradient_checkpointing, "release_memory": args.release_memory},
     )
 
 
@@ -253,8 +253,11 @@ def worker(layout: str, reward_folder: str, args) -> dict:
 
     from rlora.cli import _quiet_libraries
     from rlora.models.loading import load_tokenizer
+    from rlora.system import return_freed_memory
 
     _quiet_libraries()
+    if args.release_memory and not return_freed_memory():  # as `rlora train` does before prepare()
+        raise RuntimeError("--release-memory needs glibc")
     torch.set_num_threads(args.threads)
     before = peak_rss_mb()
     cfg = role_config(model_folder(args.model), reward_folder, args)
@@ -307,6 +310,7 @@ def print_table(summary: dict, args) -> None:
     print(f"# roles on one base vs separate models: {args.model}, float32, LoRA rank {args.rank} all-linear, "
           f"{args.rows} rows x ({args.prompt_tokens} + {args.completion_tokens}) tokens, {args.device}, "
           f"{args.threads} threads, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
+          f"release_memory {'on' if args.release_memory else 'off'}, "
           f"medians of {args.repeats} runs each (alternating)")
     one, sep = summary["one_base"], summary["separate"]
     print(f"base copies held: one_base {one['base_copies']:g} ({one['models']} model object), "
@@ -334,6 +338,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="train.gradient_checkpointing=true (the policy and value passes recompute activations)")
+    parser.add_argument("--release-memory", action="store_true",
+                        help="train.release_memory=true (glibc returns freed large blocks to the OS at once)")
     parser.add_argument("--json", help="also write the summary and every run here")
     parser.add_argument("--worker", choices=LAYOUTS, help=argparse.SUPPRESS)
     parser.add_argument("--reward-folder", help=argparse.SUPPRESS)
@@ -344,7 +350,8 @@ def main() -> int:
         return 0
     argv = [f"--model={args.model}", f"--rows={args.rows}", f"--prompt-tokens={args.prompt_tokens}",
             f"--completion-tokens={args.completion_tokens}", f"--rank={args.rank}", f"--device={args.device}",
-            f"--threads={args.threads}", *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
+            f"--threads={args.threads}", *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+            *(["--release-memory"] if args.release_memory else [])]
     from rlora.cli import _quiet_libraries
 
     _quiet_libraries()

@@ -27,7 +27,8 @@ memory, a page shared by several mappings counted once: /proc/self/smaps_rollup)
 work; on `--device cuda`, torch.cuda.max_memory_allocated after loading and after the work. Caveat for the CPU:
 the separate layout maps one unchanged file four times, so its copies share page-cache pages; RSS counts every
 copy (what separate models with their own weights, e.g. a trained reward model, hold), PSS counts the shared
-pages once.
+pages once (and splits them with other processes that map the same file). `--gradient-checkpointing` and
+`--release-memory` are `train.gradient_checkpointing` and `train.release_memory` in both layouts.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
 from conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +80,27 @@ def test_molora_tasks_gates_are_top_k_per_prompt(tiny_model_dir):
     same = routing_report(model, {"a": prompts, "b": prompts})  # one task under two names: routed alike
     assert same["separation_tv_max"] == 0.0 and same["top_expert_differs_frac"] == 0.0
     assert 0.0 < same["within_task_tv_mean"] <= 1.0  # prompts 0, 2 vs 1, 3 are routed differently
+
+
+def test_role_memory_bench_holds_one_base_against_four(tiny_model_dir, tmp_path):
+    out = tmp_path / "roles.json"
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))  # this checkout's rlora
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "role_memory.py"), "--model", tiny_model_dir,
+                           "--repeats", "1", "--rows", "4", "--prompt-tokens", "6", "--completion-tokens", "5",
+                           "--rank", "4", "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())
+    one, separate = summary["one_base"], summary["separate"]
+    for run in (one, separate):
+        assert 0 < run["peak_rss_before_load_mb"] <= run["peak_rss_after_load_mb"] <= run["peak_rss_after_work_mb"]
+    # every role on one base: one model object, each base weight once; separate: four bases
+    assert (one["models"], one["base_copies"]) == (1, 1.0)
+    assert (separate["models"], separate["base_copies"]) == (4, 4.0)
+    # the same work: the reference log-probs and reward scores come from the same weights and tokens
+    assert one["ref_logp_sum"] == pytest.approx(separate["ref_logp_sum"], rel=1e-5)
+    assert one["reward_sum"] == pytest.approx(separate["reward_sum"], rel=1e-4, abs=1e-6)
+    assert one["reward_sum"] != 0.0, "a head of zeros would score every sequence 0 in both layouts"
+    assert summary["ratio"]["peak_rss_after_work_mb"] == pytest.approx(
+        one["peak_rss_after_work_mb"] / separate["peak_rss_after_work_mb"])
+    assert "peak_rss_after_load" in done.stdout

@@ -334,6 +334,9 @@ class TrainConfig(OptimizerConfig):
         "and policy log-prob passes (Llama-family models, chunked log-probs)")
     release_memory: bool = Field(
         False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
+    fsdp: bool = Field(
+        False, description="Under torchrun (2+ ranks): shard the frozen base's decoder layers across the ranks with "
+        "FSDP2; each sampling call gathers the whole base (README: Data parallel)")
 
 
 class EvalConfig(_Section):

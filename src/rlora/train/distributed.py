@@ -62,6 +62,14 @@ def all_reduce_sums(world: World, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_max(world: World, value: float) -> float:
+    if not world.active:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
+
+
 def all_reduce_gradients(world: World, params: list[torch.nn.Parameter]) -> None:
     """Sum the adapter gradients over ranks, in one flat buffer (a rank without a gradient adds zeros). If no
     rank had a gradient, the gradients stay None, as in one process: the optimiser then skips the step

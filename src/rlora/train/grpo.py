@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from rlora.train.distributed import (
     World, all_reduce_sums, barrier, gather_objects, init_world, merge_metrics, rank_divergence, shutdown,
 )
 from rlora.train.evaluate import eval_sampling, evaluate
+from rlora.train.fsdp import GatheredSampler, ShardedBase, check_fsdp, shard_base
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
@@ -66,6 +69,7 @@ class Session:
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
     critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
     policies: list[pol.Policy] | None = None  # several policies on the base (cfg.policies), built by _run
+    sharded: ShardedBase | None = None  # train.fsdp: the base's decoder layers split across the ranks
 
 
 def seed_everything(seed: int) -> None:
@@ -104,6 +108,7 @@ def check_world(cfg: RLConfig, world: World) -> None:
 def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None]:
     """Everything that can be checked without loading the model, so bad input fails in a second."""
     check_world(cfg, world)
+    check_fsdp(cfg, world)
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
@@ -155,6 +160,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    sharded = shard_base(model, world) if cfg.train.fsdp else None
 
     def ids(examples: list[Example]) -> list[list[int]]:
         return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
@@ -166,6 +172,8 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     if cfg.rollout.sampler_dtype != "model":
         exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})
         eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+    if sharded is not None:  # the sampler reads the weights directly: every call gathers the base
+        generator, eval_generator = GatheredSampler(generator, sharded), GatheredSampler(eval_generator, sharded)
     if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None:
         info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
              "off-policy and nothing corrects for it (watch sampler_logp_gap)")
@@ -176,7 +184,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
             raise UserError(f"{option} needs the sampler's log-probs, which only rollout.engine=builtin returns "
                             f"(this run samples with '{generator.name}'): {fix}")
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic)
+                   prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded=sharded)
 
 
 def frozen_layers_to_share(cfg: RLConfig, model) -> int:
@@ -224,6 +232,12 @@ def eval_after(s: Session) -> dict | None:
         if results[policy.name] is not None:
             policy.run_dir.write_json("eval.json", {"after": results[policy.name]})
     return results if any(results.values()) else None
+
+
+def main_eval(s: Session, run: Callable[[], dict | None]) -> dict | None:
+    """Rank 0 evaluates (run()) while the others wait; with train.fsdp every rank gathers the sharded base for it."""
+    with s.sharded.gathered() if s.sharded is not None else nullcontext():
+        return run() if s.world.is_main else None
 
 
 def _jsonl(obj) -> str:
@@ -279,7 +293,7 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
         pol.create_folders(s.policies)
     s.run_dir.write_text("config.yaml", to_yaml(cfg))
     if s.resume_from is None:
-        before = run_eval(s, "before") if cfg.eval.before and s.world.is_main else None
+        before = main_eval(s, lambda: run_eval(s, "before")) if cfg.eval.before else None
         barrier(s.world)
         return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
@@ -377,7 +391,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
     if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every:
         checkpoint(done)  # the end of the run is a checkpoint too: `train.steps=more train.resume=auto` extends it
     train_s = time.perf_counter() - t0
-    evals["after"] = eval_after(s) if cfg.eval.after and world.is_main else None
+    evals["after"] = main_eval(s, lambda: eval_after(s)) if cfg.eval.after else None
     barrier(world)
     if any(evals.values()):
         s.run_dir.write_json("eval.json", evals)

@@ -18,6 +18,7 @@ from rlora.models.logprobs import completion_logprobs
 from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molora
 from rlora.models.multi_lora import policy_rows
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
+from rlora.train.fsdp import passes_to_add, zero_pass
 from rlora.rollout.batching import trim
 from rlora.types import Rollout
 
@@ -151,6 +152,7 @@ def accumulate_gradient_per_policy(
     rows = rows_to_train(scored, loss_beta, cfg.entropy_coef, every_row=aux_losses_on(model))
     micros = [(rows[lo:lo + micro_batch_size], trim(rollout.select(rows[lo:lo + micro_batch_size])))
               for lo in range(0, len(rows), micro_batch_size)]
+    padding = passes_to_add(world, model, len(micros))  # train.fsdp: as many layer passes as the busiest rank
     routing = None  # MoLoRA: the routers' auxiliary loss over the whole batch, and their metrics
     if has_molora(model):
         routing = RolloutRouting(model, [micro for _, micro in micros],
@@ -193,6 +195,8 @@ def accumulate_gradient_per_policy(
             _add_sums(sums[k], part_loss, mask_BT[part], token_terms, part, fresh_mask_BT[part],
                       None if is_weight is None else (is_weight[part], weighted_BT[part]))
             trained_rows[k] += len(mask_BT[part])
+    for _ in range(padding):
+        zero_pass(model, rollout, chunk_tokens, prefix)
     all_reduce_gradients(world, trainable_parameters(model))  # each rank's loss is over global counts: sum
     rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)
     results = []

@@ -65,14 +65,16 @@ def test_packed_delta_equals_a_loop_over_rows(policy, blocks_shape, a_view):
     x = torch.randn(len(policy), T, I, generator=g, dtype=torch.float64)
     blocks = mlr.RowBlocks(policy, K)
     assert (blocks.K, blocks.M) == blocks_shape and (blocks.flat_N is None) == a_view
-    delta = mlr.multi_lora_delta(x, A, B, scale, blocks)
+    delta = mlr.multi_lora_delta(x, *map(blocks.select, (A, B, scale)), blocks)
     for n in range(len(policy)):
         k = int(policy[n])
         expected = scale[k] * (x[n] @ A[k].T @ B[k].T)
         assert torch.allclose(delta[n], expected, rtol=0, atol=1e-12)
     # 2-D rows (a decoding step: one token per row) and the gradient reaches only the rows' own adapters
     A.requires_grad_(True)
-    mlr.multi_lora_delta(x[:, 0], A, B, scale, blocks).sum().backward()
+    mlr.multi_lora_delta(x[:, 0], *map(blocks.select, (A, B, scale)), blocks).sum().backward()
+    with pytest.raises(RuntimeError, match="policies route whole rows"):  # tokens fed where rows are expected
+        blocks.pack(x.reshape(-1, I))
     for k in range(K):
         assert bool(A.grad[k].abs().sum() > 0) == (k in policy.tolist())
 
@@ -118,14 +120,16 @@ def test_a_forward_without_rows_policies_is_refused(tiny_model_dir):
         model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
-@pytest.mark.parametrize("max_rows", [12, 9, 256])  # chunks of one policy, chunks mixing policies, one chunk
-def test_batched_sampler_samples_what_each_policy_samples_alone(tiny_model_dir, tmp_path, max_rows):
+@pytest.mark.parametrize("max_rows,decode", [(12, "eager"), (9, "eager"), (256, "eager"), (9, "static")])
+def test_batched_sampler_samples_what_each_policy_samples_alone(tiny_model_dir, tmp_path, max_rows, decode):
+    """Chunks of one policy, chunks mixing policies, one chunk; and the fixed-shape decode step that a GPU
+    records as a CUDA graph (here run eagerly on the CPU)."""
     tokenizer, tok = load_tokenizer(tiny_model_dir)
     model = policies_model(tiny_model_dir)
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 1 + 1?", "Hello", "abab baba", "The quick brown")]
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     P, G = len(prompts), 3
-    sampler = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=max_rows)
+    sampler = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=max_rows, decode=decode)
     seeds = [100 + k for k in range(3) for _ in range(P)]  # every policy its own seed
     together = sampler.sample(model, prompts * 3, G, params, seeds, keys=list(range(P)) * 3,
                               policies=[k for k in range(3) for _ in range(P)])
@@ -178,7 +182,7 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
     lrs = [1e-3, 3e-3]
     optims = [build_optimizer(mlr.policy_parameters(model, n), TrainConfig(lr=lr), 4) for n, lr in zip(NAMES, lrs)]
     for _ in range(iterations):
-        updates = accumulate_gradient_per_policy(model, algo, cfg, scored, 3, 6, num_policies=2)
+        updates = accumulate_gradient_per_policy(model, algo, cfg, scored, 3, 6)
         for name, (opt, sched), update in zip(NAMES, optims, updates):
             update |= optimizer_step(mlr.policy_parameters(model, name), opt, sched, 1.0, update["loss"])
     for k, (single, lr) in enumerate(zip(singles, lrs)):
@@ -238,9 +242,14 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         mine = out / "policies" / spec["name"]
         theirs = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
         ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
-        for a, b in zip(ours, theirs):
-            assert a["reward_mean"] == b["reward_mean"] and a["lr"] == b["lr"] == spec["lr"]
-            assert a["kl"] == pytest.approx(b["kl"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert len(ours) == len(theirs) == 2
+        for a, b in zip(ours, theirs):  # every metric a run of the policy alone writes, but the timings
+            assert a["lr"] == spec["lr"] and set(a) == set(b)
+            for key in (k for k in b if not k.endswith("_s")):
+                if isinstance(b[key], float):  # float32 sums in another order
+                    assert a[key] == pytest.approx(b[key], abs=1e-5), key
+                else:
+                    assert a[key] == b[key], key
         their_samples = [json.loads(line) for line in (alone / "samples.jsonl").read_text().splitlines()]
         assert [s["completion"] for s in samples if s["policy"] == spec["name"]] == [s["completion"] for s in their_samples]
         a = load_file(str(mine / "adapter" / "adapter_model.safetensors"))
@@ -257,6 +266,10 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
     ({"algo.dynamic_sampling": "true"}, "do not support algo.dynamic_sampling yet"),
     ({"algo.adv_scale": "batch"}, "do not support batch-wide advantage statistics"),
+    ({"algo.name": "reinforce_pp"}, "do not support batch-wide advantage statistics"),
+    ({"algo.name": "adaptive_grpo"}, "do not support adaptive resampling yet"),
+    ({"algo.replay.enabled": "true"}, "do not support algo.replay yet"),
+    ({"molora.num_experts": 2, "lora.rank": 16}, "do not support a molora section yet"),
     ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},
      "do not support rollout.engine=hf yet"),
 ])
@@ -274,7 +287,11 @@ def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tm
     assert main(["train", *args, _policies_arg([{"name": "a"}])]) == 2
     assert "policies lists one policy" in capsys.readouterr().err
     assert main(["train", *args, _policies_arg([{"name": "a.b"}, {"name": "c"}])]) == 2
-    assert "policies" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert "policies.0.name" in err and "pattern" in err and len(err.splitlines()) == 1
+    assert main(["train", *args, "lora.target_modules=[q_proj, lm_head]", _policies_arg([{"name": "a"}, {"name": "c"}])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "an adapter on 'lm_head' (outside the decoder layers) is not supported" in err and len(err.splitlines()) == 1
 
 
 def test_several_policies_are_refused_under_torchrun(tiny_model_dir, prompts_file, tmp_path):

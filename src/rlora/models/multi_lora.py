@@ -40,8 +40,11 @@ class RowBlocks:
         policy_N = policy_N.long()
         N = len(policy_N)
         counts_K = torch.bincount(policy_N, minlength=num_policies)
-        self.present = (counts_K > 0).nonzero().squeeze(-1).tolist()
+        present_P = (counts_K > 0).nonzero().squeeze(-1)
+        self.present = present_P.tolist()
+        self.present_P = present_P  # on the rows' device: select() copies nothing from the host (CUDA graphs)
         self.all_present = len(self.present) == num_policies
+        self.N = N
         self.K, self.M = max(len(self.present), 1), max(int(counts_K.max()), 1) if N else 1
         block_of_policy = torch.zeros(num_policies, dtype=torch.long, device=policy_N.device)
         block_of_policy[self.present] = torch.arange(len(self.present), device=policy_N.device)
@@ -57,6 +60,8 @@ class RowBlocks:
 
     def pack(self, x_N: torch.Tensor) -> torch.Tensor:
         """[N, ...] -> [K', M, ...] (zeros where a policy has fewer than M rows); differentiable."""
+        if x_N.shape[0] != self.N:  # e.g. a layer fed tokens, not rows: never route them by position
+            raise RuntimeError(f"{x_N.shape[0]} inputs for {self.N} rows: policies route whole rows")
         if self.flat_N is None:
             return x_N.view(self.K, self.M, *x_N.shape[1:])
         packed = x_N.new_zeros((self.K * self.M, *x_N.shape[1:])).index_copy(0, self.flat_N.to(x_N.device), x_N)
@@ -69,7 +74,7 @@ class RowBlocks:
 
     def select(self, factor_K: torch.Tensor) -> torch.Tensor:
         """The present policies' entries of a per-policy tensor [K, ...] -> [K', ...]."""
-        return factor_K if self.all_present else factor_K[self.present]
+        return factor_K if self.all_present else factor_K.index_select(0, self.present_P.to(factor_K.device))
 
 
 def packed_lora_delta(x_KMI: torch.Tensor, A_KRI: torch.Tensor, B_KOR: torch.Tensor, scale_K: torch.Tensor,
@@ -83,12 +88,11 @@ def packed_lora_delta(x_KMI: torch.Tensor, A_KRI: torch.Tensor, B_KOR: torch.Ten
     return y_KXO.view(K, M, *x_KMI.shape[2:-1], B_KOR.shape[1])
 
 
-def multi_lora_delta(x_NI: torch.Tensor, A_KRI: torch.Tensor, B_KOR: torch.Tensor, scale_K: torch.Tensor,
+def multi_lora_delta(x_NI: torch.Tensor, A_PRI: torch.Tensor, B_POR: torch.Tensor, scale_P: torch.Tensor,
                      blocks: RowBlocks) -> torch.Tensor:
     """The adapter part for rows of several policies: x [N, ..., I] -> [N, ..., O] (row n: its policy's adapter).
-    A, B, scale hold every policy's (K of them); only the present policies' take part."""
-    packed = packed_lora_delta(blocks.pack(x_NI), blocks.select(A_KRI), blocks.select(B_KOR), blocks.select(scale_K))
-    return blocks.unpack(packed)
+    A, B, scale: the factors of the policies present in the rows (blocks.present), in policy order."""
+    return blocks.unpack(packed_lora_delta(blocks.pack(x_NI), A_PRI, B_POR, scale_P))
 
 
 class PolicyState:
@@ -136,7 +140,7 @@ def _policy_forward(module: nn.Module, state: PolicyState):
         A, B, scale = stacked_factors(module, [state.names[k] for k in blocks.present])  # the present ones only
         x_in = dropout(x.to(A.dtype))
         rows = x_in if x_in.dim() > 1 else x_in[None]
-        delta = blocks.unpack(packed_lora_delta(blocks.pack(rows), A, B, scale))
+        delta = multi_lora_delta(rows, A, B, scale, blocks)
         return result + delta.view(*result.shape[:-1], -1).to(result.dtype)
 
     return forward
@@ -169,11 +173,16 @@ def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds
                 model.add_adapter(name, config)
     except (ValueError, RuntimeError, KeyError) as err:
         raise UserError(f"the policies' LoRA does not fit the model: {first_line(err)}") from None
-    layers = lora_layers(model)
-    for module in layers:
+    for name, module in model.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
+            continue
+        if ".layers." not in name:  # e.g. lm_head: the log-prob passes feed it tokens, not rows
+            raise UserError(f"policies: an adapter on '{name.rsplit('.', 1)[-1]}' (outside the decoder layers) is not "
+                            "supported: target linear layers inside the decoder layers")
         if type(module).__name__ != "Linear" or any(module.lora_variant.get(n) for n in names):
             raise UserError(f"policies: {type(module).__name__} LoRA layers (or DoRA) are not supported: "
                             "target linear layers with plain LoRA")
+    layers = lora_layers(model)
     state = PolicyState(names)
     for module in layers:
         module.forward = _policy_forward(module, state)

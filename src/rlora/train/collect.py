@@ -69,6 +69,15 @@ class CollectStats:
     first_reward_sum: float = 0.0  # valid task rewards of every group's first attempt (reward_mean_sampled)
     first_reward_count: int = 0
 
+    def add_first_attempts(self, groups: list["Group"]) -> None:
+        """Count groups just drawn for the first time."""
+        self.groups_sampled += len(groups)
+        self.zero_var_before += sum(is_flat(g.scores.total_B) for g in groups)
+        for g in groups:
+            valid = g.scores.total_B[~torch.isnan(g.scores.total_B)]
+            self.first_reward_sum += float(valid.sum())
+            self.first_reward_count += len(valid)
+
 
 class Collector:
     """Collects the groups of one step. `seed` is the step's seed; round r, retry k draw with their own."""
@@ -117,12 +126,7 @@ class Collector:
     def _round(self, prompts: list[int], round_index: int) -> list[Group]:
         groups = self._draw(prompts, self.base, self._seed(round_index, 0))
         self.stats.sampling_rounds += 1
-        self.stats.groups_sampled += len(groups)
-        self.stats.zero_var_before += sum(is_flat(g.scores.total_B) for g in groups)
-        for g in groups:
-            valid = g.scores.total_B[~torch.isnan(g.scores.total_B)]
-            self.stats.first_reward_sum += float(valid.sum())
-            self.stats.first_reward_count += len(valid)
+        self.stats.add_first_attempts(groups)
         if self.algo.adaptive.enabled:
             self._resample_failing(groups, round_index)
             self.stats.rescued += sum(g.failed_first and not fails(g.scores.total_B, self.algo.adaptive) for g in groups)

@@ -257,7 +257,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     for _ in range(cfg.algo.num_iterations):
         lrs = [sched.get_last_lr()[0] for _, _, sched in trained]
         updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
-                                                 s.world, prefix, num_policies=len(trained))
+                                                 s.world, prefix)
         t_optim = time.perf_counter()
         for update, (params, opt, sched), lr in zip(updates, trained, lrs):
             update |= optimizer_step(params, opt, sched, cfg.train.max_grad_norm, update["loss"]) | {"lr": lr}
@@ -274,7 +274,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
         metrics = {**shared, **_reward_metrics(batch), **updates[0], **_rollout_metrics(batch)}
     else:
         metrics = {**shared, "gen_tokens": int(rollout.completion_mask_BTc.sum()), "policies": {
-            p.name: {**_reward_metrics(part), **update, **_rollout_metrics(part)}
+            p.name: {**_reward_metrics(part), **update, **_rollout_metrics(part), **_collect_metrics(_first_draws(part), cfg)}
             for p, update, part in zip(s.policies, updates, _policy_batches(batch, cfg.train.prompts_per_step, len(s.policies)))}}
     first_params = trained[0][0]
     if first_params and first_params[0].is_cuda:
@@ -296,6 +296,15 @@ def _policy_batches(batch: Batch, prompts_per_step: int, num_policies: int) -> l
         parts.append(Batch(select_rows(batch.rollout, rows), batch.scores.select(rows), batch.stats_rewards_P_S[groups],
                            [batch.groups[i] for i in groups]))
     return parts
+
+
+def _first_draws(part: Batch) -> CollectStats:
+    """A policy's sampling statistics: one round, its groups drawn once (several policies neither resample nor
+    draw extra prompts)."""
+    stats = CollectStats(sampling_rounds=1)
+    stats.add_first_attempts(part.groups)
+    stats.zero_var_after = stats.zero_var_before
+    return stats
 
 
 def _empty_rank_update(s, step: int, optimizer, scheduler, stats: CollectStats, timings: Timings, t_start: float) -> dict:

@@ -16,7 +16,7 @@ from rlora.models.loading import trainable_parameters
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molora
-from rlora.models.multi_lora import policy_rows
+from rlora.models.multi_lora import policy_rows, policy_state
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.train.fsdp import passes_to_add, zero_pass
 from rlora.rollout.batching import trim
@@ -136,7 +136,7 @@ def accumulate_policy_gradient(
 
 def accumulate_gradient_per_policy(
     model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
-    chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None, num_policies: int = 1,
+    chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None,
 ) -> list[dict[str, float]]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch, one dict per policy.
     Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
@@ -147,6 +147,7 @@ def accumulate_gradient_per_policy(
     adapter; each policy's loss is normalised by its own rows' counts, so the gradient each adapter receives is
     the one a run of that policy alone computes on the same rows."""
     rollout = scored.rollout
+    num_policies = 1 if scored.policy_B is None else len(policy_state(model).names)
     totals = policy_totals(world, scored, constant_len, num_policies)
     loss_beta = 0.0 if algo.kl_in_reward else cfg.beta  # REINFORCE++ puts the KL into the reward instead
     rows = rows_to_train(scored, loss_beta, cfg.entropy_coef, every_row=aux_losses_on(model))

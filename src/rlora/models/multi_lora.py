@@ -200,7 +200,7 @@ def policy_rows(model: nn.Module, policy_N: torch.Tensor | None):
         yield
         return
     previous = state.blocks
-    state.set_rows(policy_N)
+    state.set_rows(policy_N.to(next(model.parameters()).device))  # built once, where the layers run
     try:
         yield
     finally:

@@ -72,3 +72,34 @@ def model_folder(name: str) -> str:
             build_random_model(folder, family="qwen2", tokenizer=tokenizer, tie=True, seed=0, **RANDOM_SHAPES[name])
         return str(folder)
     return name
+
+
+STEP_PHASES = ("step_s", "rollout_s", "ref_s", "old_s", "train_s", "optim_s")
+
+
+def step_phases(rows: list[dict]) -> dict:
+    """Median seconds per step of each phase of a run's metrics.jsonl rows (the first step is left out: it warms
+    up the allocator)."""
+    import statistics
+
+    rows = rows[1:] or rows
+    return {key: statistics.median(r.get(key) or 0.0 for r in rows) for key in STEP_PHASES}
+
+
+def run_parser(doc: str, steps: int, repeats: int):
+    """The argument parser of a benchmark that runs `rlora train` --repeats times for --steps steps, into --out."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--out", default=None, help="folder for the runs and report.json (default: a temporary one)")
+    return parser
+
+
+def output_folder(out: str | None, prefix: str) -> Path:
+    import tempfile
+
+    folder = Path(out or tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

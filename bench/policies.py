@@ -15,14 +15,14 @@ median step phases. Each repeat runs batched then sequential; medians over repea
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from bench_common import output_folder, run_parser, step_phases
 
 COMMON = ["eval.before=false", "eval.after=false", "train.sample_every=0", "log.plot=false", "train.overwrite=true"]
 
@@ -43,13 +43,6 @@ def run(args: list[str], out: Path) -> dict:
     return {"wall_s": wall, "train_s": summary["train_s"], "steps": len(rows), "rows": rows}
 
 
-def phases(rows: list[dict]) -> dict:
-    """Median seconds per step of each phase (the first step is left out: it warms up the allocator)."""
-    rows = rows[1:] or rows
-    return {key: statistics.median(r.get(key) or 0.0 for r in rows) for key in ("step_s", "rollout_s", "ref_s", "old_s",
-                                                                             "train_s", "optim_s")}
-
-
 def one_repeat(K: int, steps: int, overrides: list[str], folder: Path) -> dict:
     policies = "policies=[" + ", ".join(f"{{name: p{k}, lr: {lr_of(k)}, seed: {k}}}" for k in range(K)) + "]"
     batched = run([*overrides, f"train.steps={steps}", policies], folder / f"batched-{K}")
@@ -58,21 +51,17 @@ def one_repeat(K: int, steps: int, overrides: list[str], folder: Path) -> dict:
     return {
         "batched_train_s": batched["train_s"], "batched_wall_s": batched["wall_s"],
         "sequential_train_s": sum(r["train_s"] for r in sequential), "sequential_wall_s": sum(r["wall_s"] for r in sequential),
-        "batched_phases": phases(batched["rows"]),
-        "single_phases": {key: statistics.median(phases(r["rows"])[key] for r in sequential)
-                          for key in phases(sequential[0]["rows"])},
+        "batched_phases": step_phases(batched["rows"]),
+        "single_phases": {key: statistics.median(step_phases(r["rows"])[key] for r in sequential)
+                          for key in step_phases(sequential[0]["rows"])},
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = run_parser(__doc__, steps=5, repeats=1)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", default=None, help="folder for the runs and report.json (default: a temporary one)")
     args, overrides = parser.parse_known_args()
-    folder = Path(args.out or tempfile.mkdtemp(prefix="rlora-policies-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = output_folder(args.out, "rlora-policies-")
     report = {"overrides": overrides, "steps": args.steps, "repeats": args.repeats, "k": {}}
     for K in args.k:
         repeats = [one_repeat(K, args.steps, overrides, folder) for _ in range(args.repeats)]

@@ -41,6 +41,20 @@ def test_policies_bench_reports_both_sides(tiny_model_dir, prompts_file, tmp_pat
     assert all((tmp_path / "bench" / f"single-2-{k}" / "adapter").is_dir() for k in range(2))
     assert "K=2: training" in done.stdout
 
+def test_fsdp_bench_runs_every_layout(tiny_model_dir, prompts_file, tmp_path):
+    args = [a for a in tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o")) if not a.startswith("train.output_dir")]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fsdp.py"), "--steps", "2", "--repeats", "1", "--out",
+                           str(tmp_path / "bench"), *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "bench" / "report.json").read_text())
+    assert list(report["median"]) == ["data_parallel", "fsdp_model", "fsdp_layer", "fsdp_layer_unmerged"]
+    assert all(m["rollout_s"] > 0 and m["train_s"] > 0 for m in report["median"].values())
+    config = (tmp_path / "bench" / "fsdp_layer_unmerged-0" / "config.yaml").read_text()
+    assert "fsdp_gather: layer" in config and "merge_adapter: false" in config
+    assert "fsdp_layer_unmerged: step" in done.stdout
+
+
 def test_molora_tasks_bench_reports_routing_per_task(tiny_model_dir, tmp_path):
     out = tmp_path / "molora"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "molora_tasks.py"), "--model", tiny_model_dir,

@@ -90,6 +90,14 @@ def test_world_checks_and_metric_merging():
     merged = merge_metrics([{"step": 3, "loss": 0.75, "gen_tokens": 10, "rollout_s": 2.0, "reward_mean": 0.5, "kl": None},
                             {"step": 3, "loss": 0.75, "gen_tokens": 12, "rollout_s": 3.0, "reward_mean": 1.0, "kl": None}])
     assert merged == {"step": 3, "loss": 0.75, "gen_tokens": 22, "rollout_s": 3.0, "reward_mean": 0.75, "kl": None}
+    # several policies: each policy's metrics merged over the ranks that hold its groups; maxima take the largest
+    merged = merge_metrics([{"step": 1, "completion_len_max": 7, "policies": {"a": {"reward_mean": 0.5, "gen_tokens": 4},
+                                                                              "b": {"reward_mean": 1.0, "gen_tokens": 6}}},
+                            {"step": 1, "completion_len_max": 9, "policies": {"b": {"reward_mean": 0.0, "gen_tokens": 2},
+                                                                              "c": {"reward_mean": 0.25, "gen_tokens": 3}}}])
+    assert merged == {"step": 1, "completion_len_max": 9, "policies": {
+        "a": {"reward_mean": 0.5, "gen_tokens": 4}, "b": {"reward_mean": 0.5, "gen_tokens": 8},
+        "c": {"reward_mean": 0.25, "gen_tokens": 3}}}
 
 
 def _splitmix64(x: int) -> int:

@@ -2,6 +2,10 @@
 tests/test_distributed.py compares with 1 rank); the combinations it refuses are one line each."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -10,39 +14,45 @@ from conftest import tiny_overrides
 from rlora.cli import main
 from rlora.config import load_config
 from rlora.errors import UserError
+from rlora.models.tiny import build_random_model
 from rlora.train.distributed import World
 from rlora.train.fsdp import check_fsdp
-from test_distributed import _run
+from test_distributed import TESTS, _run
 
 
 def test_sharded_base_trains_and_samples_like_data_parallel(tiny_model_dir, prompts_file, tmp_path):
     """Rank 0's only group is flat (flat_for_zero, no KL): it trains no row while rank 1 trains four, so rank 0
     pads with zero passes. Also on: the frozen layer 0 computed once (top_layers=1, old log-probs for 2
     iterations), gradient checkpointing, evaluation before/after (rank 0, on the gathered base), checkpoints:
-    the sharded run stops after 2 steps and resumes for the 3rd; the unsharded one runs 3 straight."""
+    the sharded run stops after 2 steps and resumes for the 3rd; the unsharded one runs 3 straight. The run that
+    streams the layers through the sampler (train.fsdp_gather=layer) runs 3 straight; rank 1 takes part in rank
+    0's evaluation passes."""
     common = {"rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "data.shuffle": "false", "lora.top_layers": 1,
               "algo.num_iterations": 2, "train.gradient_checkpointing": "true", "train.checkpoint_every": 1,
               "train.micro_batch_size": 2, "train.lr": 0.05, "train.threads": 1}
-    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
-    for out, steps, extra in ((plain, 3, {}), (sharded, 2, {"train.fsdp": "true"}),
+    plain, sharded, layered = tmp_path / "plain", tmp_path / "sharded", tmp_path / "layered"
+    streamed = {"train.fsdp": "true", "train.fsdp_gather": "layer"}
+    for out, steps, extra in ((plain, 3, {}), (layered, 3, streamed), (sharded, 2, {"train.fsdp": "true"}),
                               (sharded, 3, {"train.fsdp": "true", "train.resume": "auto"})):
         args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **common, **extra, **{"train.steps": steps})
         done = _run(2, args)
         assert done.returncode == 0, done.stderr[-3000:]
         sharded_note = "train.fsdp: 2 decoder layers sharded over 2 ranks" in done.stderr
-        assert sharded_note == (out == sharded), done.stderr[-3000:]
+        assert sharded_note == (out != plain), done.stderr[-3000:]
+        assert ("train.fsdp_gather=layer" in done.stderr) == (out == layered)
     assert "resuming from" in done.stderr
-    one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in (plain, sharded))
+    one, two, three = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in (plain, sharded, layered))
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    assert max(float((one[k] - three[k]).abs().max()) for k in one) <= 1e-5
     assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
     samples = {out: [(json.loads(s)["prompt"], json.loads(s)["completion"])
-                     for s in (out / "samples.jsonl").read_text().splitlines()] for out in (plain, sharded)}
-    assert samples[plain] == samples[sharded] and len(samples[sharded]) == 3 * 2 * 4
+                     for s in (out / "samples.jsonl").read_text().splitlines()] for out in (plain, sharded, layered)}
+    assert samples[plain] == samples[sharded] == samples[layered] and len(samples[sharded]) == 3 * 2 * 4
     rows = [json.loads(line) for line in (sharded / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["trained_frac"] == 0.5
     assert all(r["adapter_rank_divergence"] == 0.0 for r in rows)
-    evals = {out: json.loads((out / "eval.json").read_text()) for out in (plain, sharded)}
-    assert evals[plain] == evals[sharded]
+    evals = {out: json.loads((out / "eval.json").read_text()) for out in (plain, sharded, layered)}
+    assert evals[plain] == evals[sharded] == evals[layered]
 
 
 def test_fsdp_in_one_process_is_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
@@ -57,9 +67,53 @@ def test_fsdp_in_one_process_is_one_line(tiny_model_dir, prompts_file, tmp_path,
     ("algo.dynamic_sampling=true", "algo.dynamic_sampling and algo.adaptive resample per rank"),
     ("algo.adaptive.enabled=true", "algo.dynamic_sampling and algo.adaptive resample per rank"),
     ("rewards=[{fn: reward_model, args: {path: rm}}]", "does not support rewards fn: reward_model"),
+    ("policies=[{name: a}, {name: b}]", "does not shard the base under several policies yet"),
 ])
 def test_unsupported_combinations_are_refused(override, message):
     cfg = load_config(None, ["train.fsdp=true", override])
     with pytest.raises(UserError, match=message):
         check_fsdp(cfg, World(0, 2))
     check_fsdp(load_config(None, ["train.fsdp=true"]), World(1, 2))  # the switch alone is fine under torchrun
+
+
+@pytest.fixture(scope="module")
+def four_layer_dir(tmp_path_factory):
+    return str(build_random_model(tmp_path_factory.mktemp("four") / "model", layers=4, seed=2))
+
+
+@pytest.mark.parametrize("gather", ["model", "layer"])
+def test_sampling_from_the_sharded_base_equals_the_unsharded_policy(four_layer_dir, tmp_path, gather):
+    """Ranks with different work: rank 0 samples 3 prompts in 2 chunks with rows ending at ragged steps, rank 1 one
+    short prompt; then rank 0 alone samples twice (evaluation). Every rank gets exactly what the unsharded policy
+    samples. gather=layer has one of the 4 layers gathered at any use of a layer (plus the next one's all-gather in
+    flight), and none afterwards; gather=model holds all 4 while sampling (the probe sees the difference)."""
+    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(Path(TESTS) / "fsdp_stream_worker.py"), four_layer_dir, gather, str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [len(r["same"]) for r in ranks] == [3, 1]
+    for rank in ranks:
+        for call in rank["same"]:
+            assert call["tokens"] and call["mask"] and call["reasons"] and call["logp_diff"] == 0.0, call
+        assert rank["gathered_after"] == 0 and rank["layers"] == 4
+        # layer: the layer in use is the only one swapped in (the next one's all-gather is in flight meanwhile)
+        assert rank["max_gathered"] == (1 if gather == "layer" else 4), rank
+    lengths = ranks[0]["same"][0]["lengths"]
+    assert len(set(lengths)) > 1, lengths  # ragged: the ranks' decode steps differ within a call, not only across
+    if gather == "layer":  # rank 1 took part in rank 0's passes without using a layer itself
+        assert ranks[1]["uses"] < ranks[0]["uses"]
+
+
+def test_gather_mode_without_fsdp_is_refused(tiny_model_dir, prompts_file, tmp_path, capsys):
+    with pytest.raises(UserError, match="train.fsdp_gather=layer applies to a sharded base: set train.fsdp=true"):
+        check_fsdp(load_config(None, ["train.fsdp_gather=layer"]), World(0, 2))
+    with pytest.raises(UserError, match="invalid value for train.fsdp_gather: Input should be 'model' or 'layer'"):
+        load_config(None, ["train.fsdp_gather=layers"])
+    out = tmp_path / "o"
+    code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **{"train.fsdp_gather": "layer"})])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "train.fsdp_gather=layer applies to a sharded base" in err, err
+    assert not out.exists()

@@ -143,6 +143,34 @@ def test_batched_sampler_samples_what_each_policy_samples_alone(tiny_model_dir, 
     assert together.completions[:P * G] != together.completions[P * G:2 * P * G]
 
 
+def test_policies_evaluated_together_equal_each_evaluated_alone(tiny_model_dir):
+    """evaluate_policies (every sampler call decodes all policies' rows) against evaluate() of one policy at a time:
+    the same completions, rows and metrics per policy, with batches of 2 over 5 prompts (a short last batch) and
+    2 samples per prompt; the policies do sample differently."""
+    from rlora.rewards.scoring import resolve_rewards
+    from rlora.config import RewardSpec
+    from rlora.train.evaluate import evaluate, evaluate_policies
+    from rlora.types import Example
+
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = policies_model(tiny_model_dir)
+    texts = ["What is 1 + 1?", "Hello", "abab baba", "The quick brown", "a"]
+    examples = [Example(prompt=t, columns={}) for t in texts]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    rewards = resolve_rewards([RewardSpec(fn="rewards_for_tests.count_a")], has_task=False)
+    sampler = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=8)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    seen = []
+    together = evaluate_policies(model, sampler, examples, ids, texts, rewards, params, 2, [2, 0, 1], num_samples=2,
+                                 pass_k=(1, 2), seed=11, progress=seen.append)
+    assert seen == [6, 12, 15]  # prompts done, counted for every policy (5 prompts x 3 policies)
+    for (result, rows), policy in zip(together, [2, 0, 1]):
+        alone = evaluate(model, sampler, examples, ids, texts, rewards, params, 2, num_samples=2, pass_k=(1, 2),
+                         seed=11, policy=policy)
+        assert (result, rows) == alone
+    assert together[0][1] != together[1][1]
+
+
 def test_sampler_refuses_a_policies_model_without_policies(tiny_model_dir):
     tokenizer, tok = load_tokenizer(tiny_model_dir)
     model = policies_model(tiny_model_dir)
@@ -294,16 +322,38 @@ def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tm
     assert "an adapter on 'lm_head' (outside the decoder layers) is not supported" in err and len(err.splitlines()) == 1
 
 
-def test_several_policies_are_refused_under_torchrun(tiny_model_dir, prompts_file, tmp_path):
-    from rlora.config import load_config
-    from rlora.errors import UserError
-    from rlora.train.distributed import World
-    from rlora.train.grpo import check_world
+def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path):
+    """torchrun with 2 ranks x 3 policies against 1 rank: rank 0 holds policy a's groups and half of b's, rank 1
+    the rest (contiguous shares of the step's 3 x 2 slots), so a rank trains some policies only and their metrics
+    are joined across ranks. One micro-batch per group (see test_distributed.py): the adapters agree to 1e-6,
+    the completions, per-policy losses, grad norms and held-out results exactly; every policy's adapter is the
+    same on both ranks after every step (adapter_rank_divergence 0)."""
+    from test_distributed import _run
 
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"))
-                      + [_policies_arg([{"name": "a"}, {"name": "b"}])])
-    with pytest.raises(UserError, match="several policies .* do not run data parallel yet"):
-        check_world(cfg, World(0, 2))
+    common = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
+              "train.steps": 2, "train.lr": 0.05, "algo.beta": 0.04, "train.threads": 1,
+              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "eval.before": "false"}
+    specs = _policies_arg([{"name": "a", "seed": 1}, {"name": "b", "lr": 0.01, "seed": 2}, {"name": "c", "seed": 3}])
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, [*tiny_overrides(tiny_model_dir, prompts_file, str(outs[nproc]), **common), specs])
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("a", "b", "c"):
+        one, two = (load_file(str(outs[n] / "policies" / name / "adapter" / "adapter_model.safetensors")) for n in (1, 2))
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6, name
+        rows = {n: [json.loads(line) for line in (outs[n] / "policies" / name / "metrics.jsonl").read_text().splitlines()]
+                for n in (1, 2)}
+        for a, b in zip(rows[1], rows[2]):
+            for key in ("loss", "grad_norm", "lr", "reward_mean", "trained_frac", "gen_tokens"):
+                assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (name, key)
+        evals = {n: json.loads((outs[n] / "policies" / name / "eval.json").read_text()) for n in (1, 2)}
+        assert evals[1] == evals[2]
+    samples = {n: [(json.loads(s)["policy"], json.loads(s)["completion"])
+                   for s in (outs[n] / "samples.jsonl").read_text().splitlines()] for n in (1, 2)}
+    assert sorted(samples[1]) == sorted(samples[2]) and len(samples[2]) == 2 * 3 * 2 * 4
+    shared = [json.loads(line) for line in (outs[2] / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["world_size"] == 2 and r["adapter_rank_divergence"] == 0.0 for r in shared)
 
 
 def test_policies_resume_exactly(tiny_model_dir, prompts_file, tmp_path, capsys):

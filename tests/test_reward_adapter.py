@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from conftest import tiny_overrides
+from test_policy_model import perturb_adapter
 from rlora.cli import main
 from rlora.config import LoraConfig, ModelConfig, RLConfig, RMDataConfig, RewardSpec, load_config
 from rlora.data.pref_data import load_preference_data
@@ -22,7 +23,7 @@ from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, s
 from rlora.models.reward_model import load_reward_model, new_score_head, save_reward_model, score
 from rlora.rewards.reward_adapter import RewardAdapter, attach_reward_adapters
 from rlora.rewards.scoring import resolve_rewards, score_completions
-from rlora.train.grpo import check_data_and_rewards, prepare
+from rlora.train.grpo import prepare
 from rlora.train.optim import build_optimizer
 from rlora.train.rm import collate
 from rlora.train.step import grpo_step
@@ -37,11 +38,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 def rm_folder(tiny_model_dir, tmp_path_factory) -> str:
     """A reward model on the tiny base whose adapter and head change the scores (random lora_B and head)."""
     model = attach_lora(load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir), LoraConfig(rank=4))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    perturb_adapter(model, scale=0.05, seed=1)
     torch.manual_seed(2)
     folder = tmp_path_factory.mktemp("rm") / "reward_model"
     save_reward_model(folder, model, new_score_head(64, init_std=0.1))
@@ -384,8 +381,69 @@ def test_reward_model_for_another_hidden_size_is_one_line(tiny_model_dir, rm_fol
         policy_with_reward_adapter(tiny_model_dir, folder)
 
 
-def test_rlora_eval_refuses_reward_adapters_before_loading(tiny_model_dir, rm_folder, prompts_file, tmp_path):
-    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"),
-                          rewards=f"[{{fn: reward_model, args: {{path: {rm_folder}}}}}]")
-    with pytest.raises(UserError, match="`rlora train` only"):
-        check_data_and_rewards(load_config(None, args))
+@pytest.fixture(scope="module")
+def policy_folder(tiny_model_dir, tmp_path_factory) -> str:
+    """A LoRA policy on the tiny base that changes the samples (random lora_B)."""
+    model = attach_lora(load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir), LoraConfig(rank=4))
+    perturb_adapter(model, scale=0.3, seed=5)
+    folder = tmp_path_factory.mktemp("policy") / "adapter"
+    save_adapter(model, folder)
+    return str(folder)
+
+
+def test_rlora_eval_scores_with_a_reward_adapter(tiny_model_dir, rm_folder, policy_folder, prompts_file, tmp_path):
+    """`rlora eval` of the base and a policy adapter with a reward adapter beside them: every completion's reward
+    is what the reward model loaded alone scores (1e-5), also for the base's completions (sampled with every
+    adapter off, scored with the reward adapter on), and the completions are those of the same evaluation with a
+    rule reward: the reward adapter is never on while sampling."""
+    rm_reward = f"[{{fn: reward_model, args: {{path: {rm_folder}}}}}]"
+    outs = {}
+    for label, rewards in (("rm", rm_reward), ("rule", "[{fn: rewards_for_tests.count_a}]")):
+        outs[label] = tmp_path / label
+        args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "unused"), rewards=rewards,
+                              **{"eval.max_new_tokens": 6, "eval.temperature": 1.0, "eval.num_samples": 2})
+        assert main(["eval", *args, "--adapter", f"pol={policy_folder}", "--output", str(outs[label])]) == 0
+    for name in ("base", "pol"):
+        rows = {label: [json.loads(line) for line in (out / f"samples_{name}.jsonl").read_text().splitlines()]
+                for label, out in outs.items()}
+        assert [r["completion"] for r in rows["rm"]] == [r["completion"] for r in rows["rule"]]
+        expected = reference_scores(tiny_model_dir, rm_folder, [r["prompt"] for r in rows["rm"]],
+                                    [r["completion"] for r in rows["rm"]])
+        assert [r["reward"] for r in rows["rm"]] == pytest.approx(expected, abs=1e-5)
+        report = json.loads((outs["rm"] / "eval.json").read_text())["results"][name]
+        assert report["reward_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+    base, pol = ([r["completion"] for r in map(json.loads, (outs["rm"] / f"samples_{n}.jsonl").read_text().splitlines())]
+                 for n in ("base", "pol"))
+    assert base != pol  # the policy adapter is on for its candidate (and off for the base)
+
+
+def test_rlora_eval_of_the_base_alone_with_a_reward_adapter(tiny_model_dir, rm_folder, prompts_file, tmp_path):
+    """No candidate adapter: the reward adapter wraps the plain base in a peft model; the base's samples are those
+    of the base with a rule reward, and the rewards those of the reward model alone."""
+    outs = {}
+    for label, rewards in (("rm", f"[{{fn: reward_model, args: {{path: {rm_folder}}}}}]"),
+                           ("rule", "[{fn: rewards_for_tests.count_a}]")):
+        outs[label] = tmp_path / label
+        args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "unused"), rewards=rewards,
+                              **{"eval.max_new_tokens": 6, "eval.temperature": 1.0})  # greedy: an empty completion
+        assert main(["eval", *args, "--output", str(outs[label])]) == 0
+    rows = {label: [json.loads(line) for line in (out / "samples_base.jsonl").read_text().splitlines()]
+            for label, out in outs.items()}
+    assert [r["completion"] for r in rows["rm"]] == [r["completion"] for r in rows["rule"]]
+    expected = reference_scores(tiny_model_dir, rm_folder, [r["prompt"] for r in rows["rm"]],
+                                [r["completion"] for r in rows["rm"]])
+    assert [r["reward"] for r in rows["rm"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_rlora_eval_refuses_a_reward_adapter_beside_a_molora_candidate(tiny_model_dir, rm_folder, prompts_file,
+                                                                      tmp_path, capsys):
+    from rlora.evaluation import Candidate, check_reward_adapters_fit
+    from rlora.models import molora as ml
+
+    molora = tmp_path / "molora"
+    molora.mkdir()
+    (molora / ml.CONFIG_FILE).write_text("{}")  # what marks a MoLoRA folder; the refusal comes before it is read
+    [reward] = resolve_rewards([RewardSpec(fn="reward_model", args={"path": rm_folder})], has_task=False)
+    with pytest.raises(UserError, match="cannot score beside the molora adapter"):
+        check_reward_adapters_fit([reward], [Candidate("base", None), Candidate("mix", str(molora))])
+    check_reward_adapters_fit([reward], [Candidate("base", None)])  # LoRA candidates (or none) are fine

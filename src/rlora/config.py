@@ -336,7 +336,11 @@ class TrainConfig(OptimizerConfig):
         False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
     fsdp: bool = Field(
         False, description="Under torchrun (2+ ranks): shard the frozen base's decoder layers across the ranks with "
-        "FSDP2; each sampling call gathers the whole base (README: Data parallel)")
+        "FSDP2 (docs/fsdp.md)")
+    fsdp_gather: Literal["model", "layer"] = Field(
+        "model", description="train.fsdp sampling: 'model' gathers the whole base for each sampling call (fast; the "
+        "base must fit one device); 'layer' gathers one decoder layer at a time in every decode step (bases larger "
+        "than one device; an all-gather per layer per token)")
 
 
 class EvalConfig(_Section):

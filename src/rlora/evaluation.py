@@ -1,8 +1,9 @@
 """`rlora eval`: the base model and any number of adapters, side by side, on the held-out prompts of a
 config (its data, reward functions and eval.* sampling settings), through rlora's sampler.
 
-All adapters are loaded onto one copy of the base (peft named adapters); the base itself is evaluated with
-the adapters switched off. Each candidate is sampled with the same seed, so differences come from the
+All adapters are loaded onto one copy of the base (peft named adapters), and so are the reward adapters of
+`fn: reward_model` rewards (switched on only to score); the base itself is evaluated with the adapters
+switched off. Each candidate is sampled with the same seed, so differences come from the
 weights, not the draws. Outputs (written atomically): eval.json (metrics per candidate), samples_<name>.jsonl
 (one row per completion), config.yaml (the resolved config).
 """
@@ -15,11 +16,12 @@ from pathlib import Path
 import torch
 
 from rlora.config import RLConfig, load_config, to_yaml
-from rlora.data.prompts import load_prompt_sets, prompt_text, render_prompt
+from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render_prompt
 from rlora.errors import UserError
 from rlora.logging.console import info, progress_bar
 from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer, resolve_model_path
-from rlora.models.named_adapters import activated, attach_named, parse_named_adapters
+from rlora.models.named_adapters import activated, attach_named, is_molora_folder, parse_named_adapters
+from rlora.rewards.reward_adapter import attach_reward_adapters, reward_adapters
 from rlora.rollout.backends import build_generator
 from rlora.train.evaluate import eval_sampling, evaluate
 from rlora.train.grpo import check_data_and_rewards, seed_everything
@@ -57,14 +59,27 @@ def resolve_config(items: list[str]) -> tuple[RLConfig, str | None]:
     return load_config(config_path, overrides), None
 
 
-def _load_model(cfg: RLConfig, candidates: list[Candidate]):
-    """The base with every adapter attached under its name (one copy of the base weights)."""
+def _load_model(cfg: RLConfig, candidates: list[Candidate], rewards, prompt_sets: PromptSets):
+    """The base with every adapter attached under its name, and the reward adapters of `fn: reward_model`
+    rewards beside them (one copy of the base weights)."""
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     base = load_base_model(cfg.model, model_path)
     add_model_eos_ids(tok, base)
     adapters = {c.name: c.adapter for c in candidates if c.adapter is not None}
-    return attach_named(base, adapters, cfg.model.path), tokenizer, tok
+    model = attach_named(base, adapters, cfg.model.path)
+    model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompt_sets, batch_size=cfg.eval.batch_size)
+    model.eval()
+    return model, tokenizer, tok
+
+
+def check_reward_adapters_fit(rewards, candidates: list[Candidate]) -> None:
+    """A reward adapter goes beside the candidates' LoRA adapters on the base; a MoLoRA candidate is a mixture
+    that peft's adapter switching does not cover (as in `rlora train`)."""
+    molora = [c.adapter for c in candidates if c.adapter is not None and is_molora_folder(c.adapter)]
+    if molora and reward_adapters(rewards):
+        raise UserError(f"rewards fn: reward_model cannot score beside the molora adapter '{molora[0]}': evaluate "
+                        "it with other rewards, or the reward model with LoRA adapters only")
 
 
 def check_output(folder: Path, overwrite: bool) -> None:
@@ -96,6 +111,7 @@ def write_outputs(folder: Path, cfg: RLConfig, report: dict, samples: dict[str, 
 def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | None, overwrite: bool) -> dict:
     """Evaluate every candidate; -> {name: metrics}."""
     rewards = check_data_and_rewards(cfg)
+    check_reward_adapters_fit(rewards, candidates)
     folder = Path(output or default_output_dir("eval"))
     check_output(folder, overwrite)
     examples = load_prompt_sets(cfg.data).eval
@@ -103,7 +119,7 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
         raise UserError("no held-out prompts to evaluate: set data.eval_path (a file) or data.eval_size > 0 (a task)")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    model, tokenizer, tok = _load_model(cfg, candidates)
+    model, tokenizer, tok = _load_model(cfg, candidates, rewards, PromptSets([], examples))
     prompt_ids = [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
     params = eval_sampling(cfg)
     exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})  # evaluation samples in the model's dtype

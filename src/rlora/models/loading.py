@@ -98,8 +98,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_base_model(cfg: ModelConfig, path: str) -> torch.nn.Module:
-    """The frozen base on model.device (a quantized base is placed there by bitsandbytes while loading)."""
+def load_base_model(cfg: ModelConfig, path: str, place: bool = True) -> torch.nn.Module:
+    """The frozen base on model.device (a quantized base is placed there by bitsandbytes while loading);
+    place=False leaves an unquantized base on the CPU (train.fsdp moves it layer by layer as it shards it)."""
     quantization = quantization_config(cfg)
     device = resolve_device(cfg.device)
     try:
@@ -109,7 +110,7 @@ def load_base_model(cfg: ModelConfig, path: str) -> torch.nn.Module:
         )
     except Exception as err:  # noqa: BLE001
         raise UserError(f"could not load the model '{path}': {first_line(err)}") from None
-    if quantization is None:
+    if quantization is None and place:
         model.to(device)
     model.requires_grad_(False)
     return model

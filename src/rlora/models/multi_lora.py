@@ -224,10 +224,19 @@ def policies_disabled(model: nn.Module):
 def policy_parameters(model: nn.Module, policy: str) -> list[nn.Parameter]:
     """The parameters of one policy's adapter (all trainable: peft's adapter switching, which would freeze the
     inactive ones, is only ever used inside contexts that restore the flags)."""
-    key = f".{PEFT_NAME.format(policy)}."
+    return _adapter_parameters(model, PEFT_NAME.format(policy))
+
+
+def parameters_per_policy(model: nn.Module) -> list[list[nn.Parameter]]:
+    """policy_parameters of every policy of the model, in policy order."""
+    return [_adapter_parameters(model, name) for name in policy_state(model).names]
+
+
+def _adapter_parameters(model: nn.Module, peft_name: str) -> list[nn.Parameter]:
+    key = f".{peft_name}."
     params = [p for n, p in model.named_parameters() if key in n]
     if not params or not all(p.requires_grad for p in params):
-        raise RuntimeError(f"policy '{policy}': {'no' if not params else 'frozen'} adapter parameters on the model")
+        raise RuntimeError(f"policy adapter '{peft_name}': {'no' if not params else 'frozen'} parameters on the model")
     return params
 
 

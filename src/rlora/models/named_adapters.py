@@ -138,9 +138,21 @@ def adapter_switched(model, name: str, trainable: bool = False):
     adapter that was active before, with every requires_grad and training flag as it was. Anything that
     runs the adapter (a backward pass that recomputes checkpointed activations included) must run inside."""
     previous = model.active_adapter
+    disabled = adapters_disabled(model)  # inside peft's disable_adapter() (`rlora eval` scoring the base's samples)
     with kept_flags(model):
+        if disabled:
+            model.base_model.enable_adapter_layers()
         model.set_adapter(name, inference_mode=not trainable)
         try:
             yield model
         finally:
             model.set_adapter(previous)
+            if disabled:
+                model.base_model.disable_adapter_layers()
+
+
+def adapters_disabled(model) -> bool:
+    """Whether peft's adapter layers are switched off (disable_adapter())."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(m.disable_adapters for m in model.modules() if isinstance(m, BaseTunerLayer))

@@ -114,15 +114,16 @@ class RewardAdapter:
 
     # ---- with the model -------------------------------------------------------------------------------------
 
-    def attach(self, model, tokenizer, pad_id: int, eos_id: int, data_cfg, batch_size: int, examples) -> None:
+    def attach(self, model, tokenizer, pad_id: int, eos_id: int, data_cfg, batch_size: int, examples):
         """Load the reward adapter beside the policy's on `model` (frozen; the policy's trainable parameters,
-        the modules' training flags and the random stream are left as they were)."""
+        the modules' training flags and the random stream are left as they were) -> the peft model that holds
+        it: `model` itself, or a new one around a plain transformers model (`rlora eval` of the base alone)."""
         from rlora.data.prompts import prompt_text
         from rlora.models.reward_model import load_reward_model
 
         device = next(model.parameters()).device
         with kept_flags(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _, self.head = load_reward_model(self.folder, model, adapter_name=self.adapter_name)
+            model, self.head = load_reward_model(self.folder, model, adapter_name=self.adapter_name)
         for name, param in model.named_parameters():
             if f".{self.adapter_name}." in name:
                 param.requires_grad_(False)
@@ -134,6 +135,7 @@ class RewardAdapter:
         self.model, self.tokenizer, self.pad_id, self.eos_id = model, tokenizer, pad_id, eos_id
         self.batch_size = self.batch_size or batch_size
         self.raw_prompts = {prompt_text(ex): ex.prompt for ex in examples if not isinstance(ex.prompt, str)}
+        return model
 
     def sequences(self, prompts: list[str], completions: list[str]) -> list[list[int]]:
         """Token ids of prompt + completion, as `rlora rm` built prompt + response."""
@@ -153,7 +155,7 @@ class RewardAdapter:
 
         if self.model is None:
             raise UserError(f"reward fn '{REWARD_MODEL}' scores with a reward adapter on the policy's model: "
-                            "only `rlora train` loads it")
+                            "only `rlora train` and `rlora eval` load it")
         sequences = self.sequences(list(prompts), list(completions))
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths: less padding
         device = next(self.model.parameters()).device
@@ -199,18 +201,18 @@ def reward_adapters(rewards) -> list[RewardAdapter]:
     return [reward.fn for reward in rewards if isinstance(reward.fn, RewardAdapter)]
 
 
-def check_reward_adapters(rewards, model_path: str, command: str | None = None) -> None:
-    """Before the model loads: each reward model's base is model.path. command: the command that cannot load
-    reward adapters (None: it can)."""
+def check_reward_adapters(rewards, model_path: str) -> None:
+    """Before the model loads: each reward model's base is model.path."""
     for adapter in reward_adapters(rewards):
-        if command is not None:
-            raise UserError(f"reward fn '{REWARD_MODEL}' ({adapter.folder}) is scored on the policy's model by "
-                            f"`rlora train` only; {command} cannot load it yet: override rewards=[...] without it")
         adapter.check_base(model_path)
 
 
-def attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompt_sets) -> None:
-    """Load every reward adapter of the run onto the policy's peft model."""
+def attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompt_sets, batch_size: int | None = None):
+    """Load every reward adapter of the run onto the policy's peft model (or a plain base: wrapped in a new peft
+    model) -> the model that holds them. batch_size: the scoring batch where args.batch_size is not set
+    (default train.micro_batch_size)."""
     examples = list(prompt_sets.train) + list(prompt_sets.eval)
     for adapter in reward_adapters(rewards):
-        adapter.attach(model, tokenizer, tok.pad_id, tok.eos_ids[0], cfg.data, cfg.train.micro_batch_size, examples)
+        model = adapter.attach(model, tokenizer, tok.pad_id, tok.eos_ids[0], cfg.data,
+                               batch_size or cfg.train.micro_batch_size, examples)
+    return model

@@ -18,6 +18,7 @@ from torch import nn
 
 from rlora.models.loading import causal_lm
 from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
+from rlora.models.sharded_base import StreamedLayers, sharded_base
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -177,7 +178,7 @@ def decode_layers(view: "DecoderView", x_AH: torch.Tensor, cos, sin, attend) -> 
 class DecoderView:
     embed: Cast
     rotary: nn.Module
-    layers: list[LayerView]
+    layers: list[LayerView] | StreamedLayers  # iterate once per forward pass
     norm: Cast
     lm_head: FusedLinear
     num_heads: int
@@ -201,10 +202,9 @@ class DecoderView:
                 return PolicyFusedLinear(modules, policies, dtype)
             return FusedLinear(modules, merge, dtype)
 
-        layers = []
-        for layer in inner.layers:
+        def layer_view(layer: nn.Module) -> LayerView:
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append(LayerView(
+            return LayerView(
                 input_norm=Cast(layer.input_layernorm, dtype),
                 qkv=fused([attn.q_proj, attn.k_proj, attn.v_proj]),
                 o_proj=fused([attn.o_proj]),
@@ -213,7 +213,13 @@ class DecoderView:
                 down=fused([mlp.down_proj]),
                 act_fn=mlp.act_fn,
                 scaling=attn.scaling,
-            ))
+            )
+
+        sharded = sharded_base(model)
+        if sharded is not None and sharded.streams:  # train.fsdp_gather=layer: built in each pass, layer by layer
+            layers = StreamedLayers(sharded, layer_view)
+        else:
+            layers = [layer_view(layer) for layer in inner.layers]
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
             embed=Cast(inner.embed_tokens, dtype), rotary=inner.rotary_emb, layers=layers, norm=Cast(inner.norm, dtype),

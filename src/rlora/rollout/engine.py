@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlora.models.molora_runtime import SamplerRouting, sampler_routing
 from rlora.models.multi_lora import SamplerPolicies
+from rlora.models.sharded_base import StreamedLayers
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers, mlp
 from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
@@ -32,7 +33,7 @@ class KVCache:
         self.prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K, V [P, kvh, Tp, d]
         shape = (P, view.num_kv_heads, G, max_new, view.head_dim)
         self.gen = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                    for _ in view.layers]
+                    for _ in range(len(view.layers))]
         self.prompt_bias_P11T: torch.Tensor | None = None  # 0 on real prompt tokens, -inf on padding
 
 
@@ -140,11 +141,12 @@ class BuiltinGenerator:
         self.tokenizer, self.eos_ids, self.pad_id = tokenizer, eos_ids, pad_id
         self.merge, self.max_rows, self.dtype, self.decode = merge, max_rows, dtype, decode
 
-    def _decode_mode(self, device: torch.device) -> str:
+    def _decode_mode(self, view: DecoderView) -> str:
+        streamed = isinstance(view.layers, StreamedLayers)  # its layers are gathered in each step: no graph
         if self.decode == "auto":
-            return "graph" if device.type == "cuda" else "eager"
-        if self.decode == "graph" and device.type != "cuda":
-            raise ValueError("decode='graph' (CUDA graphs) needs the model on a CUDA GPU")
+            return "graph" if view.device.type == "cuda" and not streamed else "eager"
+        if self.decode == "graph" and (view.device.type != "cuda" or streamed):
+            raise ValueError("decode='graph' (CUDA graphs) needs the model on a CUDA GPU, its layers not streamed")
         return self.decode
 
     @torch.no_grad()
@@ -235,7 +237,7 @@ class BuiltinGenerator:
     def _decoder(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor,
                  routing: "_RowContexts"):
         """-> step(token_A, active_A, t) -> logits of the active rows' next token [A, V]."""
-        mode = self._decode_mode(view.device)
+        mode = self._decode_mode(view)
         if mode == "eager":
             def eager_step(token_A, active_A, t):
                 routing.rows(active_A)

@@ -54,16 +54,51 @@ def evaluate(model, generator, examples: list[Example], prompt_ids: list[list[in
     """-> (metrics, one row per completion). batch_size counts prompts per sampler call; sampling is seeded
     by `seed` (the built-in engine's draws depend on the prompt's position in its batch, so keep
     batch_size fixed to reproduce a result). policy: which policy adapter samples, on a model with several."""
-    if any(k > num_samples for k in pass_k):
-        raise ValueError(f"pass@k needs k <= num_samples ({num_samples}), got {list(pass_k)}")
-    completions: list[str] = []
-    for start in range(0, len(examples), batch_size):
+    [completions] = sample_completions(model, generator, prompt_ids, params, batch_size, num_samples, seed, progress,
+                                       None if policy is None else [policy])
+    return score_evaluation(examples, prompt_texts, rewards, completions, num_samples, pass_k)
+
+
+@torch.no_grad()
+def evaluate_policies(model, generator, examples: list[Example], prompt_ids: list[list[int]], prompt_texts: list[str],
+                      rewards: list[RewardFn], params: SamplingParams, batch_size: int, policies: list[int],
+                      num_samples: int = 1, pass_k: tuple[int, ...] = (), seed: int = 0, progress=None,
+                      ) -> list[tuple[dict, list[dict]]]:
+    """evaluate() of each of several policy adapters (models/multi_lora.py), sampled together: every sampler
+    call decodes each policy's rows of the same prompts in one batch, with the draws each policy gets when it is
+    evaluated alone (same seed, same key per prompt). -> [(metrics, rows)] in the order of `policies`."""
+    per_policy = sample_completions(model, generator, prompt_ids, params, batch_size, num_samples, seed, progress,
+                                    policies)
+    return [score_evaluation(examples, prompt_texts, rewards, completions, num_samples, pass_k)
+            for completions in per_policy]
+
+
+def sample_completions(model, generator, prompt_ids: list[list[int]], params: SamplingParams, batch_size: int,
+                       num_samples: int, seed: int, progress, policies: list[int] | None) -> list[list[str]]:
+    """num_samples completions of every prompt, per policy (one list without policies). Each call samples
+    batch_size prompts (for every policy: K x batch_size prompts); a prompt's draws depend on its position in
+    its policy's batch, as when that policy is sampled alone. progress(prompts done, counted per policy)."""
+    lanes = [None] if policies is None else list(policies)
+    completions: list[list[str]] = [[] for _ in lanes]
+    for start in range(0, len(prompt_ids), batch_size):
         batch = prompt_ids[start:start + batch_size]
-        rollout = generator.sample(model, batch, num_samples, params, seed=seed + start,
-                                   policies=None if policy is None else [policy] * len(batch))
-        completions.extend(rollout.completions)
+        if policies is None:
+            rollout = generator.sample(model, batch, num_samples, params, seed=seed + start)
+        else:
+            rollout = generator.sample(model, batch * len(lanes), num_samples, params, seed=seed + start,
+                                       keys=list(range(len(batch))) * len(lanes),
+                                       policies=[policy for policy in lanes for _ in batch])
+        rows = len(batch) * num_samples
+        for lane, out in enumerate(completions):
+            out.extend(rollout.completions[lane * rows:(lane + 1) * rows])
         if progress is not None:
-            progress(len(completions) // num_samples)
+            progress(len(completions[0]) // num_samples * len(lanes))
+    return completions
+
+
+def score_evaluation(examples: list[Example], prompt_texts: list[str], rewards: list[RewardFn], completions: list[str],
+                     num_samples: int, pass_k: tuple[int, ...]) -> tuple[dict, list[dict]]:
+    """Score num_samples completions per prompt -> (metrics, one row per completion)."""
     texts_B = [t for t in prompt_texts for _ in range(num_samples)]
     scores = score_completions(rewards, texts_B, completions, columns_of(examples, repeat=num_samples))
     correct_B = [_is_correct(v) for v in scores.per_fn[rewards[0].name]]

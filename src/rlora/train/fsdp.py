@@ -5,12 +5,12 @@ What is sharded: every decoder layer is its own FSDP unit (its weights all-gathe
 runs and freed after it, in forward and again in backward). Not sharded: the embeddings, the final norm,
 the output layer (often tied to the embeddings) and the adapter: every parameter with requires_grad stays a
 whole, ordinary tensor on every rank (`ignored_params`), so the optimiser, the gradient all-reduce
-(distributed.py), checkpoints and the sampler's LoRA merge see what they see without FSDP.
+(distributed.py), checkpoints and the sampler's LoRA merge see what they see without FSDP. The base loads on
+the CPU and goes to the device one layer at a time as it is sharded (models/sharded_base.py).
 
 Sampling: the built-in sampler reads the weights directly (rollout/decoder.py), not through the layers'
-forward, so `ShardedBase.gathered()` all-gathers every layer for the whole sampling call and frees the
-copies afterwards: during sampling each rank holds the full base. Evaluation (rank 0 alone) runs inside the
-same gathered state, entered by every rank.
+forward; train.fsdp_gather picks whether a sampling call gathers the whole base or streams it layer by layer
+(models/sharded_base.py). Evaluation (rank 0 alone) runs inside the same sampling scope, entered by every rank.
 
 FSDP's all-gathers are collectives: every rank must run the same sequence of layer passes. The step's
 log-prob passes over a rank's rollout are the same on every rank when every rank has the same number of
@@ -21,17 +21,15 @@ micro-batches add passes that change no gradient (`passes_to_add`, `zero_pass`).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 
 from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.models.frozen_prefix import FrozenPrefix
-from rlora.models.loading import causal_lm, model_device
+from rlora.models.loading import model_device
 from rlora.models.logprobs import completion_logprobs
+from rlora.models.sharded_base import ShardedBase, held_parameters, shard_layers
 from rlora.rollout.batching import trim
 from rlora.train.distributed import World, all_reduce_max
 from rlora.types import Rollout
@@ -40,6 +38,9 @@ from rlora.types import Rollout
 def check_fsdp(cfg, world: World) -> None:
     """What train.fsdp needs, before anything loads (check_world has refused what data parallel cannot do)."""
     if not cfg.train.fsdp:
+        if cfg.train.fsdp_gather != "model":
+            raise UserError(f"train.fsdp_gather={cfg.train.fsdp_gather} applies to a sharded base: set train.fsdp=true "
+                            "(under torchrun) or remove train.fsdp_gather")
         return
     if not world.active:
         raise UserError("train.fsdp shards the base across data-parallel ranks: launch with torchrun "
@@ -50,6 +51,9 @@ def check_fsdp(cfg, world: World) -> None:
     if cfg.algo.dynamic_sampling or cfg.algo.adaptive.enabled:
         raise UserError("train.fsdp needs every rank to sample and train the same number of rows each step; "
                         "algo.dynamic_sampling and algo.adaptive resample per rank: disable them or train.fsdp")
+    if cfg.policies is not None:
+        raise UserError("train.fsdp does not shard the base under several policies yet (the policies section): set "
+                        "train.fsdp=false (plain data parallel) or train one policy")
     if any(spec.fn == "reward_model" for spec in cfg.rewards):
         raise UserError("train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores "
                         "through the sharded base a different number of times per rank): set train.fsdp=false")
@@ -59,48 +63,19 @@ def is_sharded(model) -> bool:
     return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
-class ShardedBase:
-    """The FSDP units of a model, and the state where every one of them is gathered."""
-
-    def __init__(self, units: list[FSDPModule]):
-        self.units = units
-        self.depth = 0  # gathered() nests: evaluation gathers, and its sampler calls gather again
-
-    @contextmanager
-    def gathered(self):
-        """Every unit's full weights on this rank inside (a collective: every rank enters together); layers
-        called as modules inside keep them (no reshard after forward). Freed on the way out."""
-        if self.depth == 0:
-            for unit in self.units:
-                unit.set_reshard_after_forward(False, recurse=False)
-                unit.unshard()
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.depth == 0:
-                for unit in self.units:
-                    unit.reshard()
-                    unit.set_reshard_after_forward(True, recurse=False)
+def shard_base(model, world: World, device: torch.device, gather: str) -> ShardedBase:
+    """fully_shard every decoder layer of the model (in place) over all ranks, onto `device`; trainable parameters
+    stay whole. The model may arrive on the CPU (load_base_model(place=False)): everything ends on `device`."""
+    sharded = shard_layers(model, device, gather, lambda flag: all_reduce_max(world, float(flag)) > 0)
+    held, total = held_parameters(model)
+    when = "between sampling calls" if gather == "model" else "plus at most two decoder layers while sampling"
+    info(f"train.fsdp: {len(sharded.units)} decoder layers sharded over {world.size} ranks; rank {world.rank} holds "
+         f"{held:,} of the base's {total:,} parameters {when} (train.fsdp_gather={gather})")
+    return sharded
 
 
-def shard_base(model, world: World) -> ShardedBase:
-    """fully_shard every decoder layer of the model (in place) over all ranks; trainable parameters stay whole."""
-    units = []
-    for layer in causal_lm(model).model.layers:
-        trainable = {p for p in layer.parameters() if p.requires_grad}
-        # explicit True: a layer that is its own FSDP root would otherwise keep its weights after forward
-        units.append(fully_shard(layer, reshard_after_forward=True, ignored_params=trainable))
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in frozen)
-    info(f"train.fsdp: {len(units)} decoder layers sharded over {world.size} ranks; rank {world.rank} holds "
-         f"{held:,} of the base's {sum(p.numel() for p in frozen):,} parameters between sampling calls")
-    return ShardedBase(units)
-
-
-class GatheredSampler:
-    """A Generator whose every sample() call runs on the gathered base."""
+class ShardedSampler:
+    """A Generator whose every sample() call runs in the sharded base's sampling scope (every rank calls it)."""
 
     def __init__(self, generator, sharded: ShardedBase):
         self.generator, self.sharded = generator, sharded
@@ -108,7 +83,7 @@ class GatheredSampler:
 
     def sample(self, model, *args, **kwargs) -> Rollout:
         """Generator.sample's arguments, passed on as they come."""
-        with self.sharded.gathered():
+        with self.sharded.sampling():
             return self.generator.sample(model, *args, **kwargs)
 
 

@@ -36,8 +36,8 @@ from rlora.system import return_freed_memory
 from rlora.train.distributed import (
     World, all_reduce_sums, barrier, gather_objects, init_world, merge_metrics, rank_divergence, shutdown,
 )
-from rlora.train.evaluate import eval_sampling, evaluate
-from rlora.train.fsdp import GatheredSampler, ShardedBase, check_fsdp, shard_base
+from rlora.train.evaluate import eval_sampling, evaluate, evaluate_policies
+from rlora.train.fsdp import ShardedBase, ShardedSampler, check_fsdp, shard_base
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
@@ -94,9 +94,6 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if cfg.molora is not None:
         raise UserError("data parallel does not support molora yet (the routers' auxiliary loss would need the "
                         "batch's routing over all ranks): train a molora policy in one process")
-    if cfg.policies is not None:
-        raise UserError("several policies (the policies section) do not run data parallel yet: train them in one "
-                        "process")
     if cfg.algo.name == "ppo":
         raise UserError("algo.name=ppo does not run data parallel yet (its critic's gradients and batch-whitened "
                         "advantages are per rank): run it in one process")
@@ -120,12 +117,11 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
-    return run_dir, check_data_and_rewards(cfg, command=None), resume_from
+    return run_dir, check_data_and_rewards(cfg), resume_from
 
 
-def check_data_and_rewards(cfg: RLConfig, command: str | None = "rlora eval") -> list[RewardFn]:
-    """The task or data files, the model's quantization needs and the reward functions, before any model loads.
-    command: the command that cannot load reward adapters (fn: reward_model); None for `rlora train`."""
+def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
+    """The task or data files, the model's quantization needs and the reward functions, before any model loads."""
     if cfg.data.task is not None:
         check_task(cfg.data.task, cfg.data.task_args)
     for path in (cfg.data.path, cfg.data.eval_path):
@@ -136,7 +132,7 @@ def check_data_and_rewards(cfg: RLConfig, command: str | None = "rlora eval") ->
     if cfg.data.task == "humaneval" and any(spec.fn == "gym" for spec in cfg.rewards):
         raise UserError("task 'humaneval' is scored by running its tests: use rewards: [{fn: code}] instead of gym")
     rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
-    check_reward_adapters(rewards, cfg.model.path, command)
+    check_reward_adapters(rewards, cfg.model.path)
     return rewards
 
 
@@ -148,11 +144,11 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     prompts = load_prompt_sets(cfg.data)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    base = load_base_model(cfg.model, model_path)
+    base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp)  # fsdp: placed layer by layer
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
-    attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
+    model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
     critic = None
     if get_algorithm(cfg.algo.name).critic:  # beside the policy's, on its layers: frozen outside Critic.active()
         critic = attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
@@ -160,7 +156,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    sharded = shard_base(model, world) if cfg.train.fsdp else None
+    sharded = shard_base(model, world, resolve_device(cfg.model.device), cfg.train.fsdp_gather) if cfg.train.fsdp else None
 
     def ids(examples: list[Example]) -> list[list[int]]:
         return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
@@ -172,8 +168,11 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     if cfg.rollout.sampler_dtype != "model":
         exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})
         eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
-    if sharded is not None:  # the sampler reads the weights directly: every call gathers the base
-        generator, eval_generator = GatheredSampler(generator, sharded), GatheredSampler(eval_generator, sharded)
+    if sharded is not None:  # the sampler reads the weights directly: every call gathers the base or streams it
+        generator, eval_generator = ShardedSampler(generator, sharded), ShardedSampler(eval_generator, sharded)
+        if cfg.train.fsdp_gather == "layer" and cfg.rollout.merge_adapter:
+            info("train.fsdp_gather=layer with rollout.merge_adapter=true merges the LoRA into every layer in every "
+                 "decode step: rollout.merge_adapter=false samples faster here (docs/fsdp.md)")
     if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None:
         info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
              "off-policy and nothing corrects for it (watch sampler_logp_gap)")
@@ -201,21 +200,23 @@ def frozen_layers_to_share(cfg: RLConfig, model) -> int:
     return num_frozen
 
 
-def run_eval(s: Session, label: str, policy: pol.Policy | None = None) -> dict | None:
-    """Held-out evaluation of the policy (with several policies: of `policy`, whose folder gets the samples;
-    before training every policy is the same function, so the first one stands for all)."""
+def run_eval(s: Session, label: str) -> dict | None:
+    """Held-out evaluation of the policy (with several policies, before training: every policy is the same
+    function, so the first one stands for all)."""
     if not s.prompts.eval:
         return None
     ev = s.cfg.eval
-    if s.policies is not None and policy is None:
-        policy = s.policies[0]
+    policy = None if s.policies is None else s.policies[0]
     texts = [prompt_text(ex) for ex in s.prompts.eval]
-    name = "" if policy is None or label == "before" else f" {policy.name}"
-    with progress_bar(f"eval ({label}{name})", len(texts)) as update:
+    with progress_bar(f"eval ({label})", len(texts)) as update:
         result, samples = evaluate(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
                                    eval_sampling(s.cfg), ev.batch_size, ev.num_samples, tuple(ev.pass_k), ev.seed,
                                    progress=update, policy=None if policy is None else policy.index)
-    run_dir = s.run_dir if policy is None or label == "before" else policy.run_dir
+    return record_eval(s.run_dir, label, "", result, samples)
+
+
+def record_eval(run_dir: RunDir, label: str, name: str, result: dict, samples: list[dict]) -> dict:
+    """eval_{label}.jsonl in run_dir, and the line on the console."""
     run_dir.write_text(f"eval_{label}.jsonl", "".join(_jsonl(x) for x in samples))
     reward = "-" if result["reward_mean"] is None else f"{result['reward_mean']:.3f}"
     failures = f", {result['reward_failures']} reward failures" if result["reward_failures"] else ""
@@ -224,19 +225,27 @@ def run_eval(s: Session, label: str, policy: pol.Policy | None = None) -> dict |
 
 
 def eval_after(s: Session) -> dict | None:
-    """The evaluation after training: of the policy, or {name: result} of every policy (each also in its folder)."""
-    if s.policies is None:
+    """The evaluation after training: of the policy, or {name: result} of every policy, sampled together (each
+    also in its folder: eval_after.jsonl, eval.json)."""
+    if s.policies is None or not s.prompts.eval:
         return run_eval(s, "after")
-    results = {p.name: run_eval(s, "after", p) for p in s.policies}
-    for policy in s.policies:
-        if results[policy.name] is not None:
-            policy.run_dir.write_json("eval.json", {"after": results[policy.name]})
-    return results if any(results.values()) else None
+    ev = s.cfg.eval
+    texts = [prompt_text(ex) for ex in s.prompts.eval]
+    with progress_bar("eval (after, every policy)", len(texts) * len(s.policies)) as update:
+        outcomes = evaluate_policies(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
+                                     eval_sampling(s.cfg), ev.batch_size, [p.index for p in s.policies], ev.num_samples,
+                                     tuple(ev.pass_k), ev.seed, progress=update)
+    results = {}
+    for policy, (result, samples) in zip(s.policies, outcomes):
+        results[policy.name] = record_eval(policy.run_dir, "after", f" {policy.name}", result, samples)
+        policy.run_dir.write_json("eval.json", {"after": result})
+    return results
 
 
 def main_eval(s: Session, run: Callable[[], dict | None]) -> dict | None:
-    """Rank 0 evaluates (run()) while the others wait; with train.fsdp every rank gathers the sharded base for it."""
-    with s.sharded.gathered() if s.sharded is not None else nullcontext():
+    """Rank 0 evaluates (run()) while the others wait; with train.fsdp every rank enters the sharded base's sampling
+    scope for it (and, streaming it, takes part in rank 0's passes over the layers)."""
+    with s.sharded.sampling() if s.sharded is not None else nullcontext():
         return run() if s.world.is_main else None
 
 

@@ -273,9 +273,11 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     if s.policies is None:
         metrics = {**shared, **_reward_metrics(batch), **updates[0], **_rollout_metrics(batch)}
     else:
+        # data parallel: a rank holds the groups of some policies only and reports those (merge_metrics joins them)
         metrics = {**shared, "gen_tokens": int(rollout.completion_mask_BTc.sum()), "policies": {
             p.name: {**_reward_metrics(part), **update, **_rollout_metrics(part), **_collect_metrics(_first_draws(part), cfg)}
-            for p, update, part in zip(s.policies, updates, _policy_batches(batch, cfg.train.prompts_per_step, len(s.policies)))}}
+            for p, update, part in zip(s.policies, updates, _policy_batches(batch, cfg.train.prompts_per_step, len(s.policies)))
+            if part.groups}}
     first_params = trained[0][0]
     if first_params and first_params[0].is_cuda:
         metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(first_params[0].device) / 2**30

@@ -16,7 +16,7 @@ from rlora.models.loading import trainable_parameters
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molora
-from rlora.models.multi_lora import policy_rows, policy_state
+from rlora.models.multi_lora import parameters_per_policy, policy_rows, policy_state
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.train.fsdp import passes_to_add, zero_pass
 from rlora.rollout.batching import trim
@@ -198,7 +198,8 @@ def accumulate_gradient_per_policy(
             trained_rows[k] += len(mask_BT[part])
     for _ in range(padding):
         zero_pass(model, rollout, chunk_tokens, prefix)
-    all_reduce_gradients(world, trainable_parameters(model))  # each rank's loss is over global counts: sum
+    for params in _gradient_groups(model, num_policies):  # each rank's loss is over global counts: sum
+        all_reduce_gradients(world, params)
     rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)
     results = []
     for k, policy_sums in enumerate(sums):
@@ -207,6 +208,14 @@ def accumulate_gradient_per_policy(
     if routing is not None:
         results[0] |= routing.metrics()
     return results
+
+
+def _gradient_groups(model, num_policies: int) -> list[list[torch.nn.Parameter]]:
+    """The parameters whose gradients are summed over ranks together: all trainable ones, or each policy's apart
+    (a policy that trained no row on any rank keeps no gradient and skips its optimizer step, as in one process)."""
+    if num_policies == 1:
+        return [trainable_parameters(model)]
+    return parameters_per_policy(model)
 
 
 def _policy_parts(micro_policy: torch.Tensor | None, num_policies: int) -> list[tuple[int, slice | torch.Tensor]]:

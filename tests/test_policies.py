@@ -190,10 +190,14 @@ def _rollout(model, tokenizer, tok, policies, G=4):
 
 
 @pytest.mark.parametrize("loss_agg,beta,iterations", [("token_mean", 0.0, 1), ("seq_mean", 0.04, 2),
-                                                      ("constant", 0.04, 1)])
+                                                      ("constant", 0.04, 1), ("token_mean", [0.0, 0.1], 1),
+                                                      ("seq_mean", [0.05, 0.0], 2)])
 def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, loss_agg, beta, iterations):
     """Several policies trained on a shared batch (micro-batches of 3 rows straddle policies) end where each one
-    ends when trained alone on its own rows, AdamW steps included."""
+    ends when trained alone on its own rows, AdamW steps included; also with a KL coefficient per policy (a list:
+    policy k's beta, and its run alone has it as algo.beta)."""
+    betas = beta if isinstance(beta, list) else None
+    beta = max(betas) if betas else beta  # the reference pass runs when any policy has a KL term
     tokenizer, tok = load_tokenizer(tiny_model_dir)
     model = policies_model(tiny_model_dir, names=NAMES[:2], scale=0.05)
     singles = [single_model(tiny_model_dir, model, name, tmp_path / name, trainable=True) for name in NAMES[:2]]
@@ -206,7 +210,7 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
         ref = batched_logprobs(model, rollout, 5)
     old = batched_logprobs(model, rollout, 5, policy_B=policy_B)
     scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, old, ref if beta else None,
-                           policy_B=policy_B)
+                           policy_B=policy_B, betas=betas)
     lrs = [1e-3, 3e-3]
     optims = [build_optimizer(mlr.policy_parameters(model, n), TrainConfig(lr=lr), 4) for n, lr in zip(NAMES, lrs)]
     for _ in range(iterations):
@@ -218,15 +222,18 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
         part = rollout.select(rows)
         own = Rollout(part.prompt_ids_BTp, part.prompt_mask_BTp, part.completion_ids_BTc, part.completion_mask_BTc,
                       rollout.completions[rows], rollout.finish_reasons[rows], part.temperature_B)
-        alone = ScoredRollout(own, advantages[rows], own.completion_mask_BTc, old[rows], ref[rows] if beta else None)
+        own_beta = betas[k] if betas else beta
+        alone = ScoredRollout(own, advantages[rows], own.completion_mask_BTc, old[rows], ref[rows] if own_beta else None)
         params = trainable_parameters(single)
         opt, sched = build_optimizer(params, TrainConfig(lr=lr), 4)
+        own_cfg = cfg.model_copy(update={"beta": own_beta})
         for _ in range(iterations):
-            metrics = accumulate_policy_gradient(single, algo, cfg, alone, 3, 6)
+            metrics = accumulate_policy_gradient(single, algo, own_cfg, alone, 3, 6)
             metrics |= optimizer_step(params, opt, sched, 1.0, metrics["loss"])
         # log-softmax runs in float32 whatever the model's dtype, and the two sides batch other rows together
         assert updates[k]["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
         assert updates[k]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+        assert (updates[k]["kl"] is None) == (metrics["kl"] is None) == (own_beta == 0)
         mine = {n.replace(f".{mlr.PEFT_NAME.format(NAMES[k])}.", ".default."): p for n, p in model.named_parameters()}
         for n, p in single.named_parameters():
             if p.requires_grad:
@@ -238,8 +245,9 @@ def _policies_arg(specs):
 
 
 def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys):
-    """`policies:` with two learning rates and seeds, both starting from one adapter, against two plain runs:
-    the same completions, metrics and (up to float32 summation order) the same adapters."""
+    """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
+    from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0) and (up to
+    float32 summation order) the same adapters."""
     start = tmp_path / "start"
     base = base_model(tiny_model_dir, torch.float32)
     init = get_peft_model(base, peft_lora_config(LoraConfig(rank=4), base))
@@ -253,7 +261,8 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     common = dict(**{"lora.init_from": str(start), "algo.beta": 0.04, "algo.num_iterations": 2,
                      "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.merge_adapter": "false",
                      "train.micro_batch_size": 3, "rollout.num_generations": 3})
-    specs = [{"name": "slow", "lr": 1e-3, "seed": 4}, {"name": "fast", "lr": 1e-2, "seed": 9}]
+    # their own KL coefficients: none, and more than algo.beta (each separate run gets it as algo.beta)
+    specs = [{"name": "slow", "lr": 1e-3, "seed": 4, "beta": 0.0}, {"name": "fast", "lr": 1e-2, "seed": 9, "beta": 0.1}]
     out = tmp_path / "both"
     assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **common), _policies_arg(specs)]) == 0
     err = capsys.readouterr().err
@@ -263,14 +272,14 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     for spec in specs:
         alone = tmp_path / spec["name"]
-        args = tiny_overrides(tiny_model_dir, prompts_file, str(alone), **common, **{"train.lr": spec["lr"],
-                                                                                     "train.seed": spec["seed"]})
+        args = tiny_overrides(tiny_model_dir, prompts_file, str(alone), **{**common, "train.lr": spec["lr"],
+                                                                           "train.seed": spec["seed"], "algo.beta": spec["beta"]})
         assert main(["train", *args]) == 0
         capsys.readouterr()
         mine = out / "policies" / spec["name"]
         theirs = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
         ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
-        assert len(ours) == len(theirs) == 2
+        assert len(ours) == len(theirs) == 2 and (ours[0]["kl"] is None) == (spec["beta"] == 0)
         for a, b in zip(ours, theirs):  # every metric a run of the policy alone writes, but the timings
             assert a["lr"] == spec["lr"] and set(a) == set(b)
             for key in (k for k in b if not k.endswith("_s")):

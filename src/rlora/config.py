@@ -385,6 +385,7 @@ class PolicySpec(_Section):
                       "its metrics (letters, digits, '_', '-')")
     lr: float | None = Field(None, gt=0, description="Its learning rate (null: train.lr)")
     seed: int | None = Field(None, description="Its adapter's initialisation and sampling seed (null: train.seed)")
+    beta: float | None = Field(None, ge=0, description="Its KL coefficient in the loss (null: algo.beta)")
 
 
 class RLConfig(_Section):

@@ -27,6 +27,7 @@ class Policy:
     name: str
     index: int
     seed: int
+    beta: float  # its KL coefficient (algo.beta unless it sets its own)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -46,7 +47,8 @@ def build_policies(cfg: RLConfig, model, run_path: Path, writer: bool) -> list[P
         train = cfg.train.model_copy(update={"lr": spec.lr or cfg.train.lr})
         optimizer, scheduler = build_optimizer(params, train, total_updates)
         folder = RunDir(str(run_path / POLICIES_FOLDER / spec.name), overwrite=True, writer=writer)
-        policies.append(Policy(spec.name, index, seed, params, optimizer, scheduler, folder))
+        beta = cfg.algo.beta if spec.beta is None else spec.beta
+        policies.append(Policy(spec.name, index, seed, beta, params, optimizer, scheduler, folder))
     return policies
 
 

@@ -232,12 +232,14 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     mask_BT = loss_mask(s, batch)
 
     mb, chunk = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens
+    betas = None if s.policies is None else [p.beta for p in s.policies]  # several policies: each its own
+    need_ref = max(betas or [cfg.algo.beta]) > 0
     need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and cfg.algo.beta > 0)
     # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
-    prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (cfg.algo.beta > 0 or need_old) else None
+    prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
     t_prefix = time.perf_counter()
     ref_logp = None
-    if cfg.algo.beta > 0:
+    if need_ref:
         with adapter_disabled(s.model):
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     t_ref = time.perf_counter()
@@ -249,7 +251,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
     behaviour_BT, cap_B = behaviour(s, batch)
     fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
-    scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B)
+    scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B, betas)
     # (parameters, optimizer, scheduler) of each policy: one unless the run trains several (train/policies.py)
     trained = [(trainable_parameters(s.model), optimizer, scheduler)] if s.policies is None else \
         [(p.params, p.optimizer, p.scheduler) for p in s.policies]

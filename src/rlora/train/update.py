@@ -36,6 +36,13 @@ class ScoredRollout:
     is_cap_B: torch.Tensor | None = None
     fresh_B: torch.Tensor | None = None  # bool: rows sampled by this step's policy (None: all)
     policy_B: torch.Tensor | None = None  # long: each row's policy, with several policies on one base (None: one)
+    betas: list[float] | None = None  # several policies: each one's KL coefficient, by policy (None: cfg.beta)
+
+    def row_betas(self, beta: float) -> torch.Tensor:
+        """[B] each row's KL coefficient in the loss (`beta` for every row unless the policies have their own)."""
+        if self.betas is None:
+            return torch.full((self.rollout.num_completions,), beta)
+        return torch.tensor(self.betas)[self.policy_B]
 
 
 def _pad_right(values_BT: torch.Tensor, width: int) -> torch.Tensor:
@@ -84,11 +91,12 @@ def rows_to_train(scored: ScoredRollout, beta: float, entropy_coef: float = 0.0,
     with advantage 0 has loss exactly 0 (every algorithm's surrogate is proportional to A), so skipping its
     forward/backward changes no gradient; the normalisers still count it (BatchTotals), so the result is
     identical to training on every row. every_row: keep them (a MoLoRA router's auxiliary loss covers every
-    row of the batch)."""
+    row of the batch). Several policies with their own beta: a row's KL term is its policy's."""
     active_B = scored.loss_mask_BTc.sum(-1) > 0
-    if beta == 0 and entropy_coef == 0 and not every_row:
+    if entropy_coef == 0 and not every_row:
         adv = scored.advantages
-        active_B &= (adv != 0) if adv.dim() == 1 else ((adv != 0) & (scored.loss_mask_BTc > 0)).any(-1)
+        moves_B = (adv != 0) if adv.dim() == 1 else ((adv != 0) & (scored.loss_mask_BTc > 0)).any(-1)
+        active_B &= moves_B | (scored.row_betas(beta) > 0)
     return active_B.nonzero().squeeze(-1)
 
 
@@ -181,10 +189,13 @@ def accumulate_gradient_per_policy(
             advantages = here(scored.advantages[index])
             inputs = LossInputs(logp_BT, old, advantages if advantages.dim() == 1 else advantages[:, :width], mask_BT,
                                 ref, is_weight)
-            out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=loss_beta)
-            loss_BT = out.loss_BT - cfg.entropy_coef * entropy_BT if cfg.entropy_coef else out.loss_BT
+            # several policies with their own beta: the KL term is added per policy below, as token_loss adds it
+            out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                  beta=loss_beta if scored.betas is None else 0.0)
             parts = _policy_parts(micro_policy, len(totals))
-            losses = [aggregate(loss_BT[part], mask_BT[part], cfg.loss_agg, totals[k]) for k, part in parts]
+            losses = [aggregate(_policy_loss_BT(out, entropy_BT, part, 0.0 if scored.betas is None else scored.betas[k],
+                                                cfg.entropy_coef), mask_BT[part], cfg.loss_agg, totals[k])
+                      for k, part in parts]
             loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
             (loss if routing is None else loss + routing.aux_share(micro)).backward()
         token_terms = {"clipped": out.clipped_BT, "entropy": entropy_BT.detach(), "ratio": out.ratio_BT,
@@ -203,8 +214,8 @@ def accumulate_gradient_per_policy(
     rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)
     results = []
     for k, policy_sums in enumerate(sums):
-        results.append(_update_metrics(world, policy_sums, trained_rows[k], int((rows_B == k).sum()),
-                                       scored.ref_logp_BTc is not None))
+        has_kl = scored.ref_logp_BTc is not None and (scored.betas is None or scored.betas[k] > 0)  # as if alone
+        results.append(_update_metrics(world, policy_sums, trained_rows[k], int((rows_B == k).sum()), has_kl))
     if routing is not None:
         results[0] |= routing.metrics()
     return results
@@ -216,6 +227,14 @@ def _gradient_groups(model, num_policies: int) -> list[list[torch.nn.Parameter]]
     if num_policies == 1:
         return [trainable_parameters(model)]
     return parameters_per_policy(model)
+
+
+def _policy_loss_BT(out, entropy_BT: torch.Tensor, part, beta: float, entropy_coef: float) -> torch.Tensor:
+    """A policy's rows of the token losses: + beta x KL (a policy's own beta), - entropy_coef x entropy."""
+    loss_BT = out.loss_BT[part]
+    if beta and out.kl_BT is not None:
+        loss_BT = loss_BT + beta * out.kl_BT[part]
+    return loss_BT - entropy_coef * entropy_BT[part] if entropy_coef else loss_BT
 
 
 def _policy_parts(micro_policy: torch.Tensor | None, num_policies: int) -> list[tuple[int, slice | torch.Tensor]]:

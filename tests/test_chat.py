@@ -131,8 +131,9 @@ class ScriptedBot:
     """A ChatModel stand-in for the loop: replies with the active adapter's name and the turn count."""
 
     max_length = 100
+    streams = False
 
-    def reply(self, state):
+    def reply(self, state, on_token=None):
         from rlora.chat import Reply
 
         if state.conv.turns[-1]["content"] == "too long":
@@ -299,3 +300,57 @@ def test_chat_through_a_pseudo_terminal(tiny_model_dir, adapters, tmp_path):
         assert messages[i]["content"] == want[messages[i]["adapter"]], (i, want)
         # a chat that ignored the switch would have answered with another adapter: those replies differ
         assert list(want.values()).count(want[messages[i]["adapter"]]) == 1, (i, want)
+
+
+def test_reply_stream_shows_whole_characters_and_the_stripped_reply(tiny_model_dir):
+    """Fed one token at a time (a byte-level BPE, where a token can end inside a character), the pieces written
+    join to exactly the stripped reply: no replacement character, no trailing whitespace, no special token."""
+    from transformers import AutoTokenizer
+
+    from rlora.chat import ReplyStream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "  Héllo wörld ✓ — 3 + 4 = 7\n\n"
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert any("\ufffd" in tokenizer.decode(tokens[:i]) for i in range(1, len(tokens)))  # splits inside a character
+    pieces = []
+    stream = ReplyStream(tokenizer, pieces.append)
+    for token in tokens:
+        stream(token)
+    stream.finish(tokenizer.decode(tokens, skip_special_tokens=True))
+    assert "".join(pieces) == text.strip() and len(pieces) > 3
+    assert not any("\ufffd" in p for p in pieces) and not pieces[-1].endswith((" ", "\n"))
+
+
+def test_chat_streams_the_reply_it_would_print_whole(tiny_model_dir, adapters, monkeypatch):
+    """The loop with the real sampler: the reply appears in pieces while it is generated, and the transcript is
+    the one printed without streaming (the reply of transformers generate, greedy)."""
+    import rlora.chat as chat
+
+    writes = []
+
+    class Counting(chat.ReplyStream):
+        def _show(self, text):
+            before = self.shown
+            super()._show(text)
+            if self.shown != before:
+                writes.append(self.shown)
+
+    monkeypatch.setattr(chat, "ReplyStream", Counting)
+    bot = load_chat_model(tiny_model_dir, adapters, "float32", MAX_NEW)
+    assert bot.streams
+    state = ChatState(tiny_model_dir, adapters, "a", Settings(MAX_NEW, 0.0), Conversation())
+    out = Console(record=True, width=500, force_terminal=False)
+    feed = iter(["Hello, how are you today?"])
+
+    def read(prompt):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    assert run_chat(bot, state, out, read) == 0
+    expected = _reference(tiny_model_dir, adapters)([{"role": "user", "content": "Hello, how are you today?"}], "a")
+    assert f"a> {expected.strip()}\n" in out.export_text()
+    assert len(writes) > 1 and writes[-1] == expected.strip()
+

@@ -245,6 +245,29 @@ def test_several_chunks_and_pad_equal_to_eos(tiny_model_dir):
     assert torch.equal(a.completion_ids_BTc, b.completion_ids_BTc)
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_on_token_sees_every_token_as_it_is_drawn(tiny_model_dir, decode):
+    """on_token(row, token) over 4 prompts x 3 rows in chunks of 2 prompts, rows ending at ragged steps (a token the
+    model produces is declared EOS): each row's tokens arrive in order and are its completion (its EOS included),
+    rows interleave step by step, and the samples are those drawn without the callback."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    first = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(
+        model, prompts, 1, SamplingParams(max_new_tokens=16, greedy=True), seed=0)
+    eos = tokens_of(first, 1)[3]
+    engine = BuiltinGenerator(tokenizer, [eos], tok.pad_id, max_rows=6, decode=decode)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    seen = []
+    streamed = engine.sample(model, prompts, 3, params, seed=2, on_token=lambda row, token: seen.append((row, token)))
+    plain = engine.sample(model, prompts, 3, params, seed=2)
+    assert torch.equal(streamed.completion_ids_BTc, plain.completion_ids_BTc)
+    lengths = streamed.completion_mask_BTc.sum(-1).tolist()
+    assert len(set(lengths)) > 1 and "stop" in streamed.finish_reasons
+    for row in range(12):
+        tokens = [token for r, token in seen if r == row]
+        assert tokens == streamed.completion_ids_BTc[row, :lengths[row]].tolist() == tokens_of(streamed, row)
+    assert [r for r, _ in seen[:6]] == list(range(6))  # the first chunk's rows, one token each, then the next step
+
+
 def test_per_prompt_stop_strings(tiny_model_dir):
     tokenizer, tok, model, prompts = policy(tiny_model_dir)
     greedy = SamplingParams(max_new_tokens=16, greedy=True)

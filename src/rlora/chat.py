@@ -274,17 +274,54 @@ class ChatModel:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def reply(self, state: ChatState) -> Reply:
-        """Sample the assistant's answer to the conversation (whose last turn is the user's)."""
+    @property
+    def streams(self) -> bool:
+        """Whether replies can be shown while they are generated (the built-in sampler; `generate` cannot)."""
+        return self.generator.name == "builtin"
+
+    def reply(self, state: ChatState, on_token: Callable[[int], None] | None = None) -> Reply:
+        """Sample the assistant's answer to the conversation (whose last turn is the user's). on_token(token):
+        each token as it is drawn (only where `streams`)."""
         from rlora.types import SamplingParams
 
         s = state.settings
         ids, dropped = fit_context(state.conv, self.render, self.max_length - s.max_new_tokens)
         params = (SamplingParams(max_new_tokens=s.max_new_tokens, greedy=True) if s.temperature == 0 else
                   SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p))
+        stream = {} if on_token is None else {"on_token": lambda _row, token: on_token(token)}
         with activated(self.model, state.active) as model:
-            rollout = self.generator.sample(model, [ids], 1, params, seed=s.seed + state.replies)
+            rollout = self.generator.sample(model, [ids], 1, params, seed=s.seed + state.replies, **stream)
         return Reply(rollout.completions[0], rollout.finish_reasons[0], dropped)
+
+
+class ReplyStream:
+    """Shows a reply while its tokens arrive: write(text) gets the pieces of the reply as it will be shown in
+    full (decoded without special tokens, stripped), never a partial character (a byte-level token can end
+    inside one: the decoded text then ends in U+FFFD) and never trailing whitespace that the reply may end
+    with (held back until more text follows)."""
+
+    def __init__(self, tokenizer, write: Callable[[str], None]):
+        self.tokenizer, self.write = tokenizer, write
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True).strip()
+        if not text.endswith("\ufffd"):
+            self._show(text)
+
+    def finish(self, reply_text: str) -> None:
+        """The rest of the final reply (the whole reply, when what was shown is not a prefix of it)."""
+        self._show(reply_text.strip())
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.write(text[len(self.shown):])
+            self.shown = text
+        elif not text.startswith(self.shown) and text != self.shown:  # decoding a prefix changed earlier text
+            self.write("\n" + text)
+            self.shown = text
 
 
 def model_max_length(model, tokenizer) -> int:
@@ -360,31 +397,44 @@ def run_chat(bot: ChatModel, state: ChatState, out, read: Callable[[str], str] =
 
 
 def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
+    """Sample and print the reply to `text`: streamed after the label as it is generated (the built-in sampler),
+    else printed whole once it is done (a spinner meanwhile, on a terminal)."""
     state.conv.add_user(text)
-    status = out.status("generating ...") if out.is_terminal else nullcontext()
+    label = f"{_label(state.active)}> "
+    stream = None
+    if bot.streams:
+        out.print(label, style="bold cyan", end="", markup=False, highlight=False)
+        stream = ReplyStream(bot.tokenizer, lambda piece: out.print(piece, end="", markup=False, highlight=False,
+                                                                     soft_wrap=True))
+    status = out.status("generating ...") if out.is_terminal and stream is None else nullcontext()
+    failure = None
     try:
         with status:
-            reply = bot.reply(state)
+            reply = bot.reply(state, stream)
     except ContextFull as err:
-        state.conv.drop_last_user()
-        out.print(f"message too long: {err.args[0]} prompt tokens, the model holds {bot.max_length} "
-                  f"with --max-new-tokens {state.settings.max_new_tokens}; not sent", style="red", markup=False)
-        return
+        failure = (f"message too long: {err.args[0]} prompt tokens, the model holds {bot.max_length} with "
+                   f"--max-new-tokens {state.settings.max_new_tokens}; not sent", "red")
     except KeyboardInterrupt:
-        state.conv.drop_last_user()
-        out.print("(reply interrupted; your message was not kept)", style="dim", markup=False)
-        return
+        failure = ("(reply interrupted; your message was not kept)", "dim")
     except RuntimeError as err:  # e.g. out of memory: the conversation so far is kept
+        failure = (f"generation failed: {first_line(err)}", "red")
+    if failure is not None:
         state.conv.drop_last_user()
-        out.print(f"generation failed: {first_line(err)}", style="red", markup=False)
+        if stream is not None:
+            out.print()  # end the line the label (and any streamed text) started
+        out.print(failure[0], style=failure[1], markup=False)
         return
+    state.conv.add_reply(reply.text, state.active, state.settings.seed + state.replies)
+    state.replies += 1
+    if stream is not None:
+        stream.finish(reply.text)
+        out.print()
+    else:
+        out.print(label, style="bold cyan", end="", markup=False, highlight=False)
+        out.print(reply.text.strip(), markup=False, highlight=False, soft_wrap=True)
     if reply.dropped:
         out.print(f"(the conversation outgrew the model's {bot.max_length} positions: dropped the oldest "
                   f"{reply.dropped} exchange(s) from the context; /save still writes them)", style="yellow", markup=False)
-    state.conv.add_reply(reply.text, state.active, state.settings.seed + state.replies)
-    state.replies += 1
-    out.print(f"{_label(state.active)}> ", style="bold cyan", end="", markup=False, highlight=False)
-    out.print(reply.text.strip(), markup=False, highlight=False, soft_wrap=True)
     if reply.finish_reason == "length":
         out.print(f"(cut at --max-new-tokens {state.settings.max_new_tokens})", style="dim", markup=False)
 

@@ -10,7 +10,7 @@ small, with the finished rows' results discarded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -152,11 +152,14 @@ class BuiltinGenerator:
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,
                params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
-               keys: Sequence[int] | None = None, policies: Sequence[int] | None = None) -> Rollout:
+               keys: Sequence[int] | None = None, policies: Sequence[int] | None = None,
+               on_token: Callable[[int, int], None] | None = None) -> Rollout:
         """keys: an integer per prompt (default its position) that, with the seed, alone decides the random
         draws of its rows: the same (seed, key) samples the same completions in any batch, on any rank.
         seed: one for all prompts, or one per prompt. policies: on a model with several policy adapters
-        (models/multi_lora.py), the policy that samples each prompt; all of them decode in one batch."""
+        (models/multi_lora.py), the policy that samples each prompt; all of them decode in one batch.
+        on_token(row, token): called with every token as it is drawn (row: prompt-major, as in the rollout;
+        a row's ending EOS included), e.g. to print a reply while it is generated."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         keys = list(range(len(prompts))) if keys is None else list(keys)
         seeds = [seed] * len(prompts) if isinstance(seed, int) else list(seed)
@@ -177,13 +180,13 @@ class BuiltinGenerator:
                 with (sampler_routing(model, prompts[part], n) as routing,
                       SamplerPolicies(model, None if policies is None else list(policies)[part], n, view.device) as rows):
                     chunks.append(self._sample_chunk(view, prompts[part], n, per_prompt[part], seeds[part], keys[part],
-                                                     _RowContexts(routing, rows)))
+                                                     _RowContexts(routing, rows), _from_row(on_token, i * n)))
         finally:
             model.train(was_training)
         return self._rollout(prompts, n, chunks)
 
     def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seeds: list[int], keys: list[int],
-                      routing: "_RowContexts"):
+                      routing: "_RowContexts", on_token: Callable[[int, int], None] | None):
         device = view.device
         P, B = len(prompts), len(prompts) * G
         row_keys_B = (torch.tensor(keys, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1).to(device)
@@ -217,6 +220,9 @@ class BuiltinGenerator:
             token_A, logp_A = sample_tokens(logits_A, rows_now, u_A, banned_A, self.eos_ids)
             active_cpu = active_A.cpu()
             tokens_BT[active_cpu, t], logp_BT[active_cpu, t] = token_A.cpu(), logp_A.float().cpu()
+            if on_token is not None:
+                for row in active_cpu.tolist():
+                    on_token(row, int(tokens_BT[row, t]))
             stopped_A = eos_V[token_A].cpu()
             if stops.any:
                 stopped_A |= torch.tensor([stops.hit(row, tokens_BT[row, :t + 1].tolist()) for row in active_cpu.tolist()])
@@ -276,6 +282,11 @@ class BuiltinGenerator:
             temperature_B=torch.cat([c.temperature_B for c in chunks]), sampling_logp_BTc=logp_BT,
             temperature_BTc=_token_temperatures(chunks, width, keep, mask_BT),
         )
+
+
+def _from_row(on_token: Callable[[int, int], None] | None, offset: int) -> Callable[[int, int], None] | None:
+    """on_token for a chunk whose first row is row `offset` of the rollout."""
+    return None if on_token is None else (lambda row, token: on_token(offset + row, token))
 
 
 class _RowContexts:

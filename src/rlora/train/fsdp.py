@@ -29,6 +29,7 @@ from rlora.logging.console import info
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.loading import model_device
 from rlora.models.logprobs import completion_logprobs
+from rlora.models.multi_lora import policy_rows
 from rlora.models.sharded_base import ShardedBase, held_parameters, shard_layers
 from rlora.rollout.batching import trim
 from rlora.train.distributed import World, all_reduce_max
@@ -51,9 +52,6 @@ def check_fsdp(cfg, world: World) -> None:
     if cfg.algo.dynamic_sampling or cfg.algo.adaptive.enabled:
         raise UserError("train.fsdp needs every rank to sample and train the same number of rows each step; "
                         "algo.dynamic_sampling and algo.adaptive resample per rank: disable them or train.fsdp")
-    if cfg.policies is not None:
-        raise UserError("train.fsdp does not shard the base under several policies yet (the policies section): set "
-                        "train.fsdp=false (plain data parallel) or train one policy")
     if any(spec.fn == "reward_model" for spec in cfg.rewards):
         raise UserError("train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores "
                         "through the sharded base a different number of times per rank): set train.fsdp=false")
@@ -95,13 +93,20 @@ def passes_to_add(world: World, model, passes: int) -> int:
     return int(all_reduce_max(world, passes)) - passes
 
 
-def zero_pass(model, rollout: Rollout, chunk_tokens: int, prefix: FrozenPrefix | None) -> None:
+def zero_pass(model, rollout: Rollout, chunk_tokens: int, prefix: FrozenPrefix | None,
+              policy_B: torch.Tensor | None = None) -> None:
     """The forward and backward pass of the rollout's first row, times 0: the same layers and collectives as a
-    training pass; every adapter gradient gets + 0.0. The random state is put back (LoRA dropout draws), so
-    later passes draw what they draw without the padding."""
+    training pass, and no gradient changes (a parameter without a gradient keeps none, so an adapter that
+    trained nothing still skips its step). The random state is put back (LoRA dropout draws), so later passes
+    draw what they draw without the padding. policy_B: each row's policy, with several policies."""
     device = model_device(model)
     micro = trim(rollout.select(slice(0, 1)))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    without_grad = [p for p in trainable if p.grad is None]
+    with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+          policy_rows(model, None if policy_B is None else policy_B[:1])):
         logp_BT, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens,
                                          prefix=None if prefix is None else prefix.rows(slice(0, 1), micro))
         (logp_BT.sum() * 0.0).backward()
+    for param in without_grad:
+        param.grad = None

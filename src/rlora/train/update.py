@@ -208,7 +208,7 @@ def accumulate_gradient_per_policy(
                       None if is_weight is None else (is_weight[part], weighted_BT[part]))
             trained_rows[k] += len(mask_BT[part])
     for _ in range(padding):
-        zero_pass(model, rollout, chunk_tokens, prefix)
+        zero_pass(model, rollout, chunk_tokens, prefix, scored.policy_B)
     for params in _gradient_groups(model, num_policies):  # each rank's loss is over global counts: sum
         all_reduce_gradients(world, params)
     rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)

@@ -2,12 +2,13 @@
 (train.fsdp_gather=model or layer) and from an unsharded copy of the same policy, and writes what it saw.
 
 argv: model_dir gather out_dir. Rank 0 samples 3 prompts x 2 rows (2 chunks), rows ending at ragged steps;
-rank 1 one prompt for 4 tokens. Then rank 0 alone samples twice in one nested scope (as evaluation does)
-while rank 1 only enters the scope. A forward hook on every layer's input norm counts, each time the
+rank 1 one prompt for 4 tokens. Then rank 0 alone makes two sampler calls in one sampling scope (as evaluation
+does) while rank 1 only enters the scope. A forward hook on every layer's input norm counts, each time the
 sampler uses a layer, how many layers are gathered (weights not a DTensor shard) on this rank."""
 
 import json
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from rlora.models.loading import causal_lm
 from rlora.models.sharded_base import shard_layers
+from rlora.rollout import decoder
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.types import SamplingParams
 
@@ -46,7 +48,17 @@ def main(model_dir: str, gather: str, out_dir: str) -> None:
     model.load_state_dict(reference.state_dict())  # the same adapter (lora_A draws differ between the two loads)
     sharded = shard_layers(model, torch.device("cpu"), gather, _any)
     layers = causal_lm(model).model.layers
-    seen = []
+    seen, fused_alive = [], []
+    live = weakref.WeakSet()  # every fused linear map the sampler builds (merged weight copies), while it lives
+    original_init = decoder.FusedLinear.__init__
+
+    def tracked_init(self, *args, **kwargs):  # the peak: while a layer's view is built, the last one's may live
+        original_init(self, *args, **kwargs)
+        live.add(self)
+        if any(not isinstance(layer.input_layernorm.weight, DTensor) for layer in layers):  # the sharded model's
+            fused_alive.append(len(live))
+
+    decoder.FusedLinear.__init__ = tracked_init
 
     def count(*_):
         seen.append(sum(not isinstance(layer.input_layernorm.weight, DTensor) for layer in layers))
@@ -75,7 +87,7 @@ def main(model_dir: str, gather: str, out_dir: str) -> None:
     gathered_after = sum(not isinstance(layer.input_layernorm.weight, DTensor) for layer in layers)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump({"same": same, "max_gathered": max(seen), "uses": len(seen), "gathered_after": gathered_after,
-                   "layers": len(layers)}, f)
+                   "layers": len(layers), "passes": sharded.passes, "max_fused_alive": max(fused_alive)}, f)
     dist.destroy_process_group()
 
 

@@ -85,6 +85,20 @@ def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_d
         assert evals[0] == evals[1]
 
 
+def test_layer_streaming_for_a_model_the_builtin_sampler_cannot_run_is_refused(tmp_path, prompts_file):
+    """A sliding-window Mistral samples with transformers generate, whose FSDP all-gathers the ranks could not pair
+    up: refused with one line (gather=model runs it)."""
+    model = build_random_model(tmp_path / "mistral", family="mistral", tie=False, seed=4, sliding_window=4)
+    args = tiny_overrides(str(model), prompts_file, str(tmp_path / "o"), **{"train.fsdp": "true",
+                                                                          "train.fsdp_gather": "layer", "train.steps": 1})
+    done = _run(2, args)
+    assert done.returncode != 0
+    assert "train.fsdp_gather=layer streams the layers through rlora's built-in sampler" in done.stderr
+    assert "rlora: error: train.fsdp_gather=layer" in done.stderr and "set train.fsdp_gather=model" in done.stderr
+    assert "exitcode  : 2" in done.stderr  # the ranks' own exit code (torchrun then reports the failed job)
+    assert not (tmp_path / "o").exists()
+
+
 def test_fsdp_in_one_process_is_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
     code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **{"train.fsdp": "true"})])
     err = capsys.readouterr().err
@@ -130,10 +144,13 @@ def test_sampling_from_the_sharded_base_equals_the_unsharded_policy(four_layer_d
         assert rank["gathered_after"] == 0 and rank["layers"] == 4
         # layer: the layer in use is the only one swapped in (the next one's all-gather is in flight meanwhile)
         assert rank["max_gathered"] == (1 if gather == "layer" else 4), rank
+        # merged copies alive while a layer's are built: the output layer's and that layer's 4 (q/k/v, o, gate/up,
+        # down), the previous layer's released; gather=model builds every layer's up front
+        assert rank["max_fused_alive"] == (1 + 4 if gather == "layer" else 1 + 4 * 4), rank
     lengths = ranks[0]["same"][0]["lengths"]
     assert len(set(lengths)) > 1, lengths  # ragged: the ranks' decode steps differ within a call, not only across
-    if gather == "layer":  # rank 1 took part in rank 0's passes without using a layer itself
-        assert ranks[1]["uses"] < ranks[0]["uses"]
+    if gather == "layer":  # every pass is paired: rank 1 made rank 0's passes, most of them empty (no layer used)
+        assert ranks[0]["passes"] == ranks[1]["passes"] == ranks[0]["uses"] // 4 > ranks[1]["uses"] // 4 > 0
 
 
 def test_gather_mode_without_fsdp_is_refused(tiny_model_dir, prompts_file, tmp_path, capsys):

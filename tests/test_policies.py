@@ -332,11 +332,11 @@ def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tm
 
 
 def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path):
-    """torchrun with 2 ranks x 3 policies against 1 rank: rank 0 holds policy a's groups and half of b's, rank 1
-    the rest (contiguous shares of the step's 3 x 2 slots), so a rank trains some policies only and their metrics
-    are joined across ranks. One micro-batch per group (see test_distributed.py): the adapters agree to 1e-6,
-    the completions, per-policy losses, grad norms and held-out results exactly; every policy's adapter is the
-    same on both ranks after every step (adapter_rank_divergence 0)."""
+    """torchrun with 2 ranks x 3 policies against 1 rank: each rank samples and trains its share of the step's
+    prompts for every policy, and each policy's metrics are merged over the ranks. One micro-batch per group (see
+    test_distributed.py): the adapters agree to 1e-6, the completions, per-policy losses, grad norms, rewards and
+    held-out results too; every policy's adapter is the same on both ranks after every step
+    (adapter_rank_divergence 0)."""
     from test_distributed import _run
 
     common = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
@@ -354,7 +354,8 @@ def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, 
         rows = {n: [json.loads(line) for line in (outs[n] / "policies" / name / "metrics.jsonl").read_text().splitlines()]
                 for n in (1, 2)}
         for a, b in zip(rows[1], rows[2]):
-            for key in ("loss", "grad_norm", "lr", "reward_mean", "trained_frac", "gen_tokens"):
+            for key in ("loss", "grad_norm", "lr", "reward_mean", "trained_frac", "gen_tokens", "kl", "entropy",
+                        "clip_frac", "completion_len_mean", "frac_groups_zero_std"):
                 assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (name, key)
         evals = {n: json.loads((outs[n] / "policies" / name / "eval.json").read_text()) for n in (1, 2)}
         assert evals[1] == evals[2]

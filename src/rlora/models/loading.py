@@ -90,7 +90,7 @@ def resolve_device(name: str) -> torch.device:
         if not torch.cuda.is_available():
             raise UserError(f"model.device={name} but torch sees no GPU (torch {torch.__version__}): install a CUDA "
                             "build of torch, or set model.device=cpu")
-        index = device.index or 0
+        index = device.index if device.index is not None else torch.cuda.current_device()  # torchrun: LOCAL_RANK
         if index >= torch.cuda.device_count():
             raise UserError(f"model.device={name} but torch sees {torch.cuda.device_count()} GPU(s): use cuda:0 .. "
                             f"cuda:{torch.cuda.device_count() - 1}")

@@ -8,8 +8,8 @@ FSDP's own gathering hooks do not run for it. ShardedBase.sampling() gathers the
   per layer per call), but each rank holds the full base while it samples: the model must fit one device.
 - "layer": the sampler streams the layers (`stream`): each layer is all-gathered just before it runs, the next
   one prefetched while it runs, and freed after it, in every prefill and every decode step. A rank holds its
-  shard plus at most two layers, so a base larger than one device samples too; the price is an all-gather
-  of every layer for every generated token.
+  shard plus about two layers (three with a merged adapter: the layer's merged copy), so a base larger than
+  one device samples too; the price is an all-gather of every layer for every generated token.
 
 Streaming is a sequence of collectives, so every rank must make the same passes over the layers even when
 their prompts finish after different numbers of tokens, or one rank samples (evaluation) while the others
@@ -42,6 +42,7 @@ class ShardedBase:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {gather!r}")
         self.units, self.gather, self.any_rank = units, gather, any_rank
         self.depth = 0  # sampling scopes nest: evaluation enters one, its sampler calls enter again
+        self.passes = 0  # passes over the layers streamed so far, empty ones included (equal on every rank)
 
     @property
     def streams(self) -> bool:
@@ -74,20 +75,24 @@ class ShardedBase:
 
     def stream(self, build: Callable[[nn.Module], object] | None, vote: bool = True) -> Iterator[object]:
         """One pass over the layers: build(layer) for each while its weights are gathered (None: gather and free
-        only). The next layer's all-gather runs while the caller uses this one; each layer is freed once the
-        caller asks for the next."""
+        only). The next layer's all-gather runs while the caller uses this one; each layer is freed, and its
+        built item released (`release()`, where it has one), once the caller asks for the next."""
         if not self.streams:
             raise RuntimeError("streaming a sharded base's layers needs ShardedBase.sampling() with gather='layer', "
                                "entered on every rank")
         if vote:
             self.any_rank(True)
+        self.passes += 1
         pending = self.units[0].unshard(async_op=True)
         for i, unit in enumerate(self.units):
             pending.wait()
             pending = self.units[i + 1].unshard(async_op=True) if i + 1 < len(self.units) else None
+            item = None if build is None else build(unit)
             try:
-                yield None if build is None else build(unit)
+                yield item
             finally:
+                if hasattr(item, "release"):  # its copies (merged weights) go before the next layer's are made
+                    item.release()
                 unit.reshard()
 
 

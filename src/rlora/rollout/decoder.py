@@ -154,6 +154,10 @@ class LayerView:
     act_fn: nn.Module
     scaling: float
 
+    def release(self) -> None:
+        """Drop the fused (merged) weight copies: a streamed layer's view is done with (models/sharded_base.py)."""
+        self.qkv = self.o_proj = self.gate_up = self.down = None
+
 
 def mlp(layer: LayerView, x: torch.Tensor) -> torch.Tensor:
     """The layer's gated MLP on its post-attention norm of x (the residual is the caller's)."""

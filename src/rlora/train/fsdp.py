@@ -66,7 +66,7 @@ def shard_base(model, world: World, device: torch.device, gather: str) -> Sharde
     stay whole. The model may arrive on the CPU (load_base_model(place=False)): everything ends on `device`."""
     sharded = shard_layers(model, device, gather, lambda flag: all_reduce_max(world, float(flag)) > 0)
     held, total = held_parameters(model)
-    when = "between sampling calls" if gather == "model" else "plus at most two decoder layers while sampling"
+    when = "between sampling calls" if gather == "model" else "plus about two decoder layers while sampling"
     info(f"train.fsdp: {len(sharded.units)} decoder layers sharded over {world.size} ranks; rank {world.rank} holds "
          f"{held:,} of the base's {total:,} parameters {when} (train.fsdp_gather={gather})")
     return sharded

@@ -170,6 +170,9 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
         eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
     if sharded is not None:  # the sampler reads the weights directly: every call gathers the base or streams it
         generator, eval_generator = ShardedSampler(generator, sharded), ShardedSampler(eval_generator, sharded)
+        if cfg.train.fsdp_gather == "layer" and "hf" in (generator.name, eval_generator.name):
+            raise UserError("train.fsdp_gather=layer streams the layers through rlora's built-in sampler, which does not "
+                            "support this model (it samples with transformers generate): set train.fsdp_gather=model")
         if cfg.train.fsdp_gather == "layer" and cfg.rollout.merge_adapter:
             info("train.fsdp_gather=layer with rollout.merge_adapter=true merges the LoRA into every layer in every "
                  "decode step: rollout.merge_adapter=false samples faster here (docs/fsdp.md)")

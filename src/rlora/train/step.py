@@ -113,6 +113,13 @@ def _sampler(s, step: int, timings: Timings, slot_prompt: dict[int, int]):
     return sample
 
 
+def rank_slots(world, prompts_per_step: int, copies: int) -> list[int]:
+    """This rank's slots of the step: its share of the P prompts, for each of the `copies` policies (slot k * P + i),
+    so that every rank holds the same number of every policy's groups."""
+    mine = world.share(list(range(prompts_per_step)))
+    return [k * prompts_per_step + i for k in range(copies) for i in mine]
+
+
 def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
@@ -127,7 +134,7 @@ def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -
 
     collector = Collector(_sampler(s, step, timings, slot_prompt), step_params(cfg, step), cfg.rollout.num_generations,
                           cfg.algo, step_seed(cfg, step))
-    groups = collector.collect(s.world.share(list(range(copies * P))), more_slots)
+    groups = collector.collect(rank_slots(s.world, P, copies), more_slots)
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
@@ -275,7 +282,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     if s.policies is None:
         metrics = {**shared, **_reward_metrics(batch), **updates[0], **_rollout_metrics(batch)}
     else:
-        # data parallel: a rank holds the groups of some policies only and reports those (merge_metrics joins them)
+        # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares)
         metrics = {**shared, "gen_tokens": int(rollout.completion_mask_BTc.sum()), "policies": {
             p.name: {**_reward_metrics(part), **update, **_rollout_metrics(part), **_collect_metrics(_first_draws(part), cfg)}
             for p, update, part in zip(s.policies, updates, _policy_batches(batch, cfg.train.prompts_per_step, len(s.policies)))

@@ -119,7 +119,7 @@ def contribute_nothing(world: World, model) -> float:
     (normalisers, gradients, loss), adding zeros. -> the global loss."""
     global_totals(world, BatchTotals(0.0, 0, 1, 0))
     all_reduce_gradients(world, trainable_parameters(model))
-    return all_reduce_sums(world, [0.0])[0]
+    return _update_metrics(world, dict.fromkeys(METRIC_SUMS, 0.0), 0, 0, has_kl=False)["loss"]
 
 
 METRIC_SUMS = ("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight", "weighted_tokens")
@@ -262,10 +262,14 @@ def _add_sums(sums: dict, loss: torch.Tensor, mask_BT: torch.Tensor, token_terms
 
 
 def _update_metrics(world: World, sums: dict, trained_rows: int, num_rows: int, has_kl: bool) -> dict:
+    """The update's metrics over every rank's rows (a collective: the sums and counts are added over ranks)."""
+    keys = sorted(sums)
+    *totals, trained_rows, num_rows = all_reduce_sums(world, [sums[k] for k in keys] + [trained_rows, num_rows])
+    sums = dict(zip(keys, totals))
     trained = sums["tokens"]
     per_token = (lambda key: sums[key] / trained) if trained else (lambda key: None)
     return {
-        "loss": all_reduce_sums(world, [sums["loss"]])[0],
+        "loss": sums["loss"],
         "kl": per_token("kl") if has_kl else None,
         "clip_frac": per_token("clipped"),
         "entropy": per_token("entropy"),

@@ -296,6 +296,11 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         assert json.loads((mine / "eval.json").read_text())["after"] == json.loads((alone / "eval.json").read_text())["after"]
     moved = [load_file(str(out / "policies" / s["name"] / "adapter" / "adapter_model.safetensors")) for s in specs]
     assert any(not torch.equal(moved[0][k], moved[1][k]) for k in moved[0])
+    # `rlora eval RUN` of a run of several policies evaluates the base and every policy's adapter
+    assert main(["eval", str(out), "--output", str(tmp_path / "eval")]) == 0
+    results = json.loads((tmp_path / "eval" / "eval.json").read_text())["results"]
+    assert list(results) == ["base", "fast", "slow"]
+    assert results["slow"]["adapter"] == str(out / "policies" / "slow" / "adapter")
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("items", nargs="*", metavar="[CONFIG.yaml | RUN_DIR] [key=value ...]",
                           help="a config file or a run folder of `rlora train` (default: the demo config), then overrides")
     evaluate.add_argument("--adapter", "-a", action="append", default=[], metavar="[NAME=]PATH",
-                          help="a PEFT adapter folder to evaluate (repeatable); a run folder's adapter is the default")
+                          help="a PEFT adapter folder to evaluate (repeatable); default: a run folder's adapter (or every "
+                               "policy's adapter of a run of several policies)")
     evaluate.add_argument("--no-base", action="store_true", help="skip the base model")
     evaluate.add_argument("--output", "-o", help="folder for eval.json and samples (default: runs/eval-TIMESTAMP)")
     evaluate.add_argument("--overwrite", action="store_true", help="write into a non-empty output folder")
@@ -184,8 +185,8 @@ def _chat(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from rlora.evaluation import BASE, Candidate, parse_adapters, resolve_config, run_eval_command
 
-    cfg, run_adapter = resolve_config(args.items)
-    adapters = parse_adapters(args.adapter or ([run_adapter] if run_adapter else []))
+    cfg, run_adapters = resolve_config(args.items)
+    adapters = parse_adapters(args.adapter or run_adapters)
     candidates = ([] if args.no_base else [Candidate(BASE, None)]) + adapters
     if not candidates:
         raise UserError("nothing to evaluate: --no-base needs at least one --adapter")

@@ -26,6 +26,7 @@ from rlora.rollout.backends import build_generator
 from rlora.train.evaluate import eval_sampling, evaluate
 from rlora.train.grpo import check_data_and_rewards, seed_everything
 from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
+from rlora.train.policies import POLICIES_FOLDER
 
 BASE = "base"
 _TRAINING_OUTPUTS = ("metrics.jsonl", "adapter", "checkpoints", "summary.json")
@@ -42,21 +43,28 @@ def parse_adapters(specs: list[str]) -> list[Candidate]:
     return [Candidate(name, path) for name, path in parse_named_adapters(specs, reserved=(BASE,)).items()]
 
 
-def resolve_config(items: list[str]) -> tuple[RLConfig, str | None]:
-    """CONFIG.yaml or a run folder (its config.yaml), then overrides -> (config, the run's adapter or None)."""
+def resolve_config(items: list[str]) -> tuple[RLConfig, list[str]]:
+    """CONFIG.yaml or a run folder (its config.yaml), then overrides -> (config, the run's adapters as --adapter
+    values: its adapter, or each policy's NAME=policies/NAME/adapter of a run of several policies; [] for a config)."""
     if items and "=" not in items[0] and Path(items[0]).is_dir():
         run = Path(items[0])
         if not (run / "config.yaml").is_file():
             raise UserError(f"'{run}' is a folder without config.yaml: give a run folder of `rlora train` or a config file")
-        adapter = run / "adapter"
-        return load_config(str(run / "config.yaml"), items[1:]), str(adapter) if adapter.is_dir() else None
+        return load_config(str(run / "config.yaml"), items[1:]), run_adapters(run)
     config_path = items[0] if items and "=" not in items[0] else None
     overrides = items[1:] if config_path else items
     bad = [item for item in overrides if "=" not in item]
     if bad:
         raise UserError(f"unexpected argument '{bad[0]}': give at most one CONFIG.yaml or run folder, then key=value "
                         "overrides")
-    return load_config(config_path, overrides), None
+    return load_config(config_path, overrides), []
+
+
+def run_adapters(run: Path) -> list[str]:
+    if (run / "adapter").is_dir():
+        return [str(run / "adapter")]
+    policies = sorted(p for p in (run / POLICIES_FOLDER).glob("*/adapter") if p.is_dir())
+    return [f"{p.parent.name}={p}" for p in policies]
 
 
 def _load_model(cfg: RLConfig, candidates: list[Candidate], rewards, prompt_sets: PromptSets):

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from rlora.algos.advantages import group_advantages
@@ -68,3 +69,21 @@ def test_matches_naive_loop_on_random_rewards():
         got = group_advantages(rewards, scale, eps=1e-4)
         want = torch.tensor(naive_advantages(rewards.tolist(), scale, 1e-4))
         assert torch.allclose(got, want, atol=1e-6), scale
+
+
+def test_batch_std_is_the_unbiased_std_of_the_valid_entries():
+    from rlora.algos.advantages import batch_std
+
+    values = torch.tensor([[1.0, float("nan"), 3.0], [0.5, 4.0, float("nan")]], dtype=torch.float64)
+    valid = values[~torch.isnan(values)]
+    assert batch_std(values) == pytest.approx(float(valid.std()), rel=1e-15)
+    assert batch_std(torch.tensor([[2.0, float("nan")]], dtype=torch.float64)) == 0.0  # one valid entry
+    # two ranks holding half the batch each: all_sum returns the sums of both halves' values (computed here as
+    # the ranks would, first counts and sums, then squared deviations from the global mean)
+    halves = [values[:1], values[1:]]
+    count = sum(float((~torch.isnan(h)).sum()) for h in halves)
+    total = sum(float(torch.nansum(h)) for h in halves)
+    squares = sum(float(torch.where(~torch.isnan(h), (h - total / count) ** 2, torch.zeros_like(h)).sum())
+                  for h in halves)
+    replies = iter([[count, total], [squares]])
+    assert batch_std(halves[0], lambda xs: next(replies)) == pytest.approx(float(valid.std()), rel=1e-12)

@@ -29,7 +29,10 @@ def _run(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_file, tmp_path):
+@pytest.mark.parametrize("algo", [{}, {"algo.adv_scale": "batch"}, {"algo.name": "reinforce_pp", "algo.beta": 0.01}])
+def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_file, tmp_path, algo):
+    # Also with batch-wide statistics (GRPO's std over the batch, REINFORCE++'s token whitening): the ranks sum
+    # their counts, sums and squared deviations, so each divides by the whole batch's std.
     # One micro-batch per group: each rank's gradient is then computed exactly as that micro-batch's share in one
     # process, and the all-reduce adds the two shares as one process does, so the runs agree to the bit (0.0 here).
     # With smaller micro-batches the float32 sums associate differently (~1e-8 relative) and AdamW can amplify
@@ -41,7 +44,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_f
     outs = {}
     for nproc in (1, 2):
         out = tmp_path / f"ranks{nproc}"
-        done = _run(nproc, tiny_overrides(tiny_model_dir, prompts_file, str(out), **common))
+        done = _run(nproc, tiny_overrides(tiny_model_dir, prompts_file, str(out), **{**common, **algo}))
         assert done.returncode == 0, done.stderr[-3000:]
         outs[nproc] = out
     one, two = (load_file(str(outs[n] / "adapter" / "adapter_model.safetensors")) for n in (1, 2))
@@ -78,13 +81,16 @@ def test_world_checks_and_metric_merging():
     cfg = load_config(None, ["train.prompts_per_step=3", "train.micro_batch_size=8"])
     with pytest.raises(UserError, match="multiple of the 2 ranks"):
         check_world(cfg, World(0, 2))
-    for override, message in (("algo.adv_scale=batch", "batch-wide statistics"),
-                              ("algo.name=reinforce_pp", "batch-wide statistics"),
+    for override, message in (("algo.adv_scale=batch", "batch-wide statistics .* disable algo.dynamic_sampling"),
+                              ("algo.name=reinforce_pp", "batch-wide statistics .* disable algo.dynamic_sampling"),
                               ("rollout.engine=hf", "rollout.engine=builtin"),
                               ("algo.replay.enabled=true", "algo.replay")):
         extra = ["rollout.sampler_dtype=model", "algo.sampler_is_cap=null"] if "hf" in override else []
+        extra += ["algo.dynamic_sampling=true"] if "batch" in message else []
         with pytest.raises(UserError, match=message):
             check_world(load_config(None, [override, *extra]), World(1, 2))
+        if "batch" in message:  # batch-wide statistics alone are summed over the ranks
+            check_world(load_config(None, [override]), World(1, 2))
     check_world(cfg, World())  # one process: anything goes
     # the loss is already the global one on every rank (all-reduced in the update): averaging keeps it
     merged = merge_metrics([{"step": 3, "loss": 0.75, "gen_tokens": 10, "rollout_s": 2.0, "reward_mean": 0.5, "kl": None},

@@ -7,27 +7,44 @@ RLOO: A_pg = r_pg - mean of the *other* valid samples of the group (leave-one-ou
 REINFORCE++: per-token return (outcome reward at the last token, -beta * KL on every token, gamma = 1),
 whitened over all completion tokens of the batch.
 NaN marks a sample whose reward failed: it is left out of every statistic and gets advantage 0.
+Batch-wide statistics (adv_scale="batch", REINFORCE++'s whitening) take `all_sum`, which adds its values
+over data-parallel ranks (the identity in one process), so every rank divides by the std of the whole batch.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
 AdvScale = Literal["group", "batch", "none"]
+AllSum = Callable[[list[float]], list[float]]  # each value summed over the data-parallel ranks
 
 
-def _nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """Unbiased std over the non-NaN entries (0 where fewer than two)."""
+def in_one_process(values: list[float]) -> list[float]:
+    return values
+
+
+def batch_std(values: torch.Tensor, all_sum: AllSum = in_one_process) -> float:
+    """Unbiased std over the non-NaN entries of the whole batch, all ranks' (0 where fewer than two). Two
+    passes, as _group_std: the mean first, then the squared deviations from it."""
     valid = ~torch.isnan(values)
-    count = valid.sum(dim=dim, keepdim=True) if dim is not None else valid.sum()
-    mean = torch.nansum(values, dim=dim, keepdim=True) / count.clamp(min=1) if dim is not None else torch.nanmean(values)
-    squares = torch.where(valid, (values - mean) ** 2, torch.zeros_like(values))
-    total = squares.sum(dim=dim, keepdim=True) if dim is not None else squares.sum()
-    std = torch.sqrt(total / (count - 1).clamp(min=1))
-    std = torch.where(count > 1, std, torch.zeros_like(std))
-    return std if keepdim or dim is None else std.squeeze(dim)
+    count, total = all_sum([float(valid.sum()), float(torch.nansum(values))])
+    mean = total / max(count, 1)
+    (squares,) = all_sum([float(torch.where(valid, (values - mean) ** 2, torch.zeros_like(values)).sum())])
+    return math.sqrt(squares / (count - 1)) if count > 1 else 0.0
+
+
+def _group_std(values_P_G: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of each row's non-NaN entries -> [P, 1] (0 where fewer than two)."""
+    valid = ~torch.isnan(values_P_G)
+    count = valid.sum(dim=1, keepdim=True)
+    mean = torch.nansum(values_P_G, dim=1, keepdim=True) / count.clamp(min=1)
+    squares = torch.where(valid, (values_P_G - mean) ** 2, torch.zeros_like(values_P_G))
+    std = torch.sqrt(squares.sum(dim=1, keepdim=True) / (count - 1).clamp(min=1))
+    return torch.where(count > 1, std, torch.zeros_like(std))
 
 
 def group_flags(rewards_P_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,11 +55,12 @@ def group_flags(rewards_P_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return failed, ~(valid_max > valid_min)
 
 
-def _scale(centred_P_G: torch.Tensor, rewards_P_G: torch.Tensor, scale: AdvScale, eps: float) -> torch.Tensor:
+def _scale(centred_P_G: torch.Tensor, rewards_P_G: torch.Tensor, scale: AdvScale, eps: float,
+           all_sum: AllSum) -> torch.Tensor:
     if scale == "group":
-        return centred_P_G / (_nan_std(rewards_P_G, dim=1, keepdim=True) + eps)
+        return centred_P_G / (_group_std(rewards_P_G) + eps)
     if scale == "batch":
-        return centred_P_G / (_nan_std(rewards_P_G) + eps)
+        return centred_P_G / (batch_std(rewards_P_G, all_sum) + eps)
     return centred_P_G
 
 
@@ -51,7 +69,8 @@ def _check_scale(scale: str) -> None:
         raise ValueError(f"unknown advantage scale {scale!r}; use group, batch or none")
 
 
-def group_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "group", eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "group", eps: float = 1e-4,
+                     all_sum: AllSum = in_one_process) -> torch.Tensor:
     """rewards_P_G: P prompts x G samples -> advantages_P_G (float32).
 
     NaN marks a sample whose reward failed: it is left out of every mean and std and gets advantage 0.
@@ -62,12 +81,13 @@ def group_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "group", eps: 
     rewards = rewards_P_G.double()
     failed, flat_P1 = group_flags(rewards)
     group_mean_P1 = torch.nanmean(rewards, dim=1, keepdim=True).nan_to_num(0.0)
-    centred_P_G = _scale(rewards - group_mean_P1, rewards, scale, eps)
+    centred_P_G = _scale(rewards - group_mean_P1, rewards, scale, eps, all_sum)
     centred_P_G = torch.where(failed | flat_P1, torch.zeros_like(centred_P_G), centred_P_G)
     return centred_P_G.float()
 
 
-def rloo_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "none", eps: float = 1e-4) -> torch.Tensor:
+def rloo_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "none", eps: float = 1e-4,
+                    all_sum: AllSum = in_one_process) -> torch.Tensor:
     """Leave-one-out baseline (Ahmadian et al. 2024): A_i = r_i - (sum_valid r - r_i) / (n_valid - 1), which
     equals n/(n-1) * (r_i - group mean). Optionally divided by a std like GRPO (default: not)."""
     _check_scale(scale)
@@ -76,7 +96,7 @@ def rloo_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "none", eps: fl
     count_P1 = (~failed).sum(dim=1, keepdim=True)
     total_P1 = torch.nansum(rewards, dim=1, keepdim=True)
     others_mean_P_G = (total_P1 - rewards.nan_to_num(0.0)) / (count_P1 - 1).clamp(min=1)
-    centred_P_G = _scale(rewards - others_mean_P_G, rewards, scale, eps)
+    centred_P_G = _scale(rewards - others_mean_P_G, rewards, scale, eps, all_sum)
     centred_P_G = torch.where(failed | flat_P1 | (count_P1 < 2), torch.zeros_like(centred_P_G), centred_P_G)
     return centred_P_G.float()
 
@@ -99,21 +119,24 @@ def token_returns(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.T
     return token_rewards(rewards_B, mask_BT, kl_BT, beta).flip(-1).cumsum(-1).flip(-1) * mask_BT.double()
 
 
-def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float, center: bool = True) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the masked entries of the whole batch (unbiased std); 0 elsewhere.
-    center=False only divides by the std (the std is still taken around the mean)."""
+def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float, center: bool = True,
+           all_sum: AllSum = in_one_process) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole batch, all ranks' (unbiased std); 0
+    elsewhere. center=False only divides by the std (the std is still taken around the mean)."""
     mask = mask_BT.double()
-    count = mask.sum()
+    count, total = all_sum([float(mask.sum()), float((values_BT * mask).sum())])
     if count < 2:
         return torch.zeros_like(values_BT, dtype=torch.float32)
-    mean = (values_BT * mask).sum() / count
-    std = torch.sqrt((((values_BT - mean) * mask) ** 2).sum() / (count - 1))
+    mean = total / count
+    (squares,) = all_sum([float((((values_BT - mean) * mask) ** 2).sum())])
+    std = math.sqrt(squares / (count - 1))
     shifted = values_BT - mean if center else values_BT
     return (shifted / (std + eps) * mask).float()
 
 
 def reinforce_pp_advantages(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float,
-                            eps: float = 1e-4, group_size: int | None = None) -> torch.Tensor:
+                            eps: float = 1e-4, group_size: int | None = None,
+                            all_sum: AllSum = in_one_process) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): token returns whitened over the batch -> advantages_BT. With group_size, the
     group mean reward is subtracted first (REINFORCE++-baseline) and the returns are only divided by the
     batch std, not re-centred: re-centring with a token-weighted mean would give a group whose rewards are
@@ -123,7 +146,8 @@ def reinforce_pp_advantages(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_B
         grouped = rewards.view(-1, group_size)
         rewards = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).view(-1)
     valid_BT = mask_BT * (~torch.isnan(rewards)).unsqueeze(-1)
-    return whiten(token_returns(rewards, valid_BT, kl_BT, beta), valid_BT, eps, center=group_size is None)
+    return whiten(token_returns(rewards, valid_BT, kl_BT, beta), valid_BT, eps, center=group_size is None,
+                  all_sum=all_sum)
 
 
 def overlong_penalty(lengths_B: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlora.algos.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
+from rlora.algos.advantages import AllSum, group_advantages, in_one_process, reinforce_pp_advantages, rloo_advantages
 from rlora.algos.losses import LossInputs, TokenLosses, cispo_token_loss, grpo_token_loss, gspo_token_loss
 
 
@@ -28,20 +28,23 @@ class AdvantageInputs:
     beta: float
     group_size: int  # G
     kl_BT: torch.Tensor | None = None  # k1 = old - ref log-prob per token (only for kl_in_reward algorithms)
+    all_sum: AllSum = in_one_process  # batch-wide statistics: sums over the data-parallel ranks
 
 
 def _group(inp: AdvantageInputs) -> torch.Tensor:
-    return group_advantages(inp.rewards_P_S, scale=inp.scale, eps=inp.eps)[:, :inp.group_size].reshape(-1)
+    return group_advantages(inp.rewards_P_S, scale=inp.scale, eps=inp.eps,
+                            all_sum=inp.all_sum)[:, :inp.group_size].reshape(-1)
 
 
 def _rloo(inp: AdvantageInputs) -> torch.Tensor:
-    return rloo_advantages(inp.rewards_P_S, scale=inp.scale, eps=inp.eps)[:, :inp.group_size].reshape(-1)
+    return rloo_advantages(inp.rewards_P_S, scale=inp.scale, eps=inp.eps,
+                           all_sum=inp.all_sum)[:, :inp.group_size].reshape(-1)
 
 
 def _reinforce_pp(inp: AdvantageInputs, baseline: bool = False) -> torch.Tensor:
     G = inp.group_size
     return reinforce_pp_advantages(inp.rewards_P_S[:, :G].reshape(-1), inp.mask_BT, inp.kl_BT, inp.beta, inp.eps,
-                                   group_size=G if baseline else None)
+                                   group_size=G if baseline else None, all_sum=inp.all_sum)
 
 
 @dataclass(frozen=True)

@@ -85,9 +85,10 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if cfg.train.prompts_per_step % world.size:
         raise UserError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the {world.size} "
                         "ranks: each rank samples whole groups")
-    if cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp"):
-        raise UserError("data parallel does not support batch-wide statistics across ranks yet (algo.adv_scale=batch, "
-                        "reinforce_pp): use group statistics or one process")
+    batch_stats = cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp")
+    if batch_stats and cfg.algo.dynamic_sampling:  # a rank whose groups were all dropped computes no statistics
+        raise UserError("data parallel with batch-wide statistics (algo.adv_scale=batch, reinforce_pp) needs every "
+                        "rank to keep its groups: disable algo.dynamic_sampling, or use group statistics")
     if cfg.algo.replay.enabled:
         raise UserError("algo.replay keeps a buffer per rank that checkpoints do not hold yet: disable it for data "
                         "parallel runs")

@@ -186,7 +186,8 @@ def advantages_of(s, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
     kl_BT = None
     if s.algo.kl_in_reward and ref_logp is not None:
         kl_BT = old_logp[fresh] - ref_logp[fresh]  # k1 estimate of KL(pi_old || ref) per token
-    inputs = AdvantageInputs(batch.stats_rewards_P_S, mask_BT[fresh], cfg.adv_scale, cfg.adv_eps, cfg.beta, G, kl_BT)
+    inputs = AdvantageInputs(batch.stats_rewards_P_S, mask_BT[fresh], cfg.adv_scale, cfg.adv_eps, cfg.beta, G, kl_BT,
+                             all_sum=lambda values: all_reduce_sums(s.world, values))  # batch statistics: all ranks
     advantages = s.algo.advantages(inputs)
     if not batch.replayed:
         return advantages

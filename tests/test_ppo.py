@@ -352,15 +352,40 @@ def test_bad_ppo_input_is_one_line_exit_2(name, extra, message, tiny_model_dir, 
     assert "Traceback" not in err and not (tmp_path / "o").exists()
 
 
-def test_ppo_refuses_data_parallel():
+def test_ppo_two_ranks_equal_one_rank(tiny_model_dir, prompts_file, tmp_path):
+    """torchrun: 2 ranks x 1 prompt == 1 rank x 2 prompts for PPO with whitened GAE advantages: the value loss's
+    token count, the critic's gradients and the whitening statistics are summed over ranks. One micro-batch per
+    group (see test_distributed.py). Policy adapter, value adapter and value head within 1e-5; without the
+    batch-wide whitening each rank would scale its advantages by its own std. train.fsdp with ppo is refused."""
+    from safetensors.torch import load_file
+
+    from test_distributed import _run
+
+    common = {"algo.name": "ppo", "ppo.whiten_advantages": "true", "train.prompts_per_step": 2,
+              "rollout.num_generations": 4, "train.micro_batch_size": 4, "train.steps": 2, "train.lr": 0.05,
+              "algo.beta": 0.04, "eval.before": "false", "eval.after": "false", "train.threads": 1}
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, tiny_overrides(tiny_model_dir, prompts_file, str(outs[nproc]), **common))
+        assert done.returncode == 0, done.stderr[-3000:]
+    for folder, name in (("adapter", "adapter_model.safetensors"), ("value_model", "adapter_model.safetensors"),
+                         ("value_model", "value_head.safetensors")):
+        one, two = (load_file(str(outs[n] / folder / name)) for n in (1, 2))
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5, (folder, name)
+    rows = {n: [json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2)}
+    for a, b in zip(rows[1], rows[2]):
+        for key in ("loss", "value_loss", "grad_norm", "value_grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert all(r["adapter_rank_divergence"] == 0.0 for r in rows[2])
+
     from rlora.config import load_config
     from rlora.errors import UserError
     from rlora.train.distributed import World
-    from rlora.train.grpo import check_world
+    from rlora.train.fsdp import check_fsdp
 
-    cfg = load_config(None, ["algo.name=ppo"])
-    with pytest.raises(UserError, match="algo.name=ppo does not run data parallel yet"):
-        check_world(cfg, World(rank=0, size=2))
+    with pytest.raises(UserError, match="train.fsdp does not support algo.name=ppo yet"):
+        check_fsdp(load_config(None, ["algo.name=ppo", "train.fsdp=true"]), World(rank=0, size=2))
 
 
 def test_not_a_value_model_is_one_line(tiny_model_dir, tmp_path):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlora.algos.advantages import token_rewards, whiten
+from rlora.algos.advantages import AllSum, in_one_process, token_rewards, whiten
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,12 @@ def gae(token_rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.
 
 def ppo_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
                    lam: float, whiten_advantages: bool, eps: float, kl_BT: torch.Tensor | None = None,
-                   beta: float = 0.0) -> GAEResult:
+                   beta: float = 0.0, all_sum: AllSum = in_one_process) -> GAEResult:
     """Outcome rewards [B] + the critic's values [B, T] (+ k1 KL per token folded into the reward) -> GAE
-    advantages (whitened over the batch's real tokens if asked) and the value targets."""
+    advantages (whitened over the batch's real tokens, all ranks' with all_sum, if asked) and the value targets."""
     advantages, returns = gae(token_rewards(rewards_B, mask_BT, kl_BT, beta), values_BT, mask_BT, gamma, lam)
     if whiten_advantages:
-        advantages = whiten(advantages, mask_BT, eps)
+        advantages = whiten(advantages, mask_BT, eps, all_sum=all_sum)
     return GAEResult(advantages.float(), returns.float())
 
 

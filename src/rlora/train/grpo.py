@@ -95,9 +95,6 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if cfg.molora is not None:
         raise UserError("data parallel does not support molora yet (the routers' auxiliary loss would need the "
                         "batch's routing over all ranks): train a molora policy in one process")
-    if cfg.algo.name == "ppo":
-        raise UserError("algo.name=ppo does not run data parallel yet (its critic's gradients and batch-whitened "
-                        "advantages are per rank): run it in one process")
     if cfg.rollout.engine != "builtin":
         raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
                         "split across ranks)")
@@ -365,7 +362,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
             for step in range(first_step, cfg.train.steps):
                 last, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, optimizer, scheduler, replay)
                 if world.active:
-                    last, samples = gather_step(world, last, samples, trainable_parameters(s.model))
+                    last, samples = gather_step(world, last, samples, trainable_parameters(s.model) +
+                                                ([] if s.critic is None else s.critic.parameters()))
                 if s.policies is not None:
                     last, per_policy = pol.split_metrics(last, s.policies)
                     for policy in s.policies:

@@ -5,6 +5,9 @@ advantages) + value gradient (value adapter active) -> one optimizer step over b
 The critic's gradient comes from its own backward passes with the value adapter active, the policy's from
 passes with the policy adapter active: each loss reaches only its own parameters (tested). The two are
 clipped separately (train.max_grad_norm each), so a large value loss never shrinks the policy's step.
+
+Data parallel: the value loss's token count and the critic's gradients are summed over ranks like the
+policy's, and whitened advantages use the whole batch's mean and std (advantages.whiten's all_sum).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from rlora.train.step import (
     Timings, _collect_metrics, _reward_metrics, _rollout_metrics, _samples, behaviour, collect_batch, loss_mask,
     step_params,
 )
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.train.update import (
-    ScoredRollout, _on, _pad_right, accumulate_policy_gradient, batch_totals, batched_logprobs, optimizer_step,
+    ScoredRollout, _on, _pad_right, accumulate_policy_gradient, batch_totals, batched_logprobs, global_totals,
+    optimizer_step,
 )
 from rlora.types import Rollout
 
@@ -50,11 +55,12 @@ def batched_values(critic: Critic, rollout: Rollout, micro_batch_size: int,
 
 def accumulate_value_gradient(critic: Critic, rollout: Rollout, returns_BT: torch.Tensor, old_values_BT: torch.Tensor,
                               mask_BT: torch.Tensor, micro_batch_size: int, clip: float | None,
-                              prefix: FrozenPrefix | None = None) -> dict[str, float]:
-    """Backward of the clipped value loss, a token mean over the whole batch's real tokens (each micro-batch's
-    sum divided by the batch's token count, so the split does not change the gradient). Rows without a real
-    token are not forwarded. -> value_loss, value_clip_frac."""
-    totals = batch_totals(mask_BT, constant_len=1)
+                              prefix: FrozenPrefix | None = None, world: World = World()) -> dict[str, float]:
+    """Backward of the clipped value loss, a token mean over the whole batch's real tokens, all ranks' (each
+    micro-batch's sum divided by the batch's token count, so the split does not change the gradient); the
+    critic's gradients are then summed over ranks. Rows without a real token are not forwarded.
+    -> value_loss, value_clip_frac."""
+    totals = global_totals(world, batch_totals(mask_BT, constant_len=1))
     rows = (mask_BT.sum(-1) > 0).nonzero().squeeze(-1)
     loss_sum, clipped, tokens = 0.0, 0.0, 0.0
     with critic.active(trainable=True):  # backward inside: checkpointed layers recompute with this adapter
@@ -72,6 +78,8 @@ def accumulate_value_gradient(critic: Critic, rollout: Rollout, returns_BT: torc
             loss_sum += loss.item()
             clipped += float((out.clipped_BT * mask).sum())
             tokens += float(mask.sum())
+    all_reduce_gradients(world, critic.parameters())
+    loss_sum, clipped, tokens = all_reduce_sums(world, [loss_sum, clipped, tokens])
     return {"value_loss": loss_sum, "value_clip_frac": clipped / tokens if tokens else None}
 
 
@@ -104,7 +112,7 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
     kl_BT = old_logp - ref_logp if algo.kl_in_reward and ref_logp is not None else None  # k1 per token
     rewards_B = batch.stats_rewards_P_S[:, :cfg.rollout.num_generations].reshape(-1)
     targets = ppo_advantages(rewards_B, old_values_BT, mask_BT, ppo.gamma, ppo.lam, ppo.whiten_advantages,
-                             cfg.algo.adv_eps, kl_BT, beta)
+                             cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
     behaviour_BT, cap_B = behaviour(s, batch)
     scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
     policy_params, value_params = trainable_parameters(s.model), critic.parameters()
@@ -113,7 +121,7 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
         update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
                                             prefix)
         update |= accumulate_value_gradient(critic, rollout, targets.returns_BT, old_values_BT, mask_BT, mb,
-                                            ppo.value_clip, prefix)
+                                            ppo.value_clip, prefix, s.world)
         value_grad_norm = _clip(value_params, cfg.train.max_grad_norm)
         # a non-finite value loss or gradient skips the whole update, as a non-finite policy one does
         finite = math.isfinite(update["value_loss"]) and math.isfinite(value_grad_norm)

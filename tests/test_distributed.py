@@ -77,14 +77,41 @@ def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_fi
     assert row["groups_dropped"] == 1 and row["reward_mean"] is not None and row["adapter_rank_divergence"] == 0.0
 
 
+def test_replay_buffers_per_rank_resume_exactly(tiny_model_dir, prompts_file, tmp_path):
+    """Experience replay on 2 ranks: each rank stores and replays its own groups, and a checkpoint holds every
+    rank's buffer. 2 steps + resume + 2 steps == 4 steps straight (adapters within 1e-6, the same samples and
+    replay counts); groups are replayed. Resuming that checkpoint in one process is one line, exit 2."""
+    common = {"algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "train.prompts_per_step": 2,
+              "rollout.num_generations": 4, "train.micro_batch_size": 4, "train.lr": 0.05, "train.checkpoint_every": 1,
+              "eval.before": "false", "eval.after": "false", "train.sample_every": 1, "train.threads": 1}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out, extra in ((straight, {"train.steps": 4}), (resumed, {"train.steps": 2}),
+                       (resumed, {"train.steps": 4, "train.resume": "auto"})):
+        done = _run(2, tiny_overrides(tiny_model_dir, prompts_file, str(out), **common, **extra))
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in (straight, resumed))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
+    rows = {out: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (straight, resumed)}
+    keys = ("step", "replay_groups", "replay_stored", "replay_buffer", "reward_mean")
+    assert [[r[k] for k in keys] for r in rows[straight]] == [[r[k] for k in keys] for r in rows[resumed]]
+    assert sum(r["replay_groups"] for r in rows[straight]) > 0  # groups were replayed after the resume point too
+    assert sum(r["replay_groups"] for r in rows[straight][2:]) > 0
+    assert (straight / "samples.jsonl").read_text() == (resumed / "samples.jsonl").read_text()
+    config = (resumed / "config.yaml").read_text()
+    done = _run(1, tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common,
+                                  **{"train.steps": 5, "train.resume": "auto"}))
+    assert done.returncode == 2 and done.stderr.count("rlora: error:") == 1
+    assert "the checkpoint holds the replay buffers of 2 rank(s), this run has 1" in done.stderr
+    assert (resumed / "config.yaml").read_text() == config  # refused before anything is written
+
+
 def test_world_checks_and_metric_merging():
     cfg = load_config(None, ["train.prompts_per_step=3", "train.micro_batch_size=8"])
     with pytest.raises(UserError, match="multiple of the 2 ranks"):
         check_world(cfg, World(0, 2))
     for override, message in (("algo.adv_scale=batch", "batch-wide statistics .* disable algo.dynamic_sampling"),
                               ("algo.name=reinforce_pp", "batch-wide statistics .* disable algo.dynamic_sampling"),
-                              ("rollout.engine=hf", "rollout.engine=builtin"),
-                              ("algo.replay.enabled=true", "algo.replay")):
+                              ("rollout.engine=hf", "rollout.engine=builtin")):
         extra = ["rollout.sampler_dtype=model", "algo.sampler_is_cap=null"] if "hf" in override else []
         extra += ["algo.dynamic_sampling=true"] if "batch" in message else []
         with pytest.raises(UserError, match=message):

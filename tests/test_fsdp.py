@@ -111,6 +111,7 @@ def test_fsdp_in_one_process_is_one_line(tiny_model_dir, prompts_file, tmp_path,
     ("algo.dynamic_sampling=true", "algo.dynamic_sampling and algo.adaptive resample per rank"),
     ("algo.adaptive.enabled=true", "algo.dynamic_sampling and algo.adaptive resample per rank"),
     ("rewards=[{fn: reward_model, args: {path: rm}}]", "does not support rewards fn: reward_model"),
+    ("algo.replay.enabled=true", "does not support algo.replay yet"),
 ])
 def test_unsupported_combinations_are_refused(override, message):
     cfg = load_config(None, ["train.fsdp=true", override])

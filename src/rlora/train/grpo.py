@@ -42,7 +42,9 @@ from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
 from rlora.train.checkpoint import set_aside_after
-from rlora.train.resume import check_same_run, find_checkpoint, restore_training_state, save_training_state
+from rlora.train.resume import (
+    check_replay_ranks, check_same_run, find_checkpoint, replay_state, restore_training_state, save_training_state,
+)
 from rlora.models.multi_lora import attach_policies
 from rlora.train import policies as pol
 from rlora.train.ppo_step import ppo_step
@@ -89,9 +91,6 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if batch_stats and cfg.algo.dynamic_sampling:  # a rank whose groups were all dropped computes no statistics
         raise UserError("data parallel with batch-wide statistics (algo.adv_scale=batch, reinforce_pp) needs every "
                         "rank to keep its groups: disable algo.dynamic_sampling, or use group statistics")
-    if cfg.algo.replay.enabled:
-        raise UserError("algo.replay keeps a buffer per rank that checkpoints do not hold yet: disable it for data "
-                        "parallel runs")
     if cfg.molora is not None:
         raise UserError("data parallel does not support molora yet (the routers' auxiliary loss would need the "
                         "batch's routing over all ranks): train a molora policy in one process")
@@ -112,6 +111,8 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
         run_dir.check_writable()
     if resume_from is not None:
         check_same_run(cfg, resume_from)  # fail before the model loads
+        if cfg.algo.replay.enabled:
+            check_replay_ranks(resume_from, world.size)
     check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
@@ -307,7 +308,7 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
         barrier(s.world)
         return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
-    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay, s.critic, s.policies)
+    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay, s.critic, s.policies, s.world.size)
     for run_dir, names in [(s.run_dir, ("metrics.jsonl", "samples.jsonl"))] + [(p.run_dir, ("metrics.jsonl",))
                                                                                 for p in s.policies or []]:
         run_dir.drop_steps_after(state["step"], names)
@@ -341,15 +342,16 @@ def _run(cfg: RLConfig, world: World) -> dict:
         s.policies = pol.build_policies(cfg, s.model, s.run_dir.path, world.is_main)
     else:
         optimizer, scheduler = build_optimizer(optimizer_groups(s), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
-    replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed) if cfg.algo.replay.enabled else None
+    replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed, world.rank) if cfg.algo.replay.enabled else None
     first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
     t0, last, status = time.perf_counter() - train_s_before, {}, "completed"
 
     def checkpoint(done: int) -> None:
+        buffers = None if replay is None else gather_objects(world, replay_state(replay))  # every rank's
         try:
             if world.is_main:
-                save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, replay,
+                save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, buffers,
                                     time.perf_counter() - t0, evals["before"], s.critic, s.policies)
             barrier(world)
         except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched

@@ -28,9 +28,13 @@ class StoredGroup:
 
 
 class ReplayBuffer:
-    def __init__(self, cfg: ReplayConfig, seed: int):
+    """One rank's buffer (data parallel: each rank stores and replays its own groups, drawing with its own
+    stream; rank 0's is the one-process stream)."""
+
+    def __init__(self, cfg: ReplayConfig, seed: int, rank: int = 0):
         self.cfg = cfg
         self.seed = seed
+        self.rank = rank
         self.groups: deque[StoredGroup] = deque()
 
     def __len__(self) -> int:
@@ -52,7 +56,8 @@ class ReplayBuffer:
         group leaves after cfg.max_uses."""
         if num_groups <= 0 or not self.groups:
             return []
-        picked = random.Random(self.seed * 7_919 + step).sample(list(self.groups), min(num_groups, len(self.groups)))
+        rng = random.Random(self.seed * 7_919 + step + self.rank * 1_000_003)
+        picked = rng.sample(list(self.groups), min(num_groups, len(self.groups)))
         for group in picked:
             group.uses += 1
         self.groups = deque(g for g in self.groups if g.uses < self.cfg.max_uses)

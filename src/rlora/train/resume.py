@@ -57,12 +57,34 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _replay_state(buffer: ReplayBuffer) -> list[dict]:
+def replay_state(buffer: ReplayBuffer) -> list[dict]:
+    """A buffer's groups as tensors and plain containers (what torch.load(weights_only=True) reads back)."""
     return [{"rollout": vars(g.rollout), "advantages_G": g.advantages_G, "loss_mask_GT": g.loss_mask_GT,
              "step": g.step, "uses": g.uses} for g in buffer.groups]
 
 
-def _load_replay(buffer: ReplayBuffer, groups: list[dict]) -> None:
+def _replay_ranks(saved) -> list[list[dict]]:
+    """replay.pt's {"ranks": [each rank's groups]} (or, from before data-parallel replay, one rank's list)."""
+    return saved["ranks"] if isinstance(saved, dict) else [saved]
+
+
+def check_replay_ranks(folder: Path, world_size: int) -> None:
+    """Before anything loads or is written: a checkpoint's replay buffers are per rank, so the run resumes
+    with as many ranks."""
+    if not (folder / "replay.pt").is_file():
+        return
+    saved = len(_replay_ranks(_safe_load(folder / "replay.pt")))
+    if saved != world_size:
+        raise UserError(f"train.resume: the checkpoint holds the replay buffers of {saved} rank(s), this run has "
+                        f"{world_size}: resume with --nproc_per_node {saved} (each rank keeps its own buffer)")
+
+
+def _load_replay(buffer: ReplayBuffer, saved, world_size: int) -> None:
+    ranks = _replay_ranks(saved)
+    if len(ranks) != world_size:  # check_replay_ranks said so before loading; a safety net
+        raise UserError(f"train.resume: the checkpoint holds the replay buffers of {len(ranks)} rank(s), this run "
+                        f"has {world_size}")
+    groups = ranks[buffer.rank]
     buffer.groups.clear()
     for g in groups:
         rollout = Rollout(**g["rollout"])
@@ -70,10 +92,10 @@ def _load_replay(buffer: ReplayBuffer, groups: list[dict]) -> None:
                                          g["advantages_G"], g["loss_mask_GT"], g["step"], g["uses"]))
 
 
-def save_training_state(run_path: Path, step: int, cfg, model, optimizer, scheduler, replay: ReplayBuffer | None,
+def save_training_state(run_path: Path, step: int, cfg, model, optimizer, scheduler, replay: list[list[dict]] | None,
                         train_s: float, eval_before: dict | None, critic=None, policies=None) -> Path:
     """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints). policies: several policies'
-    (train/policies.py Policy list; optimizer and scheduler are then None)."""
+    (train/policies.py Policy list; optimizer and scheduler are then None). replay: every rank's replay_state."""
 
     def fill(folder: Path) -> None:
         if policies is None:
@@ -86,7 +108,7 @@ def save_training_state(run_path: Path, step: int, cfg, model, optimizer, schedu
                        "schedulers": [p.scheduler.state_dict() for p in policies]}
         torch.save(trainer | {"rng": rng_state()}, folder / "trainer.pt")
         if replay is not None:
-            torch.save(_replay_state(replay), folder / "replay.pt")
+            torch.save({"ranks": replay}, folder / "replay.pt")
         if critic is not None:
             (folder / "value_model").mkdir()
             critic.save(folder / "value_model")
@@ -151,7 +173,7 @@ def _restore_adapter(model, path: Path, adapter_name: str = "default") -> None:
 
 
 def restore_training_state(folder: Path, model, optimizer, scheduler, replay: ReplayBuffer | None,
-                           critic=None, policies=None) -> None:
+                           critic=None, policies=None, world_size: int = 1) -> None:
     trainer = _safe_load(folder / "trainer.pt")
     if policies is None:
         _restore_adapter(model, folder / "adapter")
@@ -166,7 +188,7 @@ def restore_training_state(folder: Path, model, optimizer, scheduler, replay: Re
         critic.restore(folder / "value_model")
     set_rng_state(trainer["rng"])
     if replay is not None and (folder / "replay.pt").is_file():
-        _load_replay(replay, _safe_load(folder / "replay.pt"))
+        _load_replay(replay, _safe_load(folder / "replay.pt"), world_size)
 
 
 def _safe_load(path: Path):

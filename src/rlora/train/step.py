@@ -138,7 +138,8 @@ def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
-    replayed = replay.draw(replay_count(cfg.algo.replay.ratio * len(groups), cfg.train.seed, step), step) if replay else []
+    expected = cfg.algo.replay.ratio * len(groups)
+    replayed = replay.draw(replay_count(expected, cfg.train.seed, step, s.world.rank), step) if replay else []
     if replayed:
         rollout = concat_rollouts([rollout] + [g.rollout for g in replayed], s.tok.pad_id)
     return Batch(rollout, scores, stats_rewards, groups, replayed, slot_prompt), collector.stats
@@ -161,11 +162,11 @@ class ExtraPrompts:
         return picked
 
 
-def replay_count(expected: float, seed: int, step: int) -> int:
-    """Stochastic rounding (seeded by step): on average `expected` replayed groups per step, also when it is
-    below 1 (round() would give 0 for ratio 0.25 x 2 groups and never replay)."""
+def replay_count(expected: float, seed: int, step: int, rank: int = 0) -> int:
+    """Stochastic rounding (seeded by step, and by the rank after rank 0): on average `expected` replayed groups
+    per step, also when it is below 1 (round() would give 0 for ratio 0.25 x 2 groups and never replay)."""
     whole = int(expected)
-    return whole + (random.Random(f"replay-{seed}-{step}").random() < expected - whole)
+    return whole + (random.Random(f"replay-{seed}-{step}" + (f"-{rank}" if rank else "")).random() < expected - whole)
 
 
 def loss_mask(s, batch: Batch) -> torch.Tensor:

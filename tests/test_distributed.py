@@ -150,3 +150,16 @@ def test_counter_uniform_matches_a_plain_python_splitmix64_and_ignores_batch_com
     assert counter_uniform(42, keys[2:3], 3).tolist() == got[2:3].tolist()  # a row's draw is its own
     draws = counter_uniform(7, torch.arange(20000), 0)
     assert abs(float(draws.mean()) - 0.5) < 0.01 and float(draws.min()) >= 0 and float(draws.max()) < 1
+
+
+@pytest.mark.parametrize("command", ["sft", "rm"])
+def test_sft_and_rm_refuse_torchrun(command, monkeypatch, capsys, tmp_path):
+    """Under torchrun every rank would train alone into the same folder: refused, one line, nothing written."""
+    from rlora.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "o"
+    assert main([command, "configs/x.yaml", f"train.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"rlora {command} runs in one process" in err, err
+    assert not out.exists()

@@ -21,12 +21,16 @@ TESTS = os.path.dirname(__file__)
 
 
 def _run(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    return _run_command(nproc, ["train", *args])
+
+
+def _run_command(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    """`rlora ARGS` in 1 process, or under torchrun with nproc ranks (CPU, gloo)."""
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 \
         else [sys.executable]
-    return subprocess.run([*launcher, "-m", "rlora", "train", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run([*launcher, "-m", "rlora", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 @pytest.mark.parametrize("algo", [{}, {"algo.adv_scale": "batch"}, {"algo.name": "reinforce_pp", "algo.beta": 0.01}])
@@ -152,14 +156,54 @@ def test_counter_uniform_matches_a_plain_python_splitmix64_and_ignores_batch_com
     assert abs(float(draws.mean()) - 0.5) < 0.01 and float(draws.min()) >= 0 and float(draws.max()) < 1
 
 
-@pytest.mark.parametrize("command", ["sft", "rm"])
-def test_sft_and_rm_refuse_torchrun(command, monkeypatch, capsys, tmp_path):
+def test_rm_refuses_torchrun(monkeypatch, capsys, tmp_path):
     """Under torchrun every rank would train alone into the same folder: refused, one line, nothing written."""
     from rlora.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     out = tmp_path / "o"
-    assert main([command, "configs/x.yaml", f"train.output_dir={out}"]) == 2
+    assert main(["rm", "configs/x.yaml", f"train.output_dir={out}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"rlora {command} runs in one process" in err, err
+    assert err.count("\n") == 1 and "rlora rm runs in one process" in err, err
     assert not out.exists()
+
+
+def test_sft_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
+    """rlora sft on 2 ranks: each trains half of every length-sorted batch (one micro-batch each, as the one
+    process splits it), the target count and gradients summed: the adapter, losses, token counts and held-out
+    losses equal one process's. A batch that does not split over the ranks is one line, exit 2."""
+    from test_sft import REPETITIVE, sft_config, write_jsonl
+
+    data = write_jsonl(tmp_path / "rows.jsonl", REPETITIVE * 2)
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        config = sft_config(tmp_path, tiny_model_dir, data, steps=3, eval_every=2, lr=0.05, threads=1,
+                            output_dir=str(outs[nproc]))
+        done = _run_command(nproc, ["sft", config, "data.eval_size=3"])
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(outs[n] / "adapter" / "adapter_model.safetensors")) for n in (1, 2))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
+    assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)
+    rows = {n: [json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2)}
+    for a, b in zip(rows[1], rows[2], strict=True):
+        assert a["tokens"] == b["tokens"] and ("eval_loss" in a) == ("eval_loss" in b)
+        if "eval_loss" in a:  # steps 2 and 3; the 3 held-out rows split 1 + 2 pad differently: float32 rounding
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+    config = sft_config(tmp_path, tiny_model_dir, data, steps=1, batch_size=3, micro_batch_size=1,
+                        output_dir=str(tmp_path / "odd"))
+    done = _run_command(2, ["sft", config])
+    assert done.returncode != 0 and "train.batch_size=3 must be a multiple of the 2 ranks" in done.stderr
+    assert not (tmp_path / "odd").exists()
+
+
+def test_sft_with_molora_refuses_torchrun(tmp_path):
+    from rlora.config import SFTConfig
+    from rlora.train.sft import check_inputs
+
+    cfg = SFTConfig(model={"path": "m"}, data={"path": "rows.jsonl"}, molora={"num_experts": 2},
+                    train={"output_dir": str(tmp_path / "o"), "batch_size": 4, "micro_batch_size": 2})
+    with pytest.raises(UserError, match="rlora sft with a molora section runs in one process"):
+        check_inputs(cfg, world=World(0, 2))
+    assert not (tmp_path / "o").exists()

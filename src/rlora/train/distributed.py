@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,22 @@ class World:
         """This rank's contiguous share of a list whose length is a multiple of the world size."""
         per_rank = len(items) // self.size
         return items[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+
+T = TypeVar("T")
+
+
+def on_every_rank(run: Callable[[World], T]) -> T:
+    """run(world) in this process: under torchrun on every rank, rank 0 alone printing; then the process group
+    is shut down (also when run raises)."""
+    from rlora.logging.console import console
+
+    world = init_world()
+    console.quiet = not world.is_main
+    try:
+        return run(world)
+    finally:
+        shutdown(world)
 
 
 def init_world() -> World:

@@ -18,7 +18,7 @@ from rlora.config import RLConfig, to_yaml
 from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render_prompt
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
-from rlora.logging.console import console, info, metrics_line, print_summary, progress_bar
+from rlora.logging.console import info, metrics_line, print_summary, progress_bar
 from rlora.logging.sinks import Sinks, check_sinks
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
@@ -34,7 +34,7 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.system import return_freed_memory
 from rlora.train.distributed import (
-    World, all_reduce_sums, barrier, gather_objects, init_world, merge_metrics, rank_divergence, shutdown,
+    World, all_reduce_sums, barrier, gather_objects, merge_metrics, on_every_rank, rank_divergence,
 )
 from rlora.train.evaluate import eval_sampling, evaluate, evaluate_policies
 from rlora.train.fsdp import ShardedBase, ShardedSampler, check_fsdp, shard_base
@@ -321,12 +321,7 @@ def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
 
 def run_grpo(cfg: RLConfig) -> dict:
     """Train; under torchrun every rank runs this, rank 0 alone writes and prints."""
-    world = init_world()
-    console.quiet = not world.is_main
-    try:
-        return _run(cfg, world)
-    finally:
-        shutdown(world)
+    return on_every_rank(lambda world: _run(cfg, world))
 
 
 def _run(cfg: RLConfig, world: World) -> dict:

@@ -2,7 +2,11 @@
 prompt/completion or chat rows, with the loss on completion tokens only. Same run folder and adapter format
 as `rlora train`, so `rlora train lora.init_from=RUN/adapter` continues from it. With a `molora:` section it
 trains a mixture of LoRA experts instead (docs/molora.md): every forward is routed by its rows' prompts, and
-the routers' auxiliary losses join the loss."""
+the routers' auxiliary losses join the loss.
+
+Under torchrun each rank trains its contiguous share of every step's (length-sorted) batch: the target count
+that normalises the loss and the gradients are summed over ranks, so the update is the one-process update;
+the held-out loss sums every rank's share; rank 0 alone writes and prints."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from rlora.models.loading import (
     attach_lora, check_adapter_folder, load_base_model, load_tokenizer, model_device, quantization_config, resolve_device,
     resolve_model_path, save_adapter, trainable_parameters,
 )
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank
 from rlora.train.grpo import seed_everything
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir
@@ -128,12 +133,13 @@ def routing_contexts(model, chunks: list[list[TokenizedRow]]) -> list:
 
 
 def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int,
-                   metrics: dict | None = None) -> tuple[float, int]:
+                   metrics: dict | None = None, world: World = World()) -> tuple[float, int]:
     """Accumulate the gradient of the batch's mean token loss: every micro-batch's summed loss is divided by
     the whole batch's target count, so how the batch is split does not change the gradient. A MoLoRA model
     adds the batch's auxiliary loss the same way (BatchRouting) and puts `aux_loss` and the router metrics
-    into `metrics`. -> (loss, tokens): the task loss alone."""
-    total = sum(num_targets(r) for r in rows)
+    into `metrics`. Data parallel: `rows` is this rank's share; the count, the gradients and the loss are
+    summed over ranks. -> (loss, tokens): the task loss alone, of the whole batch."""
+    total = int(all_reduce_sums(world, [sum(num_targets(r) for r in rows)])[0])
     chunks = micro_batches(rows, micro_size)
     routing = BatchRouting(model, rows, chunks, pad_id) if ml.molora_modules(model) else None
     loss_sum = 0.0
@@ -146,15 +152,18 @@ def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int
             loss = loss + routing.aux_share(mask)
         loss.backward()
         loss_sum += nll.item()
+    all_reduce_gradients(world, trainable_parameters(model))
+    (loss_sum,) = all_reduce_sums(world, [loss_sum])
     if routing is not None and metrics is not None:
         metrics.update(routing.metrics())
     return loss_sum / total, total
 
 
 @torch.no_grad()
-def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int) -> float:
+def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int, world: World = World()) -> float:
     """Mean token loss over all rows (summed over tokens, divided by their count); MoLoRA: routed by the rows'
-    prompts, without the auxiliary loss."""
+    prompts, without the auxiliary loss. Data parallel: each rank sums its contiguous part of `rows`."""
+    rows = rows[world.rank * len(rows) // world.size:(world.rank + 1) * len(rows) // world.size]
     total, loss_sum = 0, 0.0
     chunks = micro_batches(rows, micro_size)
     for chunk, context in zip(chunks, routing_contexts(model, chunks)):
@@ -162,17 +171,25 @@ def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int) -> 
         with context:
             loss_sum += token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels).item()
         total += sum(num_targets(r) for r in chunk)
+    loss_sum, total = all_reduce_sums(world, [loss_sum, total])
     return loss_sum / total
 
 
 # ---- plumbing ------------------------------------------------------------------------------------------
 
-def check_inputs(cfg, command: str = "sft") -> RunDir:
+def check_inputs(cfg, command: str = "sft", world: World = World()) -> RunDir:
     """What can be checked before the tokenizer and model load (`rlora sft` and `rlora rm` configs)."""
+    if world.active and cfg.train.batch_size % world.size:
+        raise UserError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the {world.size} ranks: each "
+                        "rank trains its share of every batch")
+    if world.active and getattr(cfg, "molora", None) is not None:
+        raise UserError(f"rlora {command} with a molora section runs in one process (the routers' auxiliary loss "
+                        "covers the whole batch): run it without torchrun")
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir(command)
-    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite)
-    run_dir.check_writable()
+    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
+    if world.is_main:
+        run_dir.check_writable()
     for path in (cfg.data.path, cfg.data.eval_path):
         if path is not None and not Path(path).is_file():
             raise UserError(f"data file not found: {path}")
@@ -219,7 +236,12 @@ def save_outputs(cfg: SFTConfig, run_dir: RunDir, model, tokenizer) -> None:
 
 
 def run_sft(cfg: SFTConfig) -> dict:
-    run_dir = check_inputs(cfg)
+    """Train; under torchrun every rank runs this, rank 0 alone writes and prints."""
+    return on_every_rank(lambda world: _run_sft(cfg, world))
+
+
+def _run_sft(cfg: SFTConfig, world: World) -> dict:
+    run_dir = check_inputs(cfg, world=world)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -245,7 +267,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                "dropped_rows": data.dropped, "last_metrics": {}, "eval_loss": None}
     t0 = time.perf_counter()
     try:
-        train_loop(cfg, run_dir, model, params, optimizer, scheduler, data, tok.pad_id, steps, summary)
+        train_loop(cfg, run_dir, model, params, optimizer, scheduler, data, tok.pad_id, steps, summary, world)
     except BaseException as stop:  # keep what was learnt and say why it stopped
         summary["status"] = "interrupted" if isinstance(stop, KeyboardInterrupt) else \
             f"failed: {type(stop).__name__}: {stop}"
@@ -285,20 +307,20 @@ def optimizer_steps(label: str, steps: int, params, optimizer, scheduler, max_gr
 
 
 def train_loop(cfg: SFTConfig, run_dir: RunDir, model, params, optimizer, scheduler, data: SFTData, pad_id: int,
-               steps: int, summary: dict) -> None:
+               steps: int, summary: dict, world: World = World()) -> None:
     train = cfg.train
     order = LengthGroupedOrder([len(r.ids) for r in data.train], train.batch_size, train.group_window, train.seed)
 
     def one_batch(step: int) -> dict:
         rows = sorted((data.train[i] for i in order.indices(step)), key=lambda r: len(r.ids))
         router_metrics: dict = {}
-        loss, tokens = backward_batch(model, rows, train.micro_batch_size, pad_id, router_metrics)
+        loss, tokens = backward_batch(model, world.share(rows), train.micro_batch_size, pad_id, router_metrics, world)
         return {"loss": loss, "tokens": tokens, **router_metrics}
 
     def held_out() -> dict:
         model.eval()
         try:
-            return {"eval_loss": mean_loss(model, data.eval, train.micro_batch_size, pad_id)}
+            return {"eval_loss": mean_loss(model, data.eval, train.micro_batch_size, pad_id, world)}
         finally:
             model.train()
 

@@ -156,16 +156,31 @@ def test_counter_uniform_matches_a_plain_python_splitmix64_and_ignores_batch_com
     assert abs(float(draws.mean()) - 0.5) < 0.01 and float(draws.min()) >= 0 and float(draws.max()) < 1
 
 
-def test_rm_refuses_torchrun(monkeypatch, capsys, tmp_path):
-    """Under torchrun every rank would train alone into the same folder: refused, one line, nothing written."""
-    from rlora.cli import main
+def test_rm_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
+    """rlora rm on 2 ranks: each trains half of every batch of pairs (one micro-batch each, as the one process
+    splits it); the pair count and the adapter's and head's gradients summed: the reward model and every metric
+    equal one process's (held-out loss within float32 rounding: the held-out pairs are split 1 + 2)."""
+    from test_rm import PAIRS, rm_config, write_jsonl
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    out = tmp_path / "o"
-    assert main(["rm", "configs/x.yaml", f"train.output_dir={out}"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "rlora rm runs in one process" in err, err
-    assert not out.exists()
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        config = rm_config(tmp_path, tiny_model_dir, data, {"eval_size": 3}, steps=3, eval_every=2, lr=0.05,
+                           threads=1, output_dir=str(outs[nproc]))
+        done = _run_command(nproc, ["rm", config])
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("adapter_model.safetensors", "score_head.safetensors"):
+        one, two = (load_file(str(outs[n] / "reward_model" / name)) for n in (1, 2))
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6, name
+    rows = {n: [json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2)}
+    assert rows[1][-1]["loss"] != rows[1][0]["loss"]  # it trained
+    for a, b in zip(rows[1], rows[2], strict=True):
+        for key in ("loss", "accuracy", "reward_gap", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+        assert ("eval_loss" in a) == ("eval_loss" in b)
+        if "eval_loss" in a:
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6) and a["eval_accuracy"] == b["eval_accuracy"]
 
 
 def test_sft_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):

@@ -225,9 +225,6 @@ def _supervised(args: argparse.Namespace) -> int:
     from rlora import config as config_module
 
     spec = SUPERVISED[args.command]
-    if args.command == "rm" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would train alone
-        raise UserError("rlora rm runs in one process (data parallel under torchrun is for rlora train and rlora sft "
-                        "yet): run it without torchrun")
     config_path, overrides = _split_config_and_overrides(args.items)
     if config_path is None:
         raise UserError(f"rlora {args.command} needs a CONFIG.yaml first (e.g. {spec.example}), then key=value overrides")

@@ -1,6 +1,10 @@
 """The reward-model recipe: a LoRA adapter plus a scalar score head on the shared base, trained on pairwise
 preferences with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), reporting pair
-accuracy on a held-out split; saves OUTPUT/reward_model (docs/reward_models.md)."""
+accuracy on a held-out split; saves OUTPUT/reward_model (docs/reward_models.md).
+
+Under torchrun each rank trains its contiguous share of every (length-sorted) batch of pairs: the pair count
+that normalises the loss, the gradients (adapter and head) and the metrics' sums are summed over ranks, so the
+update is the one-process update; rank 0 alone writes and prints."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from rlora.models.loading import (
     attach_lora, load_base_model, load_tokenizer, model_device, resolve_model_path, trainable_parameters,
 )
 from rlora.models.reward_model import hidden_size, new_score_head, save_reward_model, score
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank
 from rlora.train.grpo import seed_everything
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir
@@ -73,36 +78,49 @@ def margins(pairs: list[TokenizedPair], extra: float, device) -> torch.Tensor:
 
 
 def backward_batch(model, head, pairs: list[TokenizedPair], micro_size: int, pad_id: int,
-                   margin: float = 0.0) -> dict:
+                   margin: float = 0.0, world: World = World()) -> dict:
     """Accumulate the gradient of the batch's mean pair loss: each micro-batch's summed loss is divided by the
-    whole batch's pair count, so the split does not change the gradient. -> loss, accuracy, reward_gap."""
+    whole batch's pair count, so the split does not change the gradient. Data parallel: `pairs` is this rank's
+    share; the count, the gradients (adapter and head) and the sums are summed over ranks. -> loss, accuracy,
+    reward_gap of the whole batch."""
+    num_pairs = all_reduce_sums(world, [len(pairs)])[0]
     loss_sum, correct, gap_sum = 0.0, 0, 0.0
     for chunk in micro_batches(pairs, micro_size):
         r_chosen, r_rejected = score_pairs(model, head, chunk, pad_id)
         nll = bradley_terry_loss_sum(r_chosen, r_rejected, margins(chunk, margin, r_chosen.device))
-        (nll / len(pairs)).backward()
+        (nll / num_pairs).backward()
         loss_sum += nll.item()
         correct += pair_correct(r_chosen, r_rejected)
         gap_sum += (r_chosen - r_rejected).sum().item()
-    return {"loss": loss_sum / len(pairs), "accuracy": correct / len(pairs), "reward_gap": gap_sum / len(pairs)}
+    all_reduce_gradients(world, trainable_parameters(model) + list(head.parameters()))
+    loss_sum, correct, gap_sum = all_reduce_sums(world, [loss_sum, correct, gap_sum])
+    return {"loss": loss_sum / num_pairs, "accuracy": correct / num_pairs, "reward_gap": gap_sum / num_pairs}
 
 
 @torch.no_grad()
 def evaluate_pairs(model, head, pairs: list[TokenizedPair], micro_size: int, pad_id: int,
-                   margin: float = 0.0) -> dict:
-    """Mean loss and accuracy over all pairs."""
+                   margin: float = 0.0, world: World = World()) -> dict:
+    """Mean loss and accuracy over all pairs (data parallel: each rank scores its contiguous part)."""
+    count = len(pairs)
+    pairs = pairs[world.rank * count // world.size:(world.rank + 1) * count // world.size]
     loss_sum, correct = 0.0, 0
     for chunk in micro_batches(pairs, micro_size):
         r_chosen, r_rejected = score_pairs(model, head, chunk, pad_id)
         loss_sum += bradley_terry_loss_sum(r_chosen, r_rejected, margins(chunk, margin, r_chosen.device)).item()
         correct += pair_correct(r_chosen, r_rejected)
-    return {"loss": loss_sum / len(pairs), "accuracy": correct / len(pairs)}
+    loss_sum, correct = all_reduce_sums(world, [loss_sum, correct])
+    return {"loss": loss_sum / count, "accuracy": correct / count}
 
 
 # ---- plumbing ------------------------------------------------------------------------------------------
 
 def run_rm(cfg: RMConfig) -> dict:
-    run_dir = check_inputs(cfg, "rm")
+    """Train; under torchrun every rank runs this, rank 0 alone writes and prints."""
+    return on_every_rank(lambda world: _run_rm(cfg, world))
+
+
+def _run_rm(cfg: RMConfig, world: World) -> dict:
+    run_dir = check_inputs(cfg, "rm", world)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -129,7 +147,7 @@ def run_rm(cfg: RMConfig) -> dict:
 
     t0 = time.perf_counter()
     try:
-        train_loop(cfg, run_dir, model, head, params, optimizer, scheduler, data, tok.pad_id, summary)
+        train_loop(cfg, run_dir, model, head, params, optimizer, scheduler, data, tok.pad_id, summary, world)
     except BaseException as stop:  # keep what was learnt and say why it stopped
         summary["status"] = "interrupted" if isinstance(stop, KeyboardInterrupt) else \
             f"failed: {type(stop).__name__}: {stop}"
@@ -144,18 +162,18 @@ def run_rm(cfg: RMConfig) -> dict:
 
 
 def train_loop(cfg: RMConfig, run_dir: RunDir, model, head, params, optimizer, scheduler, data: PreferenceData,
-               pad_id: int, summary: dict) -> None:
+               pad_id: int, summary: dict, world: World = World()) -> None:
     train = cfg.train
     order = LengthGroupedOrder([p.length() for p in data.train], train.batch_size, 1, train.seed)
 
     def one_batch(step: int) -> dict:
         pairs = sorted((data.train[i] for i in order.indices(step)), key=TokenizedPair.length)
-        return backward_batch(model, head, pairs, train.micro_batch_size, pad_id, train.margin)
+        return backward_batch(model, head, world.share(pairs), train.micro_batch_size, pad_id, train.margin, world)
 
     def held_out() -> dict:
         model.eval()
         try:
-            held = evaluate_pairs(model, head, data.eval, train.micro_batch_size, pad_id, train.margin)
+            held = evaluate_pairs(model, head, data.eval, train.micro_batch_size, pad_id, train.margin, world)
         finally:
             model.train()
         return {"eval_loss": held["loss"], "eval_accuracy": held["accuracy"]}

@@ -235,10 +235,34 @@ def test_bad_grpo_combinations_are_one_line(extra, message, tiny_model_dir, prom
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-def test_data_parallel_refuses_molora(tiny_model_dir, prompts_file, tmp_path):
-    cfg = load_config(None, molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", "sequence"))
-    with pytest.raises(UserError, match="data parallel does not support molora yet"):
-        grpo.check_world(cfg, World(rank=0, size=2))
+@pytest.mark.parametrize("router", ["sequence", "token"])
+def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, prompts_file, tmp_path):
+    """torchrun, 2 ranks x 1 prompt against 1 rank x 2 prompts, one micro-batch per group: the routers' balance
+    loss uses the whole batch's utilisation and unit count over both ranks (a routing pass on each rank, summed),
+    so the mixture (experts and routers) ends within 1e-5 and the aux loss and router metrics agree.
+    train.fsdp with molora is refused."""
+    from safetensors.torch import load_file
+
+    from rlora.train.fsdp import check_fsdp
+    from test_distributed import _run
+
+    extra = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
+             "train.steps": 2, "train.lr": 0.05, "eval.before": "false", "eval.after": "false", "train.threads": 1}
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, molora_overrides(tiny_model_dir, prompts_file, outs[nproc], router, **extra))
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(outs[n] / "adapter" / "molora_model.safetensors")) for n in (1, 2))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    assert any("router" in k for k in one)
+    rows = {n: [json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2)}
+    for a, b in zip(rows[1], rows[2], strict=True):
+        for key in ("loss", "aux_loss", "grad_norm", "molora/balance", "molora/util_0"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    cfg = load_config(None, molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", router, **{"train.fsdp": "true"}))
+    with pytest.raises(UserError, match="train.fsdp does not support a molora policy yet"):
+        check_fsdp(cfg, World(rank=0, size=2))
 
 
 def test_a_molora_folder_beside_other_adapters_is_one_line(tiny_model_dir, prompts_file, molora_folder, tmp_path,

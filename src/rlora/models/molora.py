@@ -464,6 +464,22 @@ class RouterStats:
                 units.append((logits_UE, route(logits_UE, self.top_k)[1], None))
         self.add(units)
 
+    def summed(self, sum_over_ranks, num_modules: int) -> "RouterStats":
+        """The sums of every data-parallel rank (sum_over_ranks: a flat tensor -> its sum over ranks, a
+        collective); a rank that routed nothing adds zeros."""
+        M, E = num_modules, self.num_experts
+        if self.hits_ME is None:
+            parts = [torch.zeros(M, E), torch.zeros(M, E), torch.zeros(M), torch.zeros(M)]
+        else:
+            parts = [self.hits_ME, self.probs_ME, self.z_M, self.entropy_M]
+        flat = torch.cat([p.float().cpu().reshape(-1) for p in parts] + [torch.tensor([float(self.units)])])
+        total = sum_over_ranks(flat).cpu()
+        out = RouterStats(self.num_experts, self.top_k)
+        hits, probs, z, entropy, units = total.split([M * E, M * E, M, M, 1])
+        out.hits_ME, out.probs_ME, out.z_M, out.entropy_M = hits.view(M, E), probs.view(M, E), z, entropy
+        out.units = float(units)
+        return out
+
     def utilisation(self) -> torch.Tensor:
         """[M, E] f_e of every module over all the units added (no gradient)."""
         if self.hits_ME is None:

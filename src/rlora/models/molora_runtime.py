@@ -100,29 +100,38 @@ class RolloutRouting:
     loss's utilisation f_e (no gradient) is the whole batch's, known before the first backward: from the prompt
     summaries (sequence router), from the forward itself (one micro-batch), or from a no-grad routing pass over
     the micro-batches (token router, several micro-batches, balance_coef > 0). So micro_batch_size does not
-    change the gradient (tests/test_molora_grpo.py)."""
+    change the gradient (tests/test_molora_grpo.py).
 
-    def __init__(self, model, micro_batches: list, forward):
+    Data parallel (sum_over_ranks: a flat tensor -> its sum over the ranks): the unit count and f_e are the
+    whole batch's over all ranks (the routing pass then always runs), so the ranks' aux shares add up to the
+    one-process loss; the metrics are summed over ranks too. Every rank must construct it and call metrics()."""
+
+    def __init__(self, model, micro_batches: list, forward, sum_over_ranks=None):
         """micro_batches: the update's trimmed RolloutSlices in order; forward(micro): a no-grad forward of the
         model over one of them (routing context included)."""
         self.model = model
+        self.sum_over_ranks = sum_over_ranks
         config = ml.routing_state(model).config
         masks = [self._mask(m) for m in micro_batches]
         sequence = config.router == "sequence"
         self.units = float(sum(m.shape[0] for m in masks)) if sequence else float(sum(m.sum() for m in masks))
+        if sum_over_ranks is not None:
+            self.units = float(sum_over_ranks(torch.tensor([self.units]))[0])
         self.stats = ml.RouterStats.for_model(model)
         self.aux_total = 0.0
-        self.utilisation = None  # None: from the training forwards themselves (one micro-batch)
-        if config.balance_coef > 0 and len(micro_batches) > 1:
+        self.utilisation = None  # None: from the training forwards themselves (one micro-batch, one process)
+        if config.balance_coef > 0 and (len(micro_batches) > 1 or sum_over_ranks is not None):
             pre = ml.RouterStats.for_model(model)
-            if sequence:
+            if sequence and micro_batches:
                 pre.add_summaries(model, torch.cat([ml.prompt_summary_padded(model, m.prompt_ids_BTp, m.prompt_mask_BTp)
                                                     for m in micro_batches]))
-            else:
+            elif not sequence:
                 with torch.no_grad():
                     for micro, mask in zip(micro_batches, masks):
                         forward(micro)
                         pre.add_forward(model, mask)
+            if sum_over_ranks is not None:
+                pre = pre.summed(sum_over_ranks, len(ml.molora_modules(model)))
             self.utilisation = pre.utilisation()
 
     @staticmethod
@@ -141,4 +150,8 @@ class RolloutRouting:
         return aux
 
     def metrics(self) -> dict[str, float]:
-        return {"aux_loss": self.aux_total, **self.stats.metrics()} if self.stats.hits_ME is not None else {}
+        stats, aux_total = self.stats, self.aux_total
+        if self.sum_over_ranks is not None:  # a collective: every rank calls it
+            stats = stats.summed(self.sum_over_ranks, len(ml.molora_modules(self.model)))
+            aux_total = float(self.sum_over_ranks(torch.tensor([aux_total], dtype=torch.float64))[0])
+        return {"aux_loss": aux_total, **stats.metrics()} if stats.hits_ME is not None else {}

@@ -80,6 +80,15 @@ def all_reduce_sums(world: World, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_tensor(world: World, tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor over ranks (on the tensor's device; a copy)."""
+    if not world.active:
+        return tensor
+    out = tensor.to(_device()).clone()
+    dist.all_reduce(out)
+    return out.to(tensor.device)
+
+
 def all_reduce_max(world: World, value: float) -> float:
     if not world.active:
         return value

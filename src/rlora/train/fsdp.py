@@ -52,6 +52,8 @@ def check_fsdp(cfg, world: World) -> None:
     if cfg.algo.dynamic_sampling or cfg.algo.adaptive.enabled:
         raise UserError("train.fsdp needs every rank to sample and train the same number of rows each step; "
                         "algo.dynamic_sampling and algo.adaptive resample per rank: disable them or train.fsdp")
+    if cfg.molora is not None:
+        raise UserError("train.fsdp does not support a molora policy yet: set train.fsdp=false (plain data parallel)")
     if cfg.algo.replay.enabled:
         raise UserError("train.fsdp does not support algo.replay yet (each rank replays its own number of groups "
                         "through the base): set train.fsdp=false (plain data parallel) or disable algo.replay")

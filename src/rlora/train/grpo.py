@@ -91,9 +91,6 @@ def check_world(cfg: RLConfig, world: World) -> None:
     if batch_stats and cfg.algo.dynamic_sampling:  # a rank whose groups were all dropped computes no statistics
         raise UserError("data parallel with batch-wide statistics (algo.adv_scale=batch, reinforce_pp) needs every "
                         "rank to keep its groups: disable algo.dynamic_sampling, or use group statistics")
-    if cfg.molora is not None:
-        raise UserError("data parallel does not support molora yet (the routers' auxiliary loss would need the "
-                        "batch's routing over all ranks): train a molora policy in one process")
     if cfg.rollout.engine != "builtin":
         raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
                         "split across ranks)")

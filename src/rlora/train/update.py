@@ -17,7 +17,7 @@ from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molora
 from rlora.models.multi_lora import parameters_per_policy, policy_rows, policy_state
-from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor
 from rlora.train.fsdp import passes_to_add, zero_pass
 from rlora.rollout.batching import trim
 from rlora.types import Rollout
@@ -165,7 +165,8 @@ def accumulate_gradient_per_policy(
     routing = None  # MoLoRA: the routers' auxiliary loss over the whole batch, and their metrics
     if has_molora(model):
         routing = RolloutRouting(model, [micro for _, micro in micros],
-                                 lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens))
+                                 lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens),
+                                 sum_over_ranks=(lambda t: all_reduce_tensor(world, t)) if world.active else None)
     sums = [dict.fromkeys(METRIC_SUMS, 0.0) for _ in totals]
     trained_rows = [0] * len(totals)
     sampled = rollout.sampling_logp_BTc

@@ -71,19 +71,52 @@ def test_matches_naive_loop_on_random_rewards():
         assert torch.allclose(got, want, atol=1e-6), scale
 
 
+def _on_two_ranks(run, inputs):
+    """run(input, all_sum) on two threads standing for two data-parallel ranks: all_sum adds both ranks' values
+    (each call is a rendezvous, as an all-reduce is). -> both results."""
+    import threading
+
+    barrier, sent, results = threading.Barrier(2), [None, None], [None, None]
+
+    def rank(r: int) -> None:
+        def all_sum(values):
+            sent[r] = list(values)
+            barrier.wait()
+            total = [a + b for a, b in zip(*sent)]
+            barrier.wait()
+            return total
+        results[r] = run(inputs[r], all_sum)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
 def test_batch_std_is_the_unbiased_std_of_the_valid_entries():
     from rlora.algos.advantages import batch_std
 
-    values = torch.tensor([[1.0, float("nan"), 3.0], [0.5, 4.0, float("nan")]], dtype=torch.float64)
+    values = torch.tensor([[1.0, float("nan"), 3.0], [0.5, 4.0, float("nan")], [2.5, -1.0, 0.0]], dtype=torch.float64)
     valid = values[~torch.isnan(values)]
     assert batch_std(values) == pytest.approx(float(valid.std()), rel=1e-15)
     assert batch_std(torch.tensor([[2.0, float("nan")]], dtype=torch.float64)) == 0.0  # one valid entry
-    # two ranks holding half the batch each: all_sum returns the sums of both halves' values (computed here as
-    # the ranks would, first counts and sums, then squared deviations from the global mean)
-    halves = [values[:1], values[1:]]
-    count = sum(float((~torch.isnan(h)).sum()) for h in halves)
-    total = sum(float(torch.nansum(h)) for h in halves)
-    squares = sum(float(torch.where(~torch.isnan(h), (h - total / count) ** 2, torch.zeros_like(h)).sum())
-                  for h in halves)
-    replies = iter([[count, total], [squares]])
-    assert batch_std(halves[0], lambda xs: next(replies)) == pytest.approx(float(valid.std()), rel=1e-12)
+    # two ranks with a third and two thirds of the batch: both get the whole batch's std
+    stds = _on_two_ranks(batch_std, [values[:1], values[1:]])
+    assert stds == pytest.approx([float(valid.std())] * 2, rel=1e-12)
+
+
+def test_whiten_over_two_ranks_equals_whitening_the_whole_batch():
+    from rlora.algos.advantages import whiten
+
+    g = torch.Generator().manual_seed(0)
+    values_BT = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    mask_BT = (torch.rand(5, 7, generator=g) > 0.3).long()
+    whole = whiten(values_BT, mask_BT, eps=1e-4)
+    parts = _on_two_ranks(lambda rows, all_sum: whiten(values_BT[rows], mask_BT[rows], 1e-4, all_sum=all_sum),
+                          [slice(0, 2), slice(2, 5)])
+    assert torch.allclose(torch.cat(parts), whole, rtol=0, atol=1e-6)
+    alone = whiten(values_BT[:2], mask_BT[:2], eps=1e-4)  # the first rank's rows by their own statistics differ
+    assert not torch.allclose(alone, whole[:2], atol=1e-3)
+

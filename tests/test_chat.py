@@ -353,4 +353,11 @@ def test_chat_streams_the_reply_it_would_print_whole(tiny_model_dir, adapters, m
     expected = _reference(tiny_model_dir, adapters)([{"role": "user", "content": "Hello, how are you today?"}], "a")
     assert f"a> {expected.strip()}\n" in out.export_text()
     assert len(writes) > 1 and writes[-1] == expected.strip()
+    # a message too long to send: the notice alone, no reply label
+    bot.max_length = MAX_NEW + 4
+    out = Console(record=True, width=500, force_terminal=False)
+    feed = iter(["a long message " * 20])
+    assert run_chat(bot, state, out, read) == 0
+    text = out.export_text()
+    assert "message too long" in text and "a> " not in text.replace("a long", "")
 

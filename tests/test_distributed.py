@@ -79,6 +79,9 @@ def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_fi
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     [row] = [json.loads(line) for line in (outs[2] / "metrics.jsonl").read_text().splitlines()]
     assert row["groups_dropped"] == 1 and row["reward_mean"] is not None and row["adapter_rank_divergence"] == 0.0
+    [alone] = [json.loads(line) for line in (outs[1] / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "trained_frac", "clip_frac", "entropy", "grad_norm"):  # the update's, from summed sums
+        assert row[key] == pytest.approx(alone[key], rel=1e-6), key
 
 
 def test_replay_buffers_per_rank_resume_exactly(tiny_model_dir, prompts_file, tmp_path):

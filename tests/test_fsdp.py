@@ -58,8 +58,9 @@ def test_sharded_base_trains_and_samples_like_data_parallel(tiny_model_dir, prom
 def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
     """3 policies on 2 ranks, the base streamed layer by layer through the batched multi-policy sampler, against
     the same run with the base whole on each rank. Prompt 0's groups are flat (flat_for_zero) and only policy c
-    has a KL term: rank 0 (slots a0 a1 b0) trains 4 rows, rank 1 (b1 c0 c1) 12, so rank 0 pads its update with
-    zero passes through policy a.
+    has a KL term: rank 0 (prompt 0 of every policy: a0 b0 c0) trains c0's 4 rows, rank 1 (a1 b1 c1) 12, so
+    rank 0 pads its update with zero passes through policy a (its row 0). That a zero pass leaves a policy without
+    a gradient without one is tested directly in test_policies.py.
     Same completions, every policy's adapter within 1e-6, the same held-out results."""
     from rlora.train.policies import POLICIES_FOLDER
 

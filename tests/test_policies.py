@@ -240,6 +240,27 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
                 assert torch.allclose(mine[n], p, rtol=0, atol=1e-7), n
 
 
+def test_a_zero_pass_changes_no_gradient_and_creates_none(tiny_model_dir):
+    """train.fsdp's padding pass (zero_pass) through row 0's policy: the gradients a policy has are unchanged to
+    the bit, and a policy that had none (here the one row 0 goes through) still has none, so its optimizer
+    skips the step as it would without the padding."""
+    from rlora.models.logprobs import completion_logprobs
+    from rlora.rollout.batching import trim
+    from rlora.train.fsdp import zero_pass
+
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = policies_model(tiny_model_dir, names=NAMES[:2], dtype=torch.float32)
+    rollout = _rollout(model, tokenizer, tok, NAMES[:2])
+    with mlr.policy_rows(model, torch.zeros(2, dtype=torch.long)):  # a gradient for policy a only
+        completion_logprobs(model, trim(rollout.select(slice(0, 2))))[0].sum().backward()
+    a, b = (mlr.policy_parameters(model, name) for name in NAMES[:2])
+    assert all(p.grad is not None for p in a) and all(p.grad is None for p in b)
+    before = [p.grad.clone() for p in a]
+    zero_pass(model, rollout, 256, None, torch.ones(rollout.num_completions, dtype=torch.long))  # row 0 through b
+    assert all(torch.equal(p.grad, g) for p, g in zip(a, before))
+    assert all(p.grad is None for p in b)
+
+
 def _policies_arg(specs):
     return "policies=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs) + "]"
 
@@ -324,8 +345,31 @@ def test_bad_policies_input_is_one_line_exit_2(tiny_model_dir, prompts_file, tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_checkpoint_from_before_a_new_policy_key_still_resumes(tmp_path):
+    """A checkpoint written before policies had `beta` records no beta: the comparison fills this version's
+    defaults, so the same policies resume; other policies are still refused."""
+    import yaml
+
+    from rlora.config import load_config, to_yaml
+    from rlora.errors import UserError
+    from rlora.train.resume import check_same_run
+
+    cfg = load_config(None, [_policies_arg([{"name": "a"}, {"name": "b", "lr": 0.001}])])
+    saved = yaml.safe_load(to_yaml(cfg))
+    for policy in saved["policies"]:
+        del policy["beta"]
+    (tmp_path / "state.json").write_text(json.dumps({"step": 1, "config": yaml.safe_dump(saved)}))
+    assert check_same_run(cfg, tmp_path)["step"] == 1
+    other = load_config(None, [_policies_arg([{"name": "a"}, {"name": "b", "lr": 0.002}])])
+    with pytest.raises(UserError, match="different policies"):
+        check_same_run(other, tmp_path)
+
+
 def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
     args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"))
+    assert main(["train", *args, _policies_arg([{"name": "base"}, {"name": "b"}])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the name 'base' is reserved" in err and len(err.splitlines()) == 1
     assert main(["train", *args, _policies_arg([{"name": "a"}])]) == 2
     assert "policies lists one policy" in capsys.readouterr().err
     assert main(["train", *args, _policies_arg([{"name": "a.b"}, {"name": "c"}])]) == 2

@@ -401,11 +401,15 @@ def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
     else printed whole once it is done (a spinner meanwhile, on a terminal)."""
     state.conv.add_user(text)
     label = f"{_label(state.active)}> "
-    stream = None
-    if bot.streams:
-        out.print(label, style="bold cyan", end="", markup=False, highlight=False)
-        stream = ReplyStream(bot.tokenizer, lambda piece: out.print(piece, end="", markup=False, highlight=False,
-                                                                     soft_wrap=True))
+    labelled = []  # the label goes out with the first piece (a message refused as too long shows none)
+
+    def show(piece: str) -> None:
+        if not labelled:
+            out.print(label, style="bold cyan", end="", markup=False, highlight=False)
+            labelled.append(True)
+        out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+
+    stream = ReplyStream(bot.tokenizer, show) if bot.streams else None
     status = out.status("generating ...") if out.is_terminal and stream is None else nullcontext()
     failure = None
     try:
@@ -420,14 +424,16 @@ def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
         failure = (f"generation failed: {first_line(err)}", "red")
     if failure is not None:
         state.conv.drop_last_user()
-        if stream is not None:
-            out.print()  # end the line the label (and any streamed text) started
+        if labelled:
+            out.print()  # end the line the label and the streamed text started
         out.print(failure[0], style=failure[1], markup=False)
         return
     state.conv.add_reply(reply.text, state.active, state.settings.seed + state.replies)
     state.replies += 1
     if stream is not None:
         stream.finish(reply.text)
+        if not labelled:  # an empty reply
+            show("")
         out.print()
     else:
         out.print(label, style="bold cyan", end="", markup=False, highlight=False)

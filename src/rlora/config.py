@@ -272,6 +272,8 @@ def _check_ppo(cfg) -> None:
 def _check_policies(cfg: "RLConfig") -> None:
     """Several policies on one base: unique names, and what a run of several policies does not do yet."""
     names = [p.name for p in cfg.policies]
+    if "base" in names:  # `rlora eval RUN` evaluates the base model under that name beside every policy
+        raise ValueError("policies: the name 'base' is reserved for the base model (rlora eval): choose another")
     if len(names) < 2:
         raise ValueError("policies lists one policy: remove the policies section (train.lr / train.seed set a single "
                          "policy) or list at least two")

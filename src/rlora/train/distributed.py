@@ -3,8 +3,11 @@
 Each rank samples, scores and trains on its own share of the step's prompts (whole groups, so group
 advantages need no communication). What crosses ranks: the loss normalisers (token, sequence and row
 counts), the adapter gradients (summed: each rank's loss is already divided by the global counts, so the
-sum is the full-batch gradient), the step's metrics, and a checksum that proves the ranks' adapters agree.
-gloo on CPU, NCCL on GPU; multi-node works with torchrun's usual --nnodes/--rdzv flags.
+sum is the full-batch gradient; several policies' and PPO's critic's each on their own), batch-wide
+statistics (adv_scale=batch, REINFORCE++ and PPO whitening: counts, sums, squared deviations), MoLoRA's
+routing sums, the update's metric sums, the other metrics (merged), replay buffers for checkpoints, and a
+checksum that proves the ranks' adapters agree. `rlora sft` / `rlora rm` sum their counts and gradients the
+same way. gloo on CPU, NCCL on GPU; multi-node works with torchrun's usual --nnodes/--rdzv flags.
 """
 
 from __future__ import annotations

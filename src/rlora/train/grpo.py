@@ -341,14 +341,16 @@ def _run(cfg: RLConfig, world: World) -> dict:
 
     def checkpoint(done: int) -> None:
         buffers = None if replay is None else gather_objects(world, replay_state(replay))  # every rank's
-        try:
-            if world.is_main:
+        cause = None
+        if world.is_main:
+            try:
                 save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, buffers,
                                     time.perf_counter() - t0, evals["before"], s.critic, s.policies)
-            barrier(world)
-        except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
-            raise UserError(f"could not write the checkpoint after step {done} ({err.strerror or err}); the previous "
-                            "checkpoint stays valid: fix the cause and continue with train.resume=auto") from None
+            except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
+                cause = err.strerror or str(err)
+        if all_reduce_sums(world, [float(cause is not None)])[0]:  # every rank stops with the same line
+            raise UserError(f"could not write the checkpoint after step {done} ({cause or 'on rank 0'}); the previous "
+                            "checkpoint stays valid: fix the cause and continue with train.resume=auto")
 
     try:
         with progress_bar("train", cfg.train.steps) as update:

@@ -138,7 +138,7 @@ def find_checkpoint(cfg) -> Path | None:
 def check_same_run(cfg, folder: Path) -> dict:
     """-> the checkpoint's state; refuses a checkpoint made with other model/LoRA/data/reward/algorithm settings."""
     state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-    saved = yaml.safe_load(state["config"])
+    saved = _with_current_defaults(yaml.safe_load(state["config"]), type(cfg))
     current = yaml.safe_load(to_yaml(cfg))
     for key in MUST_MATCH:
         section, _, field = key.partition(".")
@@ -153,6 +153,15 @@ def check_same_run(cfg, folder: Path) -> dict:
     if state["step"] > cfg.train.steps:
         raise UserError(f"train.resume: checkpoint is at step {state['step']}, beyond train.steps={cfg.train.steps}")
     return state
+
+
+def _with_current_defaults(saved: dict, config_cls) -> dict:
+    """The saved config as this version writes it (keys added since, e.g. a policy's beta, at their defaults);
+    as saved when it no longer validates (the comparison then names what differs)."""
+    try:
+        return yaml.safe_load(to_yaml(config_cls.model_validate(saved)))
+    except ValueError:
+        return saved
 
 
 def _first_difference(a, b, path: str) -> str:

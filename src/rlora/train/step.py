@@ -324,10 +324,10 @@ def _empty_rank_update(s, step: int, optimizer, scheduler, stats: CollectStats, 
     update = {}
     for _ in range(s.cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
-        loss = contribute_nothing(s.world, s.model)
-        update = {"loss": loss, **optimizer_step(trainable_parameters(s.model), optimizer, scheduler,
-                                                 s.cfg.train.max_grad_norm, loss)}
-    return {"step": step + 1, **update, "trained_frac": 0.0, **_collect_metrics(stats, s.cfg), "lr": lr,
+        update = contribute_nothing(s.world, s.model, has_kl=s.cfg.algo.beta > 0)  # the whole batch's metrics
+        update |= optimizer_step(trainable_parameters(s.model), optimizer, scheduler, s.cfg.train.max_grad_norm,
+                                 update["loss"])
+    return {"step": step + 1, **update, **_collect_metrics(stats, s.cfg), "lr": lr,
             "temperature": step_params(s.cfg, step).temperature, "step_s": time.perf_counter() - t_start,
             "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}
 

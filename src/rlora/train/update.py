@@ -114,12 +114,12 @@ def global_totals(world: World, totals: BatchTotals) -> BatchTotals:
     return BatchTotals(tokens, int(seqs), totals.constant_len, int(rows))
 
 
-def contribute_nothing(world: World, model) -> float:
+def contribute_nothing(world: World, model, has_kl: bool = False) -> dict[str, float]:
     """A data-parallel rank without completions this step still takes part in the update's collectives
-    (normalisers, gradients, loss), adding zeros. -> the global loss."""
+    (normalisers, gradients, metric sums), adding zeros. -> the update's metrics over all ranks."""
     global_totals(world, BatchTotals(0.0, 0, 1, 0))
     all_reduce_gradients(world, trainable_parameters(model))
-    return _update_metrics(world, dict.fromkeys(METRIC_SUMS, 0.0), 0, 0, has_kl=False)["loss"]
+    return _update_metrics(world, dict.fromkeys(METRIC_SUMS, 0.0), 0, 0, has_kl)
 
 
 METRIC_SUMS = ("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight", "weighted_tokens")

@@ -225,3 +225,17 @@ def test_sft_with_molora_refuses_torchrun(tmp_path):
     with pytest.raises(UserError, match="rlora sft with a molora section runs in one process"):
         check_inputs(cfg, world=World(0, 2))
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", [["eval"], ["chat"], ["merge", "adapter", "-o", "out"], ["plot", "run"]])
+def test_one_process_commands_refuse_torchrun(command, monkeypatch, capsys, tmp_path):
+    """rlora eval / chat / merge / plot under torchrun would run once per rank into the same output: one line."""
+    from rlora.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"rlora {command[0]} runs in one process" in err, err
+    assert list(tmp_path.iterdir()) == []
+

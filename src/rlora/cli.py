@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if args.command not in ("train", *SUPERVISED) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError(f"rlora {args.command} runs in one process (every rank would write the same output): run "
+                            "it without torchrun (train, sft and rm run data parallel)")
         if args.command == "train":
             return _train(args)
         if args.command in SUPERVISED:

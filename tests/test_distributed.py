@@ -189,7 +189,8 @@ def test_rm_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
 def test_sft_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     """rlora sft on 2 ranks: each trains half of every length-sorted batch (one micro-batch each, as the one
     process splits it), the target count and gradients summed: the adapter, losses, token counts and held-out
-    losses equal one process's. A batch that does not split over the ranks is one line, exit 2."""
+    losses equal one process's. A batch that does not split over the ranks: each rank exits 2 with the one-line
+    error (torchrun then reports the failed job), nothing written."""
     from test_sft import REPETITIVE, sft_config, write_jsonl
 
     data = write_jsonl(tmp_path / "rows.jsonl", REPETITIVE * 2)
@@ -212,7 +213,8 @@ def test_sft_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     config = sft_config(tmp_path, tiny_model_dir, data, steps=1, batch_size=3, micro_batch_size=1,
                         output_dir=str(tmp_path / "odd"))
     done = _run_command(2, ["sft", config])
-    assert done.returncode != 0 and "train.batch_size=3 must be a multiple of the 2 ranks" in done.stderr
+    assert done.returncode != 0 and "rlora: error: train.batch_size=3 must be a multiple of the 2 ranks" in done.stderr
+    assert "exitcode  : 2" in done.stderr
     assert not (tmp_path / "odd").exists()
 
 
@@ -238,4 +240,16 @@ def test_one_process_commands_refuse_torchrun(command, monkeypatch, capsys, tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"rlora {command[0]} runs in one process" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refused_output_folder_stops_every_rank_before_loading(tiny_model_dir, prompts_file, tmp_path):
+    """Rank 0 checks the output folder; the others learn its verdict from an all-reduce, so they stop with it
+    (each rank exits 2) instead of loading the model and dying at their first collective."""
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    done = _run(2, tiny_overrides(tiny_model_dir, prompts_file, str(out)))
+    assert done.returncode != 0 and done.stderr.count("exitcode  : 2") == 2, done.stderr[-2000:]
+    assert "already holds files" in done.stderr and "rank 0 refused the run" in done.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
 

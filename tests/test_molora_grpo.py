@@ -265,6 +265,31 @@ def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, pro
         check_fsdp(cfg, World(rank=0, size=2))
 
 
+@pytest.mark.parametrize("router", ["sequence", "token"])
+def test_a_rank_without_groups_joins_the_routers_sums(router, tiny_model_dir, prompts_file, tmp_path):
+    """DAPO drops rank 0's only group (flat_for_zero): rank 0 trains nothing but still takes part in the routers'
+    sums (an empty RolloutRouting in contribute_nothing); the run equals one process dropping the same group."""
+    from safetensors.torch import load_file
+
+    from test_distributed import _run
+
+    extra = {"algo.name": "dapo", "algo.max_extra_rounds": 0, "data.shuffle": "false",
+             "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "train.prompts_per_step": 2,
+             "rollout.num_generations": 4, "train.micro_batch_size": 4, "train.steps": 1, "train.lr": 0.05,
+             "eval.before": "false", "eval.after": "false", "train.threads": 1}
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, molora_overrides(tiny_model_dir, prompts_file, outs[nproc], router, **extra))
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(outs[n] / "adapter" / "molora_model.safetensors")) for n in (1, 2))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    [a], [b] = ([json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2))
+    assert b["groups_dropped"] == 1
+    for key in ("loss", "aux_loss", "molora/balance", "trained_frac", "grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+
 def test_a_molora_folder_beside_other_adapters_is_one_line(tiny_model_dir, prompts_file, molora_folder, tmp_path,
                                                           capsys):
     args = ["eval", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "unused")),

@@ -154,4 +154,4 @@ class RolloutRouting:
         if self.sum_over_ranks is not None:  # a collective: every rank calls it
             stats = stats.summed(self.sum_over_ranks, len(ml.molora_modules(self.model)))
             aux_total = float(self.sum_over_ranks(torch.tensor([aux_total], dtype=torch.float64))[0])
-        return {"aux_loss": aux_total, **stats.metrics()} if stats.hits_ME is not None else {}
+        return {"aux_loss": aux_total, **stats.metrics()} if stats.hits_ME is not None and stats.units else {}

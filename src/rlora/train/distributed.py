@@ -57,6 +57,23 @@ def on_every_rank(run: Callable[[World], T]) -> T:
         shutdown(world)
 
 
+def on_rank_zero(world: World, check: Callable[[], None]) -> None:
+    """check() on rank 0 (e.g. that the output folder may be written); every rank raises if it raised, so no
+    rank goes on to load the model alone. A collective."""
+    from rlora.errors import UserError
+
+    error = None
+    if world.is_main:
+        try:
+            check()
+        except UserError as err:
+            error = err
+    if world.active and all_reduce_sums(world, [float(error is not None)])[0] and error is None:
+        raise UserError("rank 0 refused the run (its error says why)")
+    if error is not None:
+        raise error
+
+
 def init_world() -> World:
     """World of this process: torchrun's WORLD_SIZE/RANK environment, or a single process."""
     size = int(os.environ.get("WORLD_SIZE", "1"))

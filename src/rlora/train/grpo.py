@@ -34,7 +34,7 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.system import return_freed_memory
 from rlora.train.distributed import (
-    World, all_reduce_sums, barrier, gather_objects, merge_metrics, on_every_rank, rank_divergence,
+    World, all_reduce_sums, barrier, gather_objects, merge_metrics, on_every_rank, on_rank_zero, rank_divergence,
 )
 from rlora.train.evaluate import eval_sampling, evaluate, evaluate_policies
 from rlora.train.fsdp import ShardedBase, ShardedSampler, check_fsdp, shard_base
@@ -104,8 +104,8 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
     resume_from = find_checkpoint(cfg)
-    if world.is_main and (resume_from is None or not run_dir.holds_checkpoint(resume_from)):
-        run_dir.check_writable()
+    if resume_from is None or not run_dir.holds_checkpoint(resume_from):
+        on_rank_zero(world, run_dir.check_writable)
     if resume_from is not None:
         check_same_run(cfg, resume_from)  # fail before the model loads
         if cfg.algo.replay.enabled:

@@ -28,7 +28,7 @@ from rlora.models.loading import (
     attach_lora, check_adapter_folder, load_base_model, load_tokenizer, model_device, quantization_config, resolve_device,
     resolve_model_path, save_adapter, trainable_parameters,
 )
-from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank, on_rank_zero
 from rlora.train.grpo import seed_everything
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir
@@ -188,8 +188,7 @@ def check_inputs(cfg, command: str = "sft", world: World = World()) -> RunDir:
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir(command)
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
-    if world.is_main:
-        run_dir.check_writable()
+    on_rank_zero(world, run_dir.check_writable)
     for path in (cfg.data.path, cfg.data.eval_path):
         if path is not None and not Path(path).is_file():
             raise UserError(f"data file not found: {path}")

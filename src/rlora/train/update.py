@@ -118,8 +118,11 @@ def contribute_nothing(world: World, model, has_kl: bool = False) -> dict[str, f
     """A data-parallel rank without completions this step still takes part in the update's collectives
     (normalisers, gradients, metric sums), adding zeros. -> the update's metrics over all ranks."""
     global_totals(world, BatchTotals(0.0, 0, 1, 0))
+    routing = RolloutRouting(model, [], None, sum_over_ranks=lambda t: all_reduce_tensor(world, t)) \
+        if has_molora(model) else None  # the routers' sums, as the ranks that train compute them
     all_reduce_gradients(world, trainable_parameters(model))
-    return _update_metrics(world, dict.fromkeys(METRIC_SUMS, 0.0), 0, 0, has_kl)
+    metrics = _update_metrics(world, dict.fromkeys(METRIC_SUMS, 0.0), 0, 0, has_kl)
+    return metrics if routing is None else metrics | routing.metrics()
 
 
 METRIC_SUMS = ("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight", "weighted_tokens")

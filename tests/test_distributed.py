@@ -63,13 +63,17 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_f
     assert samples[1] == samples[2] and len(samples[2]) == 2 * 2 * 4
 
 
+# DAPO drops prompt 0's group (flat_for_zero), rank 0's only one on 2 ranks: rank 0 trains nothing this step
+DAPO_EMPTY_RANK = {"algo.name": "dapo", "algo.max_extra_rounds": 0, "data.shuffle": "false",
+                   "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "train.prompts_per_step": 2,
+                   "rollout.num_generations": 4, "train.micro_batch_size": 2, "train.steps": 1, "train.lr": 0.05,
+                   "eval.before": "false", "eval.after": "false", "train.threads": 1}
+
+
 def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_file, tmp_path):
     """DAPO's dynamic sampling drops the zero-variance group of prompt 0, which is rank 0's share: rank 0 trains
     nothing but adds zeros to the collectives; the result equals one process dropping the same group."""
-    common = {"algo.name": "dapo", "algo.max_extra_rounds": 0, "data.shuffle": "false",
-              "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "train.prompts_per_step": 2,
-              "rollout.num_generations": 4, "train.micro_batch_size": 2, "train.steps": 1, "train.lr": 0.05,
-              "eval.before": "false", "eval.after": "false", "train.threads": 1}
+    common = DAPO_EMPTY_RANK
     outs = {}
     for nproc in (1, 2):
         outs[nproc] = tmp_path / f"ranks{nproc}"

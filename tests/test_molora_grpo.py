@@ -235,6 +235,18 @@ def test_bad_grpo_combinations_are_one_line(extra, message, tiny_model_dir, prom
     assert len(err.splitlines()) == 1 and message in err, err
 
 
+def _one_and_two_ranks(model_dir, prompts_file, tmp_path, router, extra) -> dict:
+    """The same molora run in one process and on 2 ranks (torchrun) -> {1: folder, 2: folder}."""
+    from test_distributed import _run
+
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, molora_overrides(model_dir, prompts_file, outs[nproc], router, **extra))
+        assert done.returncode == 0, done.stderr[-3000:]
+    return outs
+
+
 @pytest.mark.parametrize("router", ["sequence", "token"])
 def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, prompts_file, tmp_path):
     """torchrun, 2 ranks x 1 prompt against 1 rank x 2 prompts, one micro-batch per group: the routers' balance
@@ -244,15 +256,10 @@ def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, pro
     from safetensors.torch import load_file
 
     from rlora.train.fsdp import check_fsdp
-    from test_distributed import _run
 
     extra = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
              "train.steps": 2, "train.lr": 0.05, "eval.before": "false", "eval.after": "false", "train.threads": 1}
-    outs = {}
-    for nproc in (1, 2):
-        outs[nproc] = tmp_path / f"ranks{nproc}"
-        done = _run(nproc, molora_overrides(tiny_model_dir, prompts_file, outs[nproc], router, **extra))
-        assert done.returncode == 0, done.stderr[-3000:]
+    outs = _one_and_two_ranks(tiny_model_dir, prompts_file, tmp_path, router, extra)
     one, two = (load_file(str(outs[n] / "adapter" / "molora_model.safetensors")) for n in (1, 2))
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     assert any("router" in k for k in one)
@@ -271,17 +278,10 @@ def test_a_rank_without_groups_joins_the_routers_sums(router, tiny_model_dir, pr
     sums (an empty RolloutRouting in contribute_nothing); the run equals one process dropping the same group."""
     from safetensors.torch import load_file
 
-    from test_distributed import _run
+    from test_distributed import DAPO_EMPTY_RANK
 
-    extra = {"algo.name": "dapo", "algo.max_extra_rounds": 0, "data.shuffle": "false",
-             "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "train.prompts_per_step": 2,
-             "rollout.num_generations": 4, "train.micro_batch_size": 4, "train.steps": 1, "train.lr": 0.05,
-             "eval.before": "false", "eval.after": "false", "train.threads": 1}
-    outs = {}
-    for nproc in (1, 2):
-        outs[nproc] = tmp_path / f"ranks{nproc}"
-        done = _run(nproc, molora_overrides(tiny_model_dir, prompts_file, outs[nproc], router, **extra))
-        assert done.returncode == 0, done.stderr[-3000:]
+    outs = _one_and_two_ranks(tiny_model_dir, prompts_file, tmp_path, router,
+                              {**DAPO_EMPTY_RANK, "train.micro_batch_size": 4})
     one, two = (load_file(str(outs[n] / "adapter" / "molora_model.safetensors")) for n in (1, 2))
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     [a], [b] = ([json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2))

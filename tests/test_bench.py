@@ -26,13 +26,18 @@ def test_step_phases_bench_prints_every_phase(tiny_model_dir, prompts_file, tmp_
     assert ref > 0.0, "beta > 0 must compute reference log-probs"
 
 
-def test_policies_bench_reports_both_sides(tiny_model_dir, prompts_file, tmp_path):
+def _train_bench(script: str, options: list[str], tiny_model_dir, prompts_file, tmp_path):
+    """Run bench/SCRIPT on the tiny model's config (its runs and report.json in tmp_path/bench) -> (process, report)."""
     args = [a for a in tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o")) if not a.startswith("train.output_dir")]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "policies.py"), "--k", "2", "--steps", "2", "--out",
-                           str(tmp_path / "bench"), *args], capture_output=True, text=True, cwd=ROOT,
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *options, "--out", str(tmp_path / "bench"),
+                           *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
     assert done.returncode == 0, done.stderr
-    report = json.loads((tmp_path / "bench" / "report.json").read_text())
+    return done, json.loads((tmp_path / "bench" / "report.json").read_text())
+
+
+def test_policies_bench_reports_both_sides(tiny_model_dir, prompts_file, tmp_path):
+    done, report = _train_bench("policies.py", ["--k", "2", "--steps", "2"], tiny_model_dir, prompts_file, tmp_path)
     two = report["k"]["2"]
     assert two["batched_train_s"] > 0 and two["sequential_train_s"] > 0
     assert two["train_speedup"] == two["sequential_train_s"] / two["batched_train_s"]
@@ -41,13 +46,9 @@ def test_policies_bench_reports_both_sides(tiny_model_dir, prompts_file, tmp_pat
     assert all((tmp_path / "bench" / f"single-2-{k}" / "adapter").is_dir() for k in range(2))
     assert "K=2: training" in done.stdout
 
+
 def test_fsdp_bench_runs_every_layout(tiny_model_dir, prompts_file, tmp_path):
-    args = [a for a in tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o")) if not a.startswith("train.output_dir")]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fsdp.py"), "--steps", "2", "--repeats", "1", "--out",
-                           str(tmp_path / "bench"), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
-    assert done.returncode == 0, done.stderr
-    report = json.loads((tmp_path / "bench" / "report.json").read_text())
+    done, report = _train_bench("fsdp.py", ["--steps", "2", "--repeats", "1"], tiny_model_dir, prompts_file, tmp_path)
     assert list(report["median"]) == ["data_parallel", "fsdp_model", "fsdp_layer", "fsdp_layer_unmerged"]
     assert all(m["rollout_s"] > 0 and m["train_s"] > 0 for m in report["median"].values())
     config = (tmp_path / "bench" / "fsdp_layer_unmerged-0" / "config.yaml").read_text()

@@ -35,6 +35,8 @@ def tiny_overrides(model_dir: str, data_path: str, out_dir: str, **extra) -> lis
         "data.eval_size": 4, "rewards": "[{fn: rewards_for_tests.count_a}]", "rollout.num_generations": 4,
         "rollout.max_new_tokens": 8, "train.steps": 2, "train.prompts_per_step": 2, "train.micro_batch_size": 4,
         "train.output_dir": out_dir, "train.sample_every": 1, "eval.batch_size": 4, "lora.rank": 4,
+        # the demo's `auto` resolves per CPU: pinned to one choice, so tests do the same work on every machine
+        "rollout.sampler_dtype": "bfloat16",
         "log.plot": "false",  # figures cost ~1 s a run; tests/test_plot.py turns them on where it checks them
     }
     values.update(extra)

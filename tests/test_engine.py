@@ -74,11 +74,12 @@ def test_static_decode_samples_what_the_eager_step_samples(tiny_model_dir, merge
     """The fixed-shape step (the one CUDA graphs replay) against the row-dropping eager step: rows that end
     early (EOS) and per-prompt settings, same tokens, same reasons, log-probs to float rounding."""
     tokenizer, tok, model, prompts = policy(tiny_model_dir)
-    free = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(
-        model, prompts, 1, SamplingParams(max_new_tokens=16, greedy=True), seed=0)
-    eos = tokens_of(free, 1)[3]  # a token the model does produce, declared EOS, so rows finish at ragged steps
     per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, top_p=p) for n, t, p in
                   [(14, 0.7, 0.9), (6, 1.0, 1.0), (11, 1.3, 0.8), (14, 0.5, 1.0)]]
+    # a token that row 0 draws third, declared EOS: row 0 then stops there (the draws before it are the same),
+    # and other rows wherever they draw it, so rows finish at ragged steps
+    free = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, prompts, 3, per_prompt, seed=5)
+    eos = int(free.completion_ids_BTc[0, 2])
     eager, static = (BuiltinGenerator(tokenizer, [eos], tok.pad_id, merge=merge, decode=mode).sample(
         model, prompts, 3, per_prompt, seed=5) for mode in ("eager", "static"))
     assert torch.equal(eager.completion_ids_BTc, static.completion_ids_BTc)

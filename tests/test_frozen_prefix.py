@@ -34,8 +34,9 @@ def logp_and_grads(model, micro, weights_BT, prefix=None):
 
 
 # float32: the prefix of a row is computed inside another micro-batch (another padded width), which changes
-# the rounding of the reductions; float64 shows that nothing else differs.
-TOLERANCES = {torch.float32: dict(logp=1e-6, grad_atol=1e-5, grad_rtol=1e-5), torch.float64: dict(logp=1e-12,
+# the rounding of the reductions: a few ulps of a log-prob (1 ulp is 4.8e-7 at |logp| in [4, 8)), more or
+# fewer depending on the CPU's kernels; 1e-5 allows ~20. float64 shows that nothing else differs.
+TOLERANCES = {torch.float32: dict(logp=1e-5, grad_atol=1e-5, grad_rtol=1e-5), torch.float64: dict(logp=1e-12,
               grad_atol=1e-12, grad_rtol=0)}
 
 
@@ -75,13 +76,14 @@ def test_adapter_only_on_the_head_shares_every_layer(four_layer_models):
     perturb_adapter(model, scale=0.3)
     assert first_adapter_layer(model) == 4
     rollout = vary_lengths(sample(model, tokenizer, tok, seed=5), tok.pad_id)
+    model.to(torch.float64)  # the prefix and the full pass trim the rows differently: float32 rounds them apart
     prefix = FrozenPrefix(model, rollout, 4, micro_batch_size=8)
     micro = trim(rollout.select(slice(0, 8)))
     mask = micro.completion_mask_BTc.bool()
     with torch.no_grad():
         full, _ = completion_logprobs(model, micro)
         shared, _ = completion_logprobs(model, micro, prefix=prefix.rows(slice(0, 8), micro))
-    assert (shared[mask] - full[mask]).abs().max() <= 1e-6
+    assert (shared[mask] - full[mask]).abs().max() <= 1e-12
 
 
 def test_lora_on_the_embeddings_shares_nothing(four_layer_models):

@@ -102,7 +102,10 @@ def test_micro_batching_does_not_change_the_gradient(tiny_model_dir):
         one_of_eight = gradient_of(model, scored, 8, agg, beta=0.04)
         eight_of_one = gradient_of(model, scored, 1, agg, beta=0.04)
         assert one_of_eight.abs().max() > 0
-        assert torch.allclose(one_of_eight, eight_of_one, rtol=1e-5, atol=1e-7), agg
+        # float32 sums over other padded shapes: rounding is relative to the largest terms summed, so the
+        # absolute tolerance scales with the gradient (1e-5 of its largest entry, ~100 ulps of it)
+        scale = float(one_of_eight.abs().max())
+        assert torch.allclose(one_of_eight, eight_of_one, rtol=1e-5, atol=1e-5 * scale), agg
 
 
 def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir):
@@ -119,7 +122,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir):
     loss = -(torch.exp(logp - logp.detach()) * advantages[:, None] * mask).sum() / mask.sum()
     loss.backward()
     full = torch.cat([p.grad.flatten() for p in trainable_parameters(model)])
-    assert torch.allclose(skipping, full, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(skipping, full, rtol=1e-5, atol=1e-5 * float(full.abs().max()))  # as above
 
 
 def test_non_finite_loss_skips_the_update(tiny_model_dir):

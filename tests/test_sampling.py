@@ -103,3 +103,76 @@ def test_banned_tokens_leave_before_truncation():
     assert set(token.tolist()) == {1}
     assert torch.allclose(logp, torch.full((200,), float(probs.log()[1])), atol=1e-6)  # untruncated log-prob
     assert torch.isfinite(logp).all()
+
+
+# ---- the counter-based uniforms (seed, row key, token index) -> u -------------------------------------------
+
+def _ks_p(values: torch.Tensor) -> float:
+    from scipy import stats
+
+    return float(stats.kstest(values.numpy(), "uniform").pvalue)
+
+
+def test_counter_uniform_never_returns_0_or_1_and_has_no_fixed_point():
+    """(seed 0, key 0, t 0) was the counter 0, a fixed point of the mix: u = 0.0 exactly, so row 0 of every
+    seed-0 run drew the lowest-index token with any probability. Now every u lies strictly inside (0, 1)."""
+    keys = torch.arange(2000)
+    for seed in (0, 1, 2**31 - 1, 2**62):
+        for t in (0, 1, 2, 1000):
+            u = sampling.counter_uniform(seed, keys, t)
+            assert float(u.min()) > 0 and float(u.max()) < 1
+    first = sampling.counter_uniform(0, torch.tensor([0]), 0)
+    assert 1e-3 < float(first) < 1 - 1e-3  # (seed, key, t) = 0 is an ordinary draw, not an edge
+    assert float(sampling.counter_uniform(0, torch.tensor([0]), 0)) == float(first)  # reproducible
+
+
+@pytest.mark.parametrize("rest", [0, 1])
+@pytest.mark.parametrize("axis", ["key", "seed", "t"])
+def test_counter_uniform_is_uniform_and_uncorrelated_along_each_input_from_zero(axis, rest):
+    """20,000 draws varying one input from 0, the other two at `rest` (0 is where a weak hash shows its
+    structure): Kolmogorov-Smirnov against U(0, 1), and neighbours along that input uncorrelated
+    (|r| < 4 / sqrt(n), four standard errors). Deterministic: the hash gives the same numbers on every machine."""
+    n = 20000
+    fixed = torch.full((n,), rest, dtype=torch.long)
+    if axis == "key":
+        u = sampling.counter_uniform(rest, torch.arange(n), rest)
+    elif axis == "seed":  # one seed per row, as rows of several policies have
+        u = sampling.counter_uniform(torch.arange(n), fixed, rest)
+    else:
+        u = torch.cat([sampling.counter_uniform(rest, fixed[:1], t) for t in range(n)])
+    assert _ks_p(u) > 1e-3
+    r = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]
+    assert abs(float(r)) < 4 / n**0.5
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square of token counts against probabilities, the rare tokens pooled so that every
+    cell expects >= 5 draws."""
+    from scipy import stats
+
+    n = int(counts.sum())
+    order = probs.argsort(descending=True)
+    expected, observed = (probs[order] * n).double(), counts[order].double()
+    common = expected >= 5
+    cells_e = torch.cat([expected[common], expected[~common].sum()[None]])
+    cells_o = torch.cat([observed[common], observed[~common].sum()[None]])
+    keep = cells_e > 0
+    return float(stats.chisquare(cells_o[keep].numpy(), cells_e[keep].numpy() * float(cells_o[keep].sum() / cells_e[keep].sum())).pvalue)
+
+
+def test_first_tokens_at_seed_0_follow_the_distribution():
+    """The first token (t = 0) of 20,000 rows at seed 0, and of row 0 over 20,000 seeds, drawn with the
+    counter uniforms from one distribution over 200 tokens with a long tail: Pearson's chi-square against it.
+    Before the fix row 0 at seed 0 drew the first token with non-zero probability whatever the model said."""
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(3)) * 3
+    logits[0] = -30.0  # token 0 nearly impossible (p ~ 1e-14): where u = 0 drew it
+    probs = logits.softmax(-1)
+    n = 20000
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=1, temperature=1.0)], n)
+    for u in (sampling.counter_uniform(0, torch.arange(n), 0),
+              sampling.counter_uniform(torch.arange(n), torch.zeros(n, dtype=torch.long), 0)):
+        token, _ = sample_tokens(logits.expand(n, 200), rows, u)
+        assert _chi_square_p(torch.bincount(token, minlength=200), probs) > 1e-3
+    row0, _ = sample_tokens(logits[None], RowParams.per_row([SamplingParams(max_new_tokens=1)], 1),
+                            sampling.counter_uniform(0, torch.tensor([0]), 0))
+    assert int(row0) != 0 and float(probs[row0]) > 1e-3  # row 0 at seed 0 no longer lands in the tail

@@ -348,7 +348,8 @@ def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_n
     if max_new_tokens >= max_length:
         raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for the prompt in the model's "
                         f"{max_length} positions")
-    generator = build_generator(RolloutConfig(), model, tokenizer, tok.eos_ids, tok.pad_id, max_length, batch_size=1)
+    exact = RolloutConfig(sampler_dtype="model")  # the same replies for a seed on every machine
+    generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, max_length, batch_size=1)
     return ChatModel(model, tokenizer, generator, max_length)
 
 

@@ -154,9 +154,11 @@ class RolloutConfig(_Section):
     cuda_graphs: bool = Field(
         True, description="builtin engine on a GPU: decode with fixed shapes, each step replayed as a CUDA graph (one "
         "launch instead of ~30 per layer); false: the eager step that drops finished rows. No effect on CPUs")
-    sampler_dtype: Literal["model", "bfloat16", "float16", "float32"] = Field(
-        "model", description="builtin engine compute dtype; bfloat16 on a float32 model is ~2.2-2.6x faster on CPUs with "
-        "AVX512-BF16 but samples slightly off-policy (pair with algo.sampler_is_cap)")
+    sampler_dtype: Literal["auto", "model", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="builtin engine compute dtype. auto: bfloat16 for a float32 model where the device computes "
+        "it natively (GPUs; CPUs with AVX512-BF16/AMX), else model; the choice is printed and saved in config.yaml. "
+        "bfloat16 on a float32 model is ~2.2-2.6x faster on such CPUs (~2x slower on AVX2-only ones) and samples "
+        "slightly off-policy (pair with algo.sampler_is_cap)")
     think: ThinkConfig | None = Field(
         None, description="builtin engine: sample the thinking span (start..end) with its own temperature/top_p; the "
         "training log-probs use each token's own temperature (null: one setting for the whole completion)")
@@ -428,7 +430,7 @@ class RLConfig(_Section):
             if self.algo.sampler_is_cap is not None:
                 raise ValueError("algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin "
                                  "or set algo.sampler_is_cap=null")
-            if rollout.sampler_dtype != "model" or not rollout.merge_adapter:
+            if rollout.sampler_dtype not in ("auto", "model") or not rollout.merge_adapter:
                 raise ValueError("rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only: "
                                  "set rollout.sampler_dtype=model (and merge_adapter=true) with rollout.engine=hf")
         if any(not s for s in rollout.stop):

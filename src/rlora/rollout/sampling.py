@@ -70,19 +70,23 @@ _SEED_MIX, _STEP_MIX = _signed(0xD1B54A32D192ED03), _signed(0x8CB92BA72F3D8DD7)
 
 
 def counter_uniform(seed: int | torch.Tensor, keys_A: torch.Tensor, t: int) -> torch.Tensor:
-    """One uniform in [0, 1) (float64) per row from (seed, row key, token index t): splitmix64 of a counter
+    """One uniform in (0, 1) (float64) per row from (seed, row key, token index t): splitmix64 of a counter
     (int64 arithmetic wraps modulo 2^64, as the hash needs). A row's draws depend on nothing but its own
     key, so splitting a batch across processes or chunks never changes what is sampled. seed: one for all
-    rows, or one per row (int64 [A]: rows of several policies, each with its own seed)."""
+    rows, or one per row (int64 [A]: rows of several policies, each with its own seed).
+
+    The counter gets splitmix64's increment before mixing: without it (seed 0, key 0, t 0) is the counter 0,
+    which the mix maps to 0, so row 0 of every seed-0 run drew u = 0 (the lowest-index token with any
+    probability) as its first token. The 53 bits are centred in their interval: u is never exactly 0 or 1."""
     if isinstance(seed, torch.Tensor):
-        offset = seed.to(torch.int64) * _SEED_MIX + _signed(t * _STEP_MIX)
+        offset = seed.to(torch.int64) * _SEED_MIX + _signed(t * _STEP_MIX + _GOLDEN)
     else:
-        offset = _signed(seed * _SEED_MIX + t * _STEP_MIX)
+        offset = _signed(seed * _SEED_MIX + t * _STEP_MIX + _GOLDEN)
     x = keys_A.to(torch.int64) * _GOLDEN + offset
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
-    return _shift_right(x, 11).to(torch.float64) * 2.0**-53
+    return (_shift_right(x, 11).to(torch.float64) + 0.5) * 2.0**-53
 
 
 CANDIDATES = 1024  # top-k/top-p look at this many most likely tokens first (a full vocabulary sort is slow)

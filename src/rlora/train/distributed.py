@@ -58,8 +58,9 @@ def on_every_rank(run: Callable[[World], T]) -> T:
 
 
 def on_rank_zero(world: World, check: Callable[[], None]) -> None:
-    """check() on rank 0 (e.g. that the output folder may be written); every rank raises if it raised, so no
-    rank goes on to load the model alone. A collective."""
+    """check() on rank 0 (e.g. that the output folder may be written); if it raised, every rank raises the same
+    error, so no rank goes on to load the model alone. Every rank carries rank 0's message because torchrun
+    stops the others as soon as one rank exits: whichever rank gets to print must say why. A collective."""
     from rlora.errors import UserError
 
     error = None
@@ -68,8 +69,10 @@ def on_rank_zero(world: World, check: Callable[[], None]) -> None:
             check()
         except UserError as err:
             error = err
-    if world.active and all_reduce_sums(world, [float(error is not None)])[0] and error is None:
-        raise UserError("rank 0 refused the run (its error says why)")
+    if world.active:
+        message = gather_objects(world, None if error is None else str(error))[0]
+        if message is not None and error is None:
+            raise UserError(message)
     if error is not None:
         raise error
 

@@ -20,6 +20,7 @@ from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.logging.console import info, metrics_line, print_summary, progress_bar
 from rlora.logging.sinks import Sinks, check_sinks
+from rlora.machine import resolve_sampler_dtype
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model,
     load_tokenizer, quantization_config, resolve_device, resolve_model_path, save_adapter, trainable_parameters,
@@ -100,6 +101,7 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     """Everything that can be checked without loading the model, so bad input fails in a second."""
     check_world(cfg, world)
     check_fsdp(cfg, world)
+    resolve_machine_settings(cfg, world)
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
@@ -114,6 +116,21 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
     return run_dir, check_data_and_rewards(cfg), resume_from
+
+
+def resolve_machine_settings(cfg: RLConfig, world: World = World()) -> None:
+    """`auto` settings -> what this machine runs fastest (rlora.machine), printed once; config.yaml and the
+    checkpoints then hold the chosen value."""
+    if cfg.rollout.sampler_dtype == "auto":
+        device = resolve_device(cfg.model.device)
+        chosen = "model" if cfg.rollout.engine == "hf" else resolve_sampler_dtype("auto", cfg.model.dtype, device)
+        cfg.rollout.sampler_dtype = chosen
+        if world.is_main:
+            why = ("the device computes bf16 natively" if chosen == "bfloat16" else
+                   "hf engine" if cfg.rollout.engine == "hf" else
+                   f"{cfg.model.dtype} model" if cfg.model.dtype != "float32" else
+                   "no native bf16 on this device: AVX512-BF16/AMX absent")
+            info(f"rollout.sampler_dtype=auto -> {chosen} ({why})")
 
 
 def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:

@@ -55,8 +55,9 @@ def collate(rows: list[TokenizedRow], pad_id: int) -> tuple[torch.Tensor, torch.
 def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of -log p(label) over labelled positions; position t - 1 predicts token t. [B, T, V], [B, T]."""
     shifted = labels[:, 1:]
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))  # half precision up, float64 kept
+    return F.cross_entropy(flat, shifted.reshape(-1), ignore_index=IGNORE, reduction="sum")
 
 
 def micro_batches(rows: list, size: int) -> list[list]:

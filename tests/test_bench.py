@@ -36,6 +36,7 @@ def _train_bench(script: str, options: list[str], tiny_model_dir, prompts_file, 
     return done, json.loads((tmp_path / "bench" / "report.json").read_text())
 
 
+@pytest.mark.slow  # 35-70 s of torchrun/subprocess runs: scripts/test.sh --slow
 def test_policies_bench_reports_both_sides(tiny_model_dir, prompts_file, tmp_path):
     done, report = _train_bench("policies.py", ["--k", "2", "--steps", "2"], tiny_model_dir, prompts_file, tmp_path)
     two = report["k"]["2"]
@@ -47,6 +48,7 @@ def test_policies_bench_reports_both_sides(tiny_model_dir, prompts_file, tmp_pat
     assert "K=2: training" in done.stdout
 
 
+@pytest.mark.slow  # 35-70 s of torchrun/subprocess runs: scripts/test.sh --slow
 def test_fsdp_bench_runs_every_layout(tiny_model_dir, prompts_file, tmp_path):
     done, report = _train_bench("fsdp.py", ["--steps", "2", "--repeats", "1"], tiny_model_dir, prompts_file, tmp_path)
     assert list(report["median"]) == ["data_parallel", "fsdp_model", "fsdp_layer", "fsdp_layer_unmerged"]
@@ -97,6 +99,7 @@ def test_molora_tasks_gates_are_top_k_per_prompt(tiny_model_dir):
     assert 0.0 < same["within_task_tv_mean"] <= 1.0  # prompts 0, 2 vs 1, 3 are routed differently
 
 
+@pytest.mark.slow  # 35-70 s of torchrun/subprocess runs: scripts/test.sh --slow
 def test_role_memory_bench_holds_one_base_against_four(tiny_model_dir, tmp_path):
     out = tmp_path / "roles.json"
     path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))  # this checkout's rlora

@@ -15,7 +15,8 @@ from conftest import tiny_overrides
 from rlora.config import load_config
 from rlora.errors import UserError
 from rlora.rollout.sampling import counter_uniform
-from rlora.train.distributed import World, merge_metrics
+from rlora.train.distributed import World
+from rlora.train.metrics import merge_metrics
 from rlora.train.grpo import check_world
 
 TESTS = os.path.dirname(__file__)
@@ -87,6 +88,8 @@ def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_fi
     [alone] = [json.loads(line) for line in (outs[1] / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "trained_frac", "clip_frac", "entropy", "grad_norm"):  # the update's, from summed sums
         assert row[key] == pytest.approx(alone[key], rel=1e-6), key
+    for key in ("rows", "groups", "reward_count", "reward_mean", "reward_std", "completion_len_mean"):  # weighted
+        assert row[key] == pytest.approx(alone[key], rel=1e-9), key
 
 
 def test_replay_buffers_per_rank_resume_exactly(tiny_model_dir, prompts_file, tmp_path):

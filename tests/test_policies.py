@@ -18,9 +18,9 @@ from rlora.config import AlgoConfig, LoraConfig, TrainConfig
 from rlora.models import multi_lora as mlr
 from rlora.models.loading import adapter_disabled, load_tokenizer, peft_lora_config, trainable_parameters
 from rlora.rollout.engine import BuiltinGenerator
-from rlora.train.optim import build_optimizer
+from rlora.train.optim import build_optimizer, optimizer_step
 from rlora.train.update import (
-    ScoredRollout, accumulate_gradient_per_policy, accumulate_policy_gradient, batched_logprobs, optimizer_step,
+    ScoredRollout, accumulate_gradient_per_policy, accumulate_policy_gradient, batched_logprobs,
 )
 from rlora.types import Rollout, SamplingParams
 

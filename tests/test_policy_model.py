@@ -11,7 +11,8 @@ from rlora.models.loading import adapter_disabled, attach_lora, load_base_model,
 from rlora.models.logprobs import completion_logprobs
 from rlora.rollout.generator import HFGenerator
 from rlora.train.optim import build_optimizer
-from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs, optimizer_step
+from rlora.train.optim import optimizer_step
+from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
 from rlora.types import SamplingParams
 
 

@@ -115,3 +115,51 @@ def test_reward_time_limit_survives_sigalrm_users_and_swallowing_rewards():
     fast = score_completions([RewardFn("f", lambda p, c, **_: [1.0], 1.0, {}, timeout_s=0.5)], ["p"], ["a"], {})
     assert fast.total_B.tolist() == [1.0]
     time.sleep(0.7)  # a cancelled watchdog must not fire later
+
+
+# ---- a reward function in a file next to the config ---------------------------------------------------------
+
+BREVITY = "def brevity(prompts, completions, **columns):\n    return [1.0 / (1 + len(c)) for c in completions]\n"
+
+
+@pytest.mark.parametrize("fn", ["my_reward.brevity", "my_reward.py:brevity", "sub/my_reward.py:brevity"])
+def test_a_reward_next_to_the_config_is_found_from_any_folder(fn, tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    """`fn: my_reward.brevity` (my_reward.py beside the config) or a file path relative to the config, run from
+    another folder with nothing on PYTHONPATH: the run scores with it and its config.yaml names the file
+    absolutely, so that a resume from anywhere finds it."""
+    import json
+
+    import yaml
+
+    from conftest import tiny_overrides
+    from rlora.cli import main
+
+    folder = tmp_path / "project"
+    (folder / "sub").mkdir(parents=True)
+    for where in (folder, folder / "sub"):
+        (where / "my_reward.py").write_text(BREVITY)
+    (folder / "config.yaml").write_text(f"rewards:\n  - fn: {fn}\n")
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    out = tmp_path / "run"
+    overrides = [o for o in tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
+        "train.steps": 1, "eval.before": "false", "eval.after": "false"}) if not o.startswith("rewards=")]
+    assert main(["train", str(folder / "config.yaml"), *overrides]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())["rewards"][0]["fn"]
+    want = folder / ("sub/my_reward.py" if fn.startswith("sub/") else "my_reward.py")
+    assert saved == f"{want.resolve()}:brevity"
+    [row] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < row["reward/brevity"] <= 1
+
+
+def test_a_reward_that_cannot_be_found_says_how_to_give_it(tmp_path):
+    with pytest.raises(UserError, match="No module named 'nowhere_reward'.*give its file instead") as err:
+        resolve_rewards([RewardSpec(fn="nowhere_reward.score")], has_task=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="no file .*missing.py"):
+        resolve_rewards([RewardSpec(fn=f"{tmp_path}/missing.py:score")], has_task=False)
+    (tmp_path / "broken.py").write_text("import nowhere_at_all\n")
+    with pytest.raises(UserError, match="importing .*broken.py failed: ModuleNotFoundError"):
+        resolve_rewards([RewardSpec(fn=f"{tmp_path}/broken.py:score")], has_task=False)
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(UserError, match="has no function 'score'"):
+        resolve_rewards([RewardSpec(fn=f"{tmp_path}/empty.py:score")], has_task=False)

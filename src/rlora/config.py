@@ -115,7 +115,9 @@ class DataConfig(_Section):
 
 class RewardSpec(_Section):
     fn: str = Field(description="Built-in name (gym, format, math, code), reward_model (a reward adapter of `rlora "
-                    "rm` on the policy's base: args.path, docs/reward_models.md) or dotted import path module.function")
+                    "rm` on the policy's base: args.path, docs/reward_models.md), a file FILE.py:function (relative "
+                    "to the config file; my_reward.function also finds my_reward.py there) or an importable "
+                    "module.function")
     weight: float = 1.0
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function "
                                  "(reward_model: path, and optionally batch_size, use_chat_template, system_prompt)")
@@ -749,9 +751,25 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, mod
     """Read YAML (the built-in demo when `path` is None), apply overrides, validate. Raises UserError."""
     raw = _merge(_read_yaml(path), parse_overrides(overrides or []))
     try:
-        return model_cls.model_validate(raw)
+        config = model_cls.model_validate(raw)
     except ValidationError as err:
         raise UserError(_format_validation_error(err, model_cls)) from None
+    for spec in getattr(config, "rewards", []):
+        spec.fn = _locate_reward_file(spec.fn, Path(path).parent if path else Path.cwd())
+    return config
+
+
+def _locate_reward_file(fn: str, folder: Path) -> str:
+    """A reward written next to the config: `my_reward.py:brevity` relative to the config file's folder, or
+    `my_reward.brevity` with my_reward.py in that folder -> the file's absolute path, so that the saved
+    config.yaml (and a resume from it) finds the same file from anywhere."""
+    if ".py:" in fn:
+        file_name, _, attr = fn.rpartition(":")
+        return f"{(folder / file_name).resolve() if not Path(file_name).is_absolute() else file_name}:{attr}"
+    module, _, attr = fn.rpartition(".")
+    if module and "." not in module and (folder / f"{module}.py").is_file():
+        return f"{(folder / f'{module}.py').resolve()}:{attr}"
+    return fn
 
 
 def to_yaml(config: BaseModel) -> str:

@@ -6,13 +6,17 @@ samples fail; those samples are marked failed (and excluded from the loss) and t
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import math
 import numbers
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -95,6 +99,9 @@ def time_limit(reward: RewardFn, size: int):
 
 
 def import_callable(dotted: str) -> Callable:
+    """`module.function` (importable: on sys.path or PYTHONPATH) or `path/to/file.py:function`."""
+    if ".py:" in dotted:
+        return _from_file(dotted)
     module_name, sep, attr = dotted.replace(":", ".").rpartition(".")
     if not sep or not module_name:
         raise UserError(
@@ -104,10 +111,39 @@ def import_callable(dotted: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - import errors of user code, reported in one line
-        raise UserError(f"reward fn '{dotted}': cannot import module '{module_name}': {err}") from None
+        hint = (": give its file instead (fn: path/to/file.py:function, relative to the config file), or put "
+                "its folder on PYTHONPATH") if isinstance(err, ModuleNotFoundError) else ""
+        raise UserError(f"reward fn '{dotted}': cannot import module '{module_name}': {err}{hint}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"reward fn '{dotted}': module '{module_name}' has no function '{attr}'")
+    return fn
+
+
+def _from_file(spec: str) -> Callable:
+    """`FILE.py:function`: the file imported as a module of its own (its folder first on sys.path while it
+    imports, so it can import its neighbours)."""
+    file_name, _, attr = spec.rpartition(":")
+    path = Path(file_name)
+    if not path.is_file():
+        raise UserError(f"reward fn '{spec}': no file {path} (a relative path is relative to the config file's folder)")
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]  # two files may share a stem
+    module_name = f"rlora_reward_{digest}_{path.stem}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.path.insert(0, str(path.parent))
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - errors of user code, reported in one line
+            raise UserError(f"reward fn '{spec}': importing {path} failed: {type(err).__name__}: {err}") from None
+        finally:
+            sys.path.remove(str(path.parent))
+        sys.modules[module_name] = module  # imported once per process
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"reward fn '{spec}': {path} has no function '{attr}'")
     return fn
 
 

@@ -168,32 +168,3 @@ def barrier(world: World) -> None:
 def shutdown(world: World) -> None:
     if world.active and dist.is_initialized():
         dist.destroy_process_group()
-
-
-# metrics that add up over ranks; times take the slowest rank, maxima the largest; everything else is averaged
-SUMMED = ("gen_tokens", "prompt_tokens", "groups_sampled", "groups_dropped", "resamples", "rescued_groups",
-          "reward_failures", "replay_groups", "replay_stored", "replay_buffer")
-
-
-def merge_metrics(per_rank: list[dict]) -> dict:
-    """One metrics row from every rank's (keys of any rank; a rank that trained nothing lacks some). A dict
-    value (several policies' metrics, by name) is merged key by key the same way, over the ranks that have it."""
-    merged = {}
-    for m in per_rank:
-        merged |= {k: v for k, v in m.items() if k not in merged or merged[k] is None}
-    for key in list(merged):
-        if isinstance(merged[key], dict):
-            names = dict.fromkeys(name for m in per_rank for name in (m.get(key) or {}))  # in rank order
-            merged[key] = {name: merge_metrics([m[key][name] for m in per_rank if name in (m.get(key) or {})])
-                           for name in names}
-            continue
-        values = [m[key] for m in per_rank if m.get(key) is not None]
-        if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            continue
-        if key in SUMMED:
-            merged[key] = sum(values)
-        elif key.endswith("_s") or key.endswith("_max"):
-            merged[key] = max(values)
-        elif key != "step":
-            merged[key] = sum(values) / len(values)
-    return merged

@@ -35,10 +35,11 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.system import return_freed_memory
 from rlora.train.distributed import (
-    World, all_reduce_sums, barrier, gather_objects, merge_metrics, on_every_rank, on_rank_zero, rank_divergence,
+    World, all_reduce_sums, barrier, gather_objects, on_every_rank, on_rank_zero, rank_divergence,
 )
 from rlora.train.evaluate import eval_sampling, evaluate, evaluate_policies
 from rlora.train.fsdp import ShardedBase, ShardedSampler, check_fsdp, shard_base
+from rlora.train.metrics import merge_metrics
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir, default_output_dir, to_json
 from rlora.train.replay import ReplayBuffer
@@ -428,7 +429,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
 
 
 def gather_step(world: World, metrics: dict, samples: list[dict], params) -> tuple[dict, list[dict]]:
-    """Every rank's metrics merged (counts summed, times the slowest, the rest averaged) and samples joined,
+    """Every rank's metrics merged (each by its reduction, train/metrics.py) and samples joined,
     with the check that all ranks hold the same adapter."""
     gathered = gather_objects(world, (metrics, samples))
     merged = merge_metrics([m for m, _ in gathered])

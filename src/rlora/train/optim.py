@@ -1,8 +1,10 @@
-"""AdamW over the trainable (adapter) parameters with linear warmup then constant or cosine decay."""
+"""AdamW over the trainable (adapter) parameters with linear warmup then constant or cosine decay, and the one
+optimizer step every recipe takes (train, sft, rm): clip, skip a non-finite update, schedule."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -28,3 +30,22 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, tota
         optimizer, lambda step: lr_factor(step, total_updates, cfg.warmup_steps, cfg.schedule)
     )
     return optimizer, scheduler
+
+
+def optimizer_step(params, optimizer, scheduler, max_grad_norm: float | None, loss: float) -> dict[str, float]:
+    """Clip, step, zero. A non-finite loss or gradient skips the update (logged as skipped_update=1)."""
+    if max_grad_norm is not None:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    else:
+        norms = [p.grad.norm() for p in params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+        if params and params[0].is_cuda:  # finish the update here, so step timings on a GPU are per phase
+            torch.cuda.synchronize(params[0].device)
+    optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # a skipped update still advances the schedule; torch warns about that
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    return {"grad_norm": grad_norm, "skipped_update": int(skipped)}

@@ -29,9 +29,9 @@ from rlora.train.step import (
     step_params,
 )
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
+from rlora.train.optim import optimizer_step
 from rlora.train.update import (
     ScoredRollout, _on, _pad_right, accumulate_policy_gradient, batch_totals, batched_logprobs, global_totals,
-    optimizer_step,
 )
 from rlora.types import Rollout
 

@@ -30,7 +30,7 @@ from rlora.models.loading import (
 )
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank, on_rank_zero
 from rlora.train.grpo import seed_everything
-from rlora.train.optim import build_optimizer
+from rlora.train.optim import build_optimizer, optimizer_step
 from rlora.train.outputs import RunDir, default_output_dir
 
 FULL_FINETUNE_MAX_PARAMS = 1_000_000_000
@@ -285,17 +285,15 @@ def optimizer_steps(label: str, steps: int, params, optimizer, scheduler, max_gr
                     one_batch: Callable[[int], dict], held_out: Callable[[], dict] | None, eval_every: int,
                     run_dir: RunDir, summary: dict, describe: Callable[[dict], str]) -> None:
     """The step loop `rlora sft` and `rlora rm` share: one_batch(step) accumulates the batch's gradient and
-    returns its metrics; then clip, step, schedule; held_out() (eval mode) every eval_every steps and at the
+    returns its metrics (a "loss" among them); then the optimizer step every recipe takes (a non-finite loss or
+    gradient skips the update, logged as skipped_update=1); held_out() (eval mode) every eval_every steps and at the
     end; one metrics.jsonl line and one progress update per step."""
     with progress_bar(label, steps) as update:
         for step in range(steps):
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             metrics = {"step": step + 1, **one_batch(step), "lr": scheduler.get_last_lr()[0]}
-            if max_grad_norm is not None:
-                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-            optimizer.step()
-            scheduler.step()
+            metrics |= optimizer_step(params, optimizer, scheduler, max_grad_norm, metrics["loss"])
             metrics["step_s"] = time.perf_counter() - start
             if held_out is not None and (step + 1 == steps or (eval_every and (step + 1) % eval_every == 0)):
                 held = held_out()

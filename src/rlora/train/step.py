@@ -23,9 +23,8 @@ from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.train.schedules import progress_of, scheduled_value
 from rlora.train.distributed import all_reduce_sums
 from rlora.train.policies import row_policies
-from rlora.train.update import (
-    ScoredRollout, accumulate_gradient_per_policy, batched_logprobs, contribute_nothing, optimizer_step,
-)
+from rlora.train.optim import optimizer_step
+from rlora.train.update import ScoredRollout, accumulate_gradient_per_policy, batched_logprobs, contribute_nothing
 from rlora.types import Example, Rollout, SamplingParams
 
 
@@ -337,7 +336,7 @@ def _reward_metrics(batch: Batch) -> dict:
     valid = ~scores.failed_B
     total = scores.total_B
     return {
-        "reward_mean": float(total[valid].mean()) if valid.any() else None,
+        "reward_mean": float(total[valid].mean()) if valid.any() else None, "reward_count": int(valid.sum()),
         "reward_std": float(total[valid].std()) if valid.sum() > 1 else 0.0,
         **{f"reward/{name}": _mean(values) for name, values in scores.per_fn.items()},
         "reward_failures": int(scores.failed_B.sum()),
@@ -349,6 +348,7 @@ def _rollout_metrics(batch: Batch) -> dict:
     lengths = rollout.completion_mask_BTc[:n].sum(-1).float()
     shaping = torch.cat([g.shaping_G for g in batch.groups])
     return {
+        "rows": n, "groups": len(batch.groups),  # the counts that the means below are over (train/metrics.py)
         "completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
         "truncated_frac": sum(r == "length" for r in rollout.finish_reasons[:n]) / n,
         # groups of the trained batch whose task rewards are all equal (what GRPO-style advantages zero out)

@@ -3,8 +3,6 @@ token/sequence counts of the whole batch, then one optimiser step (skipped if an
 
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -282,22 +280,3 @@ def _update_metrics(world: World, sums: dict, trained_rows: int, num_rows: int, 
         "sampler_logp_gap": sums["gap"] / sums["gap_tokens"] if sums["gap_tokens"] else None,
         "is_weight_mean": sums["is_weight"] / sums["weighted_tokens"] if sums["weighted_tokens"] else None,
     }
-
-
-def optimizer_step(params, optimizer, scheduler, max_grad_norm: float | None, loss: float) -> dict[str, float]:
-    """Clip, step, zero. A non-finite loss or gradient skips the update (logged as skipped_update=1)."""
-    if max_grad_norm is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    else:
-        norms = [p.grad.norm() for p in params if p.grad is not None]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-    if not skipped:
-        optimizer.step()
-        if params and params[0].is_cuda:  # finish the update here, so step timings on a GPU are per phase
-            torch.cuda.synchronize(params[0].device)
-    optimizer.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():  # a skipped update still advances the schedule; torch warns about that
-        warnings.simplefilter("ignore", UserWarning)
-        scheduler.step()
-    return {"grad_norm": grad_norm, "skipped_update": int(skipped)}

@@ -26,7 +26,8 @@ from rlora.cli import _quiet_libraries
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig
 from rlora.data.prompts import render_prompt
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer
-from rlora.models.loading import adapter_disabled, attach_lora, load_base_model, load_tokenizer, trainable_parameters
+from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, trainable_parameters
+from rlora.models.molora_runtime import reference_policy
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
 from rlora.types import Example, SamplingParams
@@ -47,7 +48,7 @@ def logprob_phases(model, rollout, micro_batch: int, shared: int) -> tuple[float
     algo, cfg = get_algorithm("grpo"), AlgoConfig(beta=0.04, num_iterations=UPDATES)
     start = time.perf_counter()
     prefix = FrozenPrefix(model, rollout, shared, micro_batch) if shared else None
-    with adapter_disabled(model):
+    with reference_policy(model):
         ref = batched_logprobs(model, rollout, micro_batch, prefix=prefix)
     old = batched_logprobs(model, rollout, micro_batch, prefix=prefix)
     advantages_B = torch.linspace(-1, 1, rollout.num_completions)  # every row trained

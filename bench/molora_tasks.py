@@ -37,7 +37,7 @@ from rlora.data.tasks import make_task_examples
 from rlora.models import molora as ml
 from rlora.models.loading import load_tokenizer, trainable_parameters
 from rlora.train import sft
-from rlora.train.grpo import seed_everything
+from rlora.train.session import seed_everything
 from rlora.train.optim import build_optimizer
 
 HELD_OUT_SEED = 1_000_003

@@ -8,7 +8,7 @@ Roles: the policy (base + LoRA), the reference (the base), a reward model (rewar
 rlora's reward_model format) and a value model (value adapter + fp32 value head). Two layouts:
 
 - one_base: the model loads once and every role sits on it, through the calls `rlora train` makes in
-  train/grpo.py prepare() for algo.name=ppo with a `fn: reward_model` reward: attach_lora (the policy),
+  train/session.py prepare() for algo.name=ppo with a `fn: reward_model` reward: attach_lora (the policy),
   attach_reward_adapters (the reward adapter beside the policy's), attach_critic (the value adapter); the
   reference is the policy with its adapter off.
 - separate: four models loaded from the same folder: a policy (base + LoRA), a frozen reference, a reward
@@ -226,13 +226,13 @@ def ppo_work(roles: Roles, cfg, rollout) -> dict:
     layouts (the reference log-probs and the reward scores come from the same weights and tokens)."""
     from rlora.algos.gae import ppo_advantages
     from rlora.algos.registry import get_algorithm
-    from rlora.models.loading import adapter_disabled
+    from rlora.models.molora_runtime import reference_policy
     from rlora.train.ppo_step import accumulate_value_gradient, batched_values
     from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
 
     mb, chunk, beta = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens, cfg.algo.beta
     mask_BT = rollout.completion_mask_BTc.float()
-    with adapter_disabled(roles.policy) if roles.reference is None else nullcontext():
+    with reference_policy(roles.policy) if roles.reference is None else nullcontext():
         ref_logp = batched_logprobs(roles.reference or roles.policy, rollout, mb, chunk)
     old_logp = batched_logprobs(roles.policy, rollout, mb, chunk)
     old_values_BT = batched_values(roles.critic, rollout, mb) * mask_BT

@@ -12,4 +12,5 @@ case "${1:-}" in
   --all) marker=(-m "slow or not slow"); shift; export RLORA_EXTRAS=${RLORA_EXTRAS:-dev,bench} ;;
 esac
 bash scripts/setup.sh
+.venv/bin/lint-imports --no-cache >/dev/null || { .venv/bin/lint-imports --no-cache; exit 1; }  # .importlinter
 exec .venv/bin/python -m pytest "${marker[@]}" "$@"

@@ -12,7 +12,7 @@ from rlora.algos.registry import ALGORITHMS, get_algorithm
 from rlora.cli import main
 from rlora.config import AlgoConfig, ReplayConfig
 from rlora.models.loading import trainable_parameters
-from rlora.rollout.batching import concat_rollouts, select_rows
+from rlora.batching import concat_rollouts, select_rows
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient
 

@@ -244,3 +244,21 @@ def test_temperature_schedules_hand_computed():
         assert scheduled_value(kind, 1.2, 0.6, 1.0) == pytest.approx(0.6)
     assert [progress_of(s, 5) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert progress_of(0, 1) == 0.0
+
+
+def test_the_registry_and_the_presets_name_the_same_algorithms():
+    """The config applies rlora/presets.py without importing the registry: the two must agree."""
+    from rlora.algos.registry import ALGORITHMS
+    from rlora.presets import PRESETS
+
+    assert list(ALGORITHMS) == list(PRESETS)
+    assert all(ALGORITHMS[name].presets is PRESETS[name] for name in PRESETS)
+
+
+def test_a_section_preset_is_the_validated_section():
+    from rlora.config import PPOConfig, load_config
+
+    cfg = load_config(None, ["algo.name=ppo"])
+    assert isinstance(cfg.ppo, PPOConfig) and cfg.ppo == PPOConfig() and cfg.algo.beta == 0.05
+    kept = load_config(None, ["algo.name=ppo", "ppo.gamma=0.9"])
+    assert kept.ppo.gamma == 0.9  # a section the user set is not replaced

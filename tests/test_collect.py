@@ -199,7 +199,7 @@ def test_loss_mask_and_behaviour_of_a_batch_with_replayed_groups():
     from types import SimpleNamespace
 
     from rlora.config import RLConfig
-    from rlora.rollout.batching import concat_rollouts
+    from rlora.batching import concat_rollouts
     from rlora.train.replay import StoredGroup
     from rlora.train.step import Batch, behaviour, loss_mask
 

@@ -143,7 +143,7 @@ def test_rm_sections_are_listed(reference):
 
 @pytest.mark.parametrize("name", sorted(QWEN))
 def test_qwen_configs_pass_the_checks_before_model_loading(name, tmp_path):
-    from rlora.train.grpo import check_inputs
+    from rlora.train.session import check_inputs
 
     path = ROOT / "configs" / name
     header = path.read_text(encoding="utf-8").splitlines()[0]

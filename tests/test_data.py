@@ -87,3 +87,15 @@ def test_prompt_order_is_deterministic_and_covers_each_epoch():
     assert order.indices(5) == PromptOrder(10, 3, 4).indices(5)
     assert order.indices(0) != PromptOrder(10, 3, 5).indices(0)
     assert [PromptOrder(4, 3, 0, shuffle=False).indices(s) for s in range(2)] == [[0, 1, 2], [3, 0, 1]]
+
+
+def test_padding_helpers_by_hand():
+    import torch
+
+    from rlora.tensors import left_padded, pad_right, right_padded
+
+    ids, mask = right_padded([[5, 6, 7], [8], []], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0], [0, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    ids, mask = left_padded([[5, 6, 7], [8]], pad_id=9)
+    assert ids.tolist() == [[5, 6, 7], [9, 9, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert pad_right(torch.tensor([[1.5], [2.0]]), 3, -1.0).tolist() == [[1.5, -1.0, -1.0], [2.0, -1.0, -1.0]]

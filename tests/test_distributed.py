@@ -17,7 +17,7 @@ from rlora.errors import UserError
 from rlora.rollout.sampling import counter_uniform
 from rlora.train.distributed import World
 from rlora.train.metrics import merge_metrics
-from rlora.train.grpo import check_world
+from rlora.train.session import check_world
 
 TESTS = os.path.dirname(__file__)
 
@@ -230,7 +230,7 @@ def test_sft_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
 
 def test_sft_with_molora_refuses_torchrun(tmp_path):
     from rlora.config import SFTConfig
-    from rlora.train.sft import check_inputs
+    from rlora.train.supervised import check_inputs
 
     cfg = SFTConfig(model={"path": "m"}, data={"path": "rows.jsonl"}, molora={"num_experts": 2},
                     train={"output_dir": str(tmp_path / "o"), "batch_size": 4, "micro_batch_size": 2})

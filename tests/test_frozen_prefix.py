@@ -7,10 +7,11 @@ import torch
 from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer
-from rlora.models.loading import adapter_disabled, trainable_parameters
+from rlora.models.loading import trainable_parameters
+from rlora.models.molora_runtime import reference_policy
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.tiny import build_random_model
-from rlora.rollout.batching import trim
+from rlora.batching import trim
 
 FAMILIES = {
     "llama": dict(family="llama"),
@@ -64,7 +65,7 @@ def test_shared_prefix_equals_separate_full_passes(four_layer_models, family, ad
     assert torch.allclose(shared_grads, full_grads, atol=tol["grad_atol"], rtol=tol["grad_rtol"]), \
         (shared_grads - full_grads).abs().max()
     assert full_grads.abs().max() > 0
-    with torch.no_grad(), adapter_disabled(model):
+    with torch.no_grad(), reference_policy(model):
         ref_full, _ = completion_logprobs(model, micro)
         ref_shared, _ = completion_logprobs(model, micro, prefix=prefix.rows(index, micro))
     assert (ref_shared[mask] - ref_full[mask]).abs().max() <= tol["logp"]

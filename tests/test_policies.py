@@ -16,7 +16,8 @@ from rlora.algos.registry import get_algorithm
 from rlora.cli import main
 from rlora.config import AlgoConfig, LoraConfig, TrainConfig
 from rlora.models import multi_lora as mlr
-from rlora.models.loading import adapter_disabled, load_tokenizer, peft_lora_config, trainable_parameters
+from rlora.models.loading import load_tokenizer, peft_lora_config, trainable_parameters
+from rlora.models.molora_runtime import reference_policy
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.train.optim import build_optimizer, optimizer_step
 from rlora.train.update import (
@@ -106,7 +107,7 @@ def test_reference_is_the_base_and_keeps_every_policy_trainable(tiny_model_dir):
     model = policies_model(tiny_model_dir)
     ids = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(2))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    with adapter_disabled(model):
+    with reference_policy(model):
         reference = model(input_ids=ids).logits
     assert torch.equal(reference, base_model(tiny_model_dir)(input_ids=ids).logits)
     # peft's disable_adapter() would leave only the active adapter trainable on exit (a bug seen here once)
@@ -210,7 +211,7 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
     advantages = torch.linspace(-1, 1, 16, dtype=torch.float64).float()
     cfg = AlgoConfig(loss_agg=loss_agg, beta=beta, num_iterations=iterations)
     algo = get_algorithm("grpo")
-    with adapter_disabled(model):
+    with reference_policy(model):
         ref = batched_logprobs(model, rollout, 5)
     old = batched_logprobs(model, rollout, 5, policy_B=policy_B)
     scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, old, ref if beta else None,
@@ -249,7 +250,7 @@ def test_a_zero_pass_changes_no_gradient_and_creates_none(tiny_model_dir):
     the bit, and a policy that had none (here the one row 0 goes through) still has none, so its optimizer
     skips the step as it would without the padding."""
     from rlora.models.logprobs import completion_logprobs
-    from rlora.rollout.batching import trim
+    from rlora.batching import trim
     from rlora.train.fsdp import zero_pass
 
     tokenizer, tok = load_tokenizer(tiny_model_dir)

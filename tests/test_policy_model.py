@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from rlora.algos.registry import get_algorithm
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig
-from rlora.models.loading import adapter_disabled, attach_lora, load_base_model, load_tokenizer, save_adapter, trainable_parameters
+from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, save_adapter, trainable_parameters
+from rlora.models.molora_runtime import reference_policy
 from rlora.models.logprobs import completion_logprobs
 from rlora.rollout.generator import HFGenerator
 from rlora.train.optim import build_optimizer
@@ -50,7 +51,7 @@ def test_before_first_update_ratio_is_one_and_kl_is_zero(tiny_model_dir):
     tokenizer, tok, model = make_policy(tiny_model_dir)
     rollout = sample(model, tokenizer, tok)
     policy = batched_logprobs(model, rollout, 8)
-    with adapter_disabled(model):
+    with reference_policy(model):
         reference = batched_logprobs(model, rollout, 8)
     mask = rollout.completion_mask_BTc.bool()
     # lora_B starts at zero: the policy is the reference, exactly
@@ -94,7 +95,7 @@ def test_micro_batching_does_not_change_the_gradient(tiny_model_dir):
     tokenizer, tok, model = make_policy(tiny_model_dir)
     perturb_adapter(model)
     rollout = vary_lengths(sample(model, tokenizer, tok, seed=3), tok.pad_id)
-    with adapter_disabled(model):
+    with reference_policy(model):
         ref = batched_logprobs(model, rollout, 8)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, 0.0, -0.3, 0.2])
     old = batched_logprobs(model, rollout, 8) + 0.05 * torch.randn_like(ref)  # ratio != 1: clipping in play

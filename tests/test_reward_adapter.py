@@ -23,9 +23,9 @@ from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, s
 from rlora.models.reward_model import load_reward_model, new_score_head, save_reward_model, score
 from rlora.rewards.reward_adapter import RewardAdapter, attach_reward_adapters
 from rlora.rewards.scoring import resolve_rewards, score_completions
-from rlora.train.grpo import prepare
+from rlora.train.session import prepare
 from rlora.train.optim import build_optimizer
-from rlora.train.rm import collate
+from rlora.tensors import right_padded
 from rlora.train.step import grpo_step
 from rlora.types import Example
 
@@ -66,7 +66,7 @@ def reference_scores(model_dir: str, folder: str, prompts, completions, data: di
     model, head = load_reward_model(folder, load_base_model(ModelConfig(path=model_dir), model_dir))
     model.eval()
     with torch.no_grad():
-        ids, mask = collate([p.chosen_ids for p in pairs], tok.pad_id)
+        ids, mask = right_padded([p.chosen_ids for p in pairs], tok.pad_id)
         return score(model, head, ids, mask).tolist()
 
 
@@ -354,12 +354,12 @@ BAD = [
 @pytest.mark.parametrize("name, make, message", BAD, ids=[b[0] for b in BAD])
 def test_bad_reward_model_is_one_line_exit_2(name, make, message, tiny_model_dir, rm_folder, prompts_file, tmp_path,
                                              capsys, monkeypatch):
-    import rlora.train.grpo as grpo
+    import rlora.train.session as session
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load for bad input")
 
-    monkeypatch.setattr(grpo, "load_base_model", no_model)
+    monkeypatch.setattr(session, "load_base_model", no_model)
     rewards = f"[{make(rm_folder, tmp_path)}, {{fn: rewards_for_tests.count_a}}]"
     code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), rewards=rewards)])
     err = capsys.readouterr().err

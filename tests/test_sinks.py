@@ -17,7 +17,7 @@ import rlora.train.grpo as grpo
 from conftest import tiny_overrides
 from rlora.cli import main
 from rlora.config import load_config
-from rlora.logging.sinks import Sinks, completions_table, numeric_scalars
+from rlora.train.sinks import Sinks, completions_table, numeric_scalars
 from rlora.train.outputs import RunDir
 
 ALL_SINKS = {"log.tensorboard": "true", "log.wandb": "true", "log.completions_format": "parquet"}

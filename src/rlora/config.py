@@ -7,6 +7,7 @@ closest valid key. `load_config` is the single entry point; it raises `UserError
 from __future__ import annotations
 
 import difflib
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlora.errors import UserError
+from rlora.presets import PRESETS
 
 if TYPE_CHECKING:
     from rlora.types import ThinkPhase
@@ -454,13 +456,11 @@ class RLConfig(_Section):
 
     def _apply_algorithm_presets(self) -> None:
         """Fill the keys the chosen algorithm presets, where the user did not set them."""
-        from rlora.algos.registry import ALGORITHMS
-
-        if self.algo.name not in ALGORITHMS:
-            close = difflib.get_close_matches(self.algo.name, list(ALGORITHMS), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"available: {', '.join(ALGORITHMS)}"
+        if self.algo.name not in PRESETS:
+            close = difflib.get_close_matches(self.algo.name, list(PRESETS), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"available: {', '.join(PRESETS)}"
             raise ValueError(f"unknown algo.name '{self.algo.name}' ({hint})")
-        for dotted, value in ALGORITHMS[self.algo.name].presets.items():
+        for dotted, value in PRESETS[self.algo.name].items():
             *path, key = dotted.split(".")
             node: BaseModel = self
             explicit = True
@@ -468,6 +468,8 @@ class RLConfig(_Section):
                 explicit = explicit and part in node.model_fields_set
                 node = getattr(node, part)
             if not (explicit and key in node.model_fields_set):
+                if isinstance(value, dict):  # a whole section, validated by its class
+                    value = _section_class(type(node), key).model_validate(value)
                 setattr(node, key, value(self) if callable(value) else value)
 
     def _check_algorithm(self) -> None:
@@ -745,6 +747,15 @@ def _format_validation_error(err: ValidationError, model_cls: type[BaseModel]) -
     if not loc:
         return f"invalid config: {message}"
     return f"invalid value for {dotted}: {message} (got {first.get('input')!r})"
+
+
+def _section_class(owner: type[BaseModel], key: str) -> type[BaseModel]:
+    """The section class of owner.key (`PPOConfig | None` -> PPOConfig)."""
+    annotation = owner.model_fields[key].annotation
+    for candidate in typing.get_args(annotation) or (annotation,):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    raise TypeError(f"{owner.__name__}.{key} is not a config section")
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None, model_cls: type[BaseModel] = RLConfig):

@@ -36,7 +36,7 @@ DEFAULT_OUTPUT = (_ROOT / "docs" / "configuration.md") if (_ROOT / "pyproject.to
 
 # preset values that are functions of the config: what they compute, in words (fallback: docstring, then name)
 CALLABLE_DESCRIPTIONS = {
-    "rlora.algos.registry._dapo_buffer": "`max(1, rollout.max_new_tokens // 5)` (DAPO's 20 % soft-punishment buffer)",
+    "rlora.presets._dapo_buffer": "`max(1, rollout.max_new_tokens // 5)` (DAPO's 20 % soft-punishment buffer)",
 }
 
 _UNION_TYPES = (typing.Union, types.UnionType)
@@ -194,15 +194,21 @@ def _describe_callable(fn: Any) -> str:
     return "computed from the config" if name == "<lambda>" else f"computed by {name}(config)"
 
 
+def _describe_preset(key: str, value) -> str:
+    if callable(value):
+        return _describe_callable(value)
+    if isinstance(value, dict):  # a whole section
+        return f"the `{key}:` section with its defaults" + (f", and {format_value(value)}" if value else "")
+    return f"`{format_value(value)}`"
+
+
 def preset_rows() -> list[tuple[str, str, str]]:
     from rlora.algos.registry import ALGORITHMS  # imports torch: only when the reference is rendered
 
     rows = []
     for name, algo in ALGORITHMS.items():
         if algo.presets:
-            presets = "; ".join(
-                f"`{key}` = {_describe_callable(value)}" if callable(value) else f"`{key}` = `{format_value(value)}`"
-                for key, value in algo.presets.items())
+            presets = "; ".join(f"`{key}` = {_describe_preset(key, value)}" for key, value in algo.presets.items())
         else:
             presets = "none (the defaults above)"
         rows.append((f"`{name}`", presets, algo.paper))

@@ -24,7 +24,7 @@ from rlora.models.named_adapters import activated, attach_named, is_molora_folde
 from rlora.rewards.reward_adapter import attach_reward_adapters, reward_adapters
 from rlora.rollout.backends import build_generator
 from rlora.train.evaluate import eval_sampling, evaluate
-from rlora.train.grpo import check_data_and_rewards, seed_everything
+from rlora.train.session import check_data_and_rewards, seed_everything
 from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
 from rlora.train.policies import POLICIES_FOLDER
 

@@ -1,8 +1,6 @@
-"""Algorithms by name: an advantage function, a per-token loss, and the config values the algorithm's paper
-uses (its presets). A new algorithm is one entry here.
-
-Presets fill only keys the user did not set (config file or override), so `algo.name=dapo
-algo.clip_high=0.3` keeps 0.3; `rlora train --print-config` shows the resolved values.
+"""Algorithms by name: an advantage function, a per-token loss, capability flags, and the config values the
+algorithm's paper uses (its presets, data in rlora/presets.py, which the config applies). A new algorithm is
+one entry here and one in PRESETS.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import torch
 
 from rlora.algos.advantages import AllSum, group_advantages, in_one_process, reinforce_pp_advantages, rloo_advantages
 from rlora.algos.losses import LossInputs, TokenLosses, cispo_token_loss, grpo_token_loss, gspo_token_loss
+from rlora.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -53,22 +52,9 @@ class Algorithm:
     paper: str
     advantages: Callable[[AdvantageInputs], torch.Tensor]  # -> advantages [B] or [B, T]
     token_loss: Callable[..., TokenLosses]  # (LossInputs, clip_low, clip_high, beta) -> TokenLosses
-    # config keys (dotted, from the root) -> value, or a function of the config for values that depend on it
-    presets: dict[str, Any] = field(default_factory=dict)
+    presets: dict[str, Any] = field(default_factory=dict)  # PRESETS[name] (rlora/presets.py)
     kl_in_reward: bool = False  # the KL to the reference enters the token reward, not the loss (REINFORCE++)
     critic: bool = False  # a value adapter + head is trained beside the policy; GAE advantages (train/ppo_step.py)
-
-
-def _dapo_buffer(cfg) -> int:
-    # DAPO: 4096 of 20480 tokens (20 %) are the soft-punishment buffer
-    return max(1, cfg.rollout.max_new_tokens // 5)
-
-
-def _ppo_section(cfg):
-    """the `ppo:` section with its defaults (gamma 1, lam 0.95, value_clip 0.2, KL in the reward)"""
-    from rlora.config import PPOConfig  # the config imports this module
-
-    return PPOConfig()
 
 
 def _from_critic(inp: AdvantageInputs) -> torch.Tensor:
@@ -76,27 +62,27 @@ def _from_critic(inp: AdvantageInputs) -> torch.Tensor:
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("grpo", "Shao et al. 2024, DeepSeekMath (arXiv:2402.03300)", _group, grpo_token_loss),
+    Algorithm("grpo", "Shao et al. 2024, DeepSeekMath (arXiv:2402.03300)", _group, grpo_token_loss, PRESETS["grpo"]),
     Algorithm("dr_grpo", "Liu et al. 2025, Understanding R1-Zero-Like Training (arXiv:2503.20783)", _group,
-              grpo_token_loss, {"algo.adv_scale": "none", "algo.loss_agg": "constant"}),
+              grpo_token_loss, PRESETS["dr_grpo"]),
     Algorithm("dapo", "Yu et al. 2025, DAPO (arXiv:2503.14476)", _group, grpo_token_loss,
-              {"algo.clip_low": 0.2, "algo.clip_high": 0.28, "algo.loss_agg": "token_mean",
-               "algo.dynamic_sampling": True, "algo.overlong_buffer": _dapo_buffer}),
+              PRESETS["dapo"]),
     Algorithm("gspo", "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv:2507.18071)", _group,
-              gspo_token_loss, {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4, "algo.loss_agg": "seq_mean"}),
+              gspo_token_loss, PRESETS["gspo"]),
     Algorithm("cispo", "MiniMax 2025, MiniMax-M1 (arXiv:2506.13585)", _group, cispo_token_loss,
-              {"algo.clip_low": 1.0, "algo.clip_high": 0.2, "algo.loss_agg": "token_mean"}),
+              PRESETS["cispo"]),
     Algorithm("rloo", "Ahmadian et al. 2024, Back to Basics (arXiv:2402.14740)", _rloo, grpo_token_loss,
-              {"algo.adv_scale": "none"}),
+              PRESETS["rloo"]),
     Algorithm("reinforce_pp", "Hu 2025, REINFORCE++ (arXiv:2501.03262)", _reinforce_pp, grpo_token_loss,
-              {"algo.beta": 0.01}, kl_in_reward=True),
+              PRESETS["reinforce_pp"], kl_in_reward=True),
     Algorithm("reinforce_pp_baseline", "Hu 2025, REINFORCE++ (arXiv:2501.03262), group-mean baseline",
-              lambda inp: _reinforce_pp(inp, baseline=True), grpo_token_loss, {"algo.beta": 0.01}, kl_in_reward=True),
+              lambda inp: _reinforce_pp(inp, baseline=True), grpo_token_loss, PRESETS["reinforce_pp_baseline"],
+              kl_in_reward=True),
     Algorithm("ppo", "Schulman et al. 2017, PPO (arXiv:1707.06347) with GAE (arXiv:1506.02438); KL in the reward as "
               "Ouyang et al. 2022, InstructGPT (arXiv:2203.02155)", _from_critic, grpo_token_loss,
-              {"algo.beta": 0.05, "ppo": _ppo_section}, critic=True),
+              PRESETS["ppo"], critic=True),
     Algorithm("adaptive_grpo", "rlora's corrected adaGRPO: GRPO that resamples failing groups", _group,
-              grpo_token_loss, {"algo.adaptive.enabled": True}),
+              grpo_token_loss, PRESETS["adaptive_grpo"]),
 )}
 
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from rlora.batching import trim
 from rlora.models.loading import causal_lm
-from rlora.rollout.batching import trim
-from rlora.rollout.generator import position_ids_from_mask
+from rlora.tensors import position_ids_from_mask
 from rlora.types import Rollout, RolloutSlice
 
 SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,15 +203,6 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
-
-
-@contextmanager
-def adapter_disabled(model):
-    """The reference policy: the same base with the adapter (or the MoLoRA mixture) switched off."""
-    from rlora.models.molora_runtime import reference_policy  # imports this module
-
-    with reference_policy(model):
-        yield model
 
 
 def save_adapter(model, folder: Path, adapter_name: str = "default") -> None:

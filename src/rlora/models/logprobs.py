@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from rlora.models.frozen_prefix import PrefixSlice, suffix_hidden
 from rlora.models.loading import causal_lm, model_device
 from rlora.models.molora_runtime import prompt_routing
-from rlora.rollout.generator import position_ids_from_mask
+from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
 # Families whose logits are exactly lm_head(final hidden state): no soft-capping or logit scale.

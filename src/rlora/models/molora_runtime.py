@@ -15,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from rlora.models import molora as ml
+from rlora.models.multi_lora import policies_disabled, policy_state
 
 
 def has_molora(model) -> bool:
@@ -79,8 +80,6 @@ def sampler_routing(model, prompts: list[list[int]], G: int):
 def reference_policy(model):
     """The base alone: the MoLoRA mixture off (a MoLoRA model), every policy adapter off (several policies), else
     the peft adapter off."""
-    from rlora.models.multi_lora import policies_disabled, policy_state
-
     if has_molora(model):
         with ml.molora_disabled(model):
             yield model

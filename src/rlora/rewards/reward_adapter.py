@@ -29,6 +29,7 @@ import yaml
 from rlora.errors import UserError
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.models.reward_model import META_FILE, load_score_head, read_reward_meta
+from rlora.tensors import right_padded
 
 REWARD_MODEL = "reward_model"  # the `fn` of a reward adapter in rewards[]
 _ARGS = {"path": "the folder `rlora rm` wrote (OUTPUT/reward_model)",
@@ -151,7 +152,6 @@ class RewardAdapter:
     @torch.no_grad()
     def __call__(self, prompts, completions, **_columns) -> list[float]:
         from rlora.models.reward_model import score
-        from rlora.train.rm import collate
 
         if self.model is None:
             raise UserError(f"reward fn '{REWARD_MODEL}' scores with a reward adapter on the policy's model: "
@@ -163,7 +163,7 @@ class RewardAdapter:
         with reward_adapter_active(self.model, self.adapter_name):
             for start in range(0, len(order), self.batch_size):
                 rows = order[start:start + self.batch_size]
-                ids, mask = (t.to(device) for t in collate([sequences[i] for i in rows], self.pad_id))
+                ids, mask = (t.to(device) for t in right_padded([sequences[i] for i in rows], self.pad_id))
                 for i, value in zip(rows, score(self.model, self.head, ids, mask).tolist()):
                     scores[i] = value
         return scores

@@ -22,9 +22,10 @@ from rlora.models.multi_lora import SamplerPolicies
 from rlora.models.sharded_base import StreamedLayers
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers, mlp
 from rlora.rollout.graphed import StaticDecoder
-from rlora.rollout.generator import StopStrings, left_pad, position_ids_from_mask
+from rlora.rollout.generator import StopStrings
 from rlora.rollout.phase import ChunkPhases, think_phases
 from rlora.rollout.sampling import RowParams, counter_uniform, sample_tokens
+from rlora.tensors import left_padded, position_ids_from_mask
 from rlora.types import Rollout, SamplingParams
 
 
@@ -194,7 +195,7 @@ class BuiltinGenerator:
         seed = seeds[0] if len(set(seeds)) == 1 else torch.tensor(seeds, dtype=torch.int64, device=device).repeat_interleave(G)
         rows = RowParams.per_row(per_prompt, G, device)
         max_new = int(rows.max_new_A.max())
-        ids_PT, mask_PT = (x.to(device) for x in left_pad(prompts, self.pad_id))
+        ids_PT, mask_PT = (x.to(device) for x in left_padded(prompts, self.pad_id))
         cache = KVCache(view, P, G, max_new, view.dtype, device)
         routing.prompts()
         logits_A = prefill(view, ids_PT, mask_PT, cache).repeat_interleave(G, dim=0)
@@ -275,7 +276,7 @@ class BuiltinGenerator:
         tokens_BT = tokens_BT[:, :keep].masked_fill(mask_BT == 0, self.pad_id)
         logp_BT = logp_BT[:, :keep] * mask_BT
         texts = self.tokenizer.batch_decode([row[m.bool()] for row, m in zip(tokens_BT, mask_BT)], skip_special_tokens=True)
-        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)
+        prompt_ids, prompt_mask = left_padded([p for p in prompts for _ in range(n)], self.pad_id)
         return Rollout(
             prompt_ids_BTp=prompt_ids, prompt_mask_BTp=prompt_mask, completion_ids_BTc=tokens_BT,
             completion_mask_BTc=mask_BT, completions=texts, finish_reasons=reasons,

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from rlora.models.molora_runtime import prompt_list_routing
+from rlora.tensors import left_padded, pad_right
 from rlora.types import Rollout, SamplingParams
 
 
@@ -33,18 +33,6 @@ class Generator(Protocol):
         ...
 
 
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (ids_BT, mask_BT), padded on the left."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[row, width - len(seq):] = 1
-    return ids, mask
-
-
 def completion_mask(completion_ids_BTc: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, list[str]]:
     """1 on tokens up to and including the first EOS; finish reason per row."""
     is_eos_BTc = torch.isin(completion_ids_BTc, torch.tensor(eos_ids, dtype=torch.long))
@@ -53,11 +41,6 @@ def completion_mask(completion_ids_BTc: torch.Tensor, eos_ids: list[int]) -> tup
     mask_BTc = (~eos_before_BTc).long()
     reasons = ["stop" if row.any() else "length" for row in is_eos_BTc]
     return mask_BTc, reasons
-
-
-def position_ids_from_mask(mask_BT: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, so left padding does not shift a sequence's positions."""
-    return (mask_BT.long().cumsum(-1) - 1).clamp(min=0)
 
 
 class HFGenerator:
@@ -96,7 +79,7 @@ class HFGenerator:
             raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")
         repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
         row_params = [p for p in per_prompt for _ in range(n)]
-        prompt_ids_BTp, prompt_mask_BTp = left_pad(repeated, self.pad_id)
+        prompt_ids_BTp, prompt_mask_BTp = left_padded(repeated, self.pad_id)
         torch.manual_seed(seed)  # seeds the GPUs too
         device = next(model.parameters()).device
         was_training = model.training
@@ -116,8 +99,8 @@ class HFGenerator:
             model.train(was_training)
         # each call's masks are made before padding the calls to one width (pad may equal EOS)
         width = max(ids.shape[1] for ids, _, _ in chunks)
-        completion_ids_BTc = torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=self.pad_id) for ids, _, _ in chunks])
-        mask_BTc = torch.cat([F.pad(mask, (0, width - mask.shape[1])) for _, mask, _ in chunks])
+        completion_ids_BTc = torch.cat([pad_right(ids, width, self.pad_id) for ids, _, _ in chunks])
+        mask_BTc = torch.cat([pad_right(mask, width) for _, mask, _ in chunks])
         reasons = [r for _, _, chunk_reasons in chunks for r in chunk_reasons]
         completion_ids_BTc = completion_ids_BTc.masked_fill(mask_BTc == 0, self.pad_id)
         texts = self.tokenizer.batch_decode(

@@ -20,7 +20,7 @@ import torch
 from rlora.algos.advantages import group_flags, overlong_penalty
 from rlora.config import AdaptiveConfig, AlgoConfig
 from rlora.rewards.scoring import Scores
-from rlora.rollout.batching import concat_rollouts, select_rows
+from rlora.batching import concat_rollouts, select_rows
 from rlora.types import Rollout, SamplingParams
 
 SampleFn = Callable[[list[int], list[SamplingParams], int], tuple[Rollout, Scores]]

@@ -31,7 +31,7 @@ from rlora.models.loading import model_device
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.multi_lora import policy_rows
 from rlora.models.sharded_base import ShardedBase, held_parameters, shard_layers
-from rlora.rollout.batching import trim
+from rlora.batching import trim
 from rlora.train.distributed import World, all_reduce_max
 from rlora.types import Rollout
 

@@ -21,9 +21,10 @@ import torch
 from rlora.algos.gae import clipped_value_loss, explained_variance, ppo_advantages
 from rlora.algos.losses import aggregate
 from rlora.models.frozen_prefix import FrozenPrefix
-from rlora.models.loading import adapter_disabled, trainable_parameters
+from rlora.models.loading import trainable_parameters
+from rlora.models.molora_runtime import reference_policy
 from rlora.models.value_model import Critic
-from rlora.rollout.batching import trim
+from rlora.batching import trim
 from rlora.train.step import (
     Timings, _collect_metrics, _reward_metrics, _rollout_metrics, _samples, behaviour, collect_batch, loss_mask,
     step_params,
@@ -31,8 +32,9 @@ from rlora.train.step import (
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.train.optim import optimizer_step
 from rlora.train.update import (
-    ScoredRollout, _on, _pad_right, accumulate_policy_gradient, batch_totals, batched_logprobs, global_totals,
+    ScoredRollout, _on, accumulate_policy_gradient, batch_totals, batched_logprobs, global_totals,
 )
+from rlora.tensors import pad_right
 from rlora.types import Rollout
 
 
@@ -49,7 +51,7 @@ def batched_values(critic: Critic, rollout: Rollout, micro_batch_size: int,
             rows = slice(start, start + micro_batch_size)
             micro = trim(rollout.select(rows))
             values = critic.values(micro, None if prefix is None else prefix.rows(rows, micro))
-            parts.append(_pad_right(values, width).cpu())
+            parts.append(pad_right(values, width).cpu())
     return torch.cat(parts)
 
 
@@ -103,7 +105,7 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
     prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
     ref_logp = None
     if beta > 0:
-        with adapter_disabled(s.model):
+        with reference_policy(s.model):
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix) if need_old else None
     old_values_BT = batched_values(critic, rollout, mb, prefix) * mask_BT

@@ -28,7 +28,7 @@ from rlora.config import to_yaml
 from rlora.errors import UserError
 from rlora.models.loading import save_adapter
 from rlora.models.multi_lora import PEFT_NAME, save_policy
-from rlora.rollout.batching import select_rows
+from rlora.batching import select_rows
 from rlora.train.checkpoint import latest_valid, verify, write_checkpoint
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.types import Rollout

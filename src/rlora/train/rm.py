@@ -21,11 +21,12 @@ from rlora.models.loading import (
     attach_lora, load_base_model, load_tokenizer, model_device, resolve_model_path, trainable_parameters,
 )
 from rlora.models.reward_model import hidden_size, new_score_head, save_reward_model, score
+from rlora.tensors import right_padded
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank
-from rlora.train.grpo import seed_everything
+from rlora.train.session import seed_everything
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir
-from rlora.train.sft import check_inputs, micro_batches, optimizer_steps
+from rlora.train.supervised import check_inputs, micro_batches, optimizer_steps
 
 
 # ---- pure math -----------------------------------------------------------------------------------------
@@ -54,21 +55,10 @@ def pair_accuracy(r_chosen_P: torch.Tensor, r_rejected_P: torch.Tensor) -> float
     return pair_correct(r_chosen_P, r_rejected_P) / r_chosen_P.shape[0]
 
 
-def collate(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids [B, T], attention_mask [B, T])."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, : len(seq)] = 1
-    return ids, mask
-
-
 def score_pairs(model, head, pairs: list[TokenizedPair], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(r_chosen [P], r_rejected [P]) from one forward pass over the 2P sequences."""
     ids, mask = (t.to(model_device(model)) for t in
-                 collate([p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs], pad_id))
+                 right_padded([p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs], pad_id))
     rewards_2P = score(model, head, ids, mask)
     return rewards_2P[: len(pairs)], rewards_2P[len(pairs):]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -22,16 +21,18 @@ import torch.nn.functional as F
 from rlora.config import SFTConfig, to_yaml
 from rlora.data.sft_data import IGNORE, LengthGroupedOrder, SFTData, TokenizedRow, load_sft_data, num_targets
 from rlora.errors import UserError
-from rlora.logging.console import info, print_summary, progress_bar
+from rlora.logging.console import info, print_summary
 from rlora.models import molora as ml
 from rlora.models.loading import (
-    attach_lora, check_adapter_folder, load_base_model, load_tokenizer, model_device, quantization_config, resolve_device,
-    resolve_model_path, save_adapter, trainable_parameters,
+    attach_lora, load_base_model, load_tokenizer, model_device, resolve_model_path, save_adapter,
+    trainable_parameters,
 )
-from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank, on_rank_zero
-from rlora.train.grpo import seed_everything
-from rlora.train.optim import build_optimizer, optimizer_step
-from rlora.train.outputs import RunDir, default_output_dir
+from rlora.tensors import right_padded
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank
+from rlora.train.optim import build_optimizer
+from rlora.train.outputs import RunDir
+from rlora.train.session import seed_everything
+from rlora.train.supervised import check_inputs, micro_batches, optimizer_steps
 
 FULL_FINETUNE_MAX_PARAMS = 1_000_000_000
 DEFAULT_STEPS = 20  # neither train.steps nor train.epochs set
@@ -41,14 +42,8 @@ DEFAULT_STEPS = 20  # neither train.steps nor train.epochs set
 
 def collate(rows: list[TokenizedRow], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, labels); padding is IGNORE in labels."""
-    width = max(len(r.ids) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row.ids)] = torch.tensor(row.ids)
-        labels[i, : len(row.labels)] = torch.tensor(row.labels)
-        mask[i, : len(row.ids)] = 1
+    ids, mask = right_padded([r.ids for r in rows], pad_id)
+    labels, _ = right_padded([r.labels for r in rows], IGNORE)
     return ids, mask, labels
 
 
@@ -58,10 +53,6 @@ def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     flat = logits[:, :-1].reshape(-1, logits.shape[-1])
     flat = flat.to(torch.promote_types(flat.dtype, torch.float32))  # half precision up, float64 kept
     return F.cross_entropy(flat, shifted.reshape(-1), ignore_index=IGNORE, reduction="sum")
-
-
-def micro_batches(rows: list, size: int) -> list[list]:
-    return [rows[i: i + size] for i in range(0, len(rows), size)]
 
 
 def prompt_ids(row: TokenizedRow) -> list[int]:
@@ -178,28 +169,6 @@ def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int, wor
 
 # ---- plumbing ------------------------------------------------------------------------------------------
 
-def check_inputs(cfg, command: str = "sft", world: World = World()) -> RunDir:
-    """What can be checked before the tokenizer and model load (`rlora sft` and `rlora rm` configs)."""
-    if world.active and cfg.train.batch_size % world.size:
-        raise UserError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the {world.size} ranks: each "
-                        "rank trains its share of every batch")
-    if world.active and getattr(cfg, "molora", None) is not None:
-        raise UserError(f"rlora {command} with a molora section runs in one process (the routers' auxiliary loss "
-                        "covers the whole batch): run it without torchrun")
-    if cfg.train.output_dir is None:
-        cfg.train.output_dir = default_output_dir(command)
-    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
-    on_rank_zero(world, run_dir.check_writable)
-    for path in (cfg.data.path, cfg.data.eval_path):
-        if path is not None and not Path(path).is_file():
-            raise UserError(f"data file not found: {path}")
-    quantization_config(cfg.model)
-    resolve_device(cfg.model.device)  # a GPU asked for but absent: say so before loading anything
-    if cfg.lora.init_from:
-        check_adapter_folder(cfg.lora.init_from)
-    return run_dir
-
-
 def load_model(cfg: SFTConfig, model_path: str):
     base = load_base_model(cfg.model, model_path)
     if cfg.molora is not None:
@@ -279,29 +248,6 @@ def _run_sft(cfg: SFTConfig, world: World) -> dict:
     run_dir.write_json("summary.json", summary)
     _print_final(run_dir, summary)
     return summary
-
-
-def optimizer_steps(label: str, steps: int, params, optimizer, scheduler, max_grad_norm: float | None,
-                    one_batch: Callable[[int], dict], held_out: Callable[[], dict] | None, eval_every: int,
-                    run_dir: RunDir, summary: dict, describe: Callable[[dict], str]) -> None:
-    """The step loop `rlora sft` and `rlora rm` share: one_batch(step) accumulates the batch's gradient and
-    returns its metrics (a "loss" among them); then the optimizer step every recipe takes (a non-finite loss or
-    gradient skips the update, logged as skipped_update=1); held_out() (eval mode) every eval_every steps and at the
-    end; one metrics.jsonl line and one progress update per step."""
-    with progress_bar(label, steps) as update:
-        for step in range(steps):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            metrics = {"step": step + 1, **one_batch(step), "lr": scheduler.get_last_lr()[0]}
-            metrics |= optimizer_step(params, optimizer, scheduler, max_grad_norm, metrics["loss"])
-            metrics["step_s"] = time.perf_counter() - start
-            if held_out is not None and (step + 1 == steps or (eval_every and (step + 1) % eval_every == 0)):
-                held = held_out()
-                metrics |= held
-                summary |= held
-            run_dir.append_jsonl("metrics.jsonl", metrics)
-            summary["steps"], summary["last_metrics"] = step + 1, metrics
-            update(step + 1, f"{describe(metrics)}  {metrics['step_s']:.1f}s/step")
 
 
 def train_loop(cfg: SFTConfig, run_dir: RunDir, model, params, optimizer, scheduler, data: SFTData, pad_id: int,

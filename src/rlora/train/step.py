@@ -12,12 +12,13 @@ import torch
 
 from rlora.algos.registry import AdvantageInputs
 from rlora.data.prompts import PromptOrder, prompt_text
-from rlora.models.loading import adapter_disabled, trainable_parameters
+from rlora.models.loading import trainable_parameters
+from rlora.models.molora_runtime import reference_policy
 from rlora.errors import UserError
 from rlora.rewards.scoring import Scores, score_completions
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.train.evaluate import columns_of
-from rlora.rollout.batching import concat_rollouts, select_rows
+from rlora.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.train.schedules import progress_of, scheduled_value
@@ -248,7 +249,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     t_prefix = time.perf_counter()
     ref_logp = None
     if need_ref:
-        with adapter_disabled(s.model):
+        with reference_policy(s.model):
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     t_ref = time.perf_counter()
     policy_B = None if s.policies is None else row_policies([g.prompt for g in batch.groups], cfg.train.prompts_per_step,

@@ -17,7 +17,8 @@ from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molor
 from rlora.models.multi_lora import parameters_per_policy, policy_rows, policy_state
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor
 from rlora.train.fsdp import passes_to_add, zero_pass
-from rlora.rollout.batching import trim
+from rlora.batching import trim
+from rlora.tensors import pad_right
 from rlora.types import Rollout
 
 
@@ -43,10 +44,6 @@ class ScoredRollout:
         return torch.tensor(self.betas)[self.policy_B]
 
 
-def _pad_right(values_BT: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(values_BT, (0, width - values_BT.shape[1]))
-
-
 @torch.no_grad()
 def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_tokens: int = 256,
                      prefix: FrozenPrefix | None = None, policy_B: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +61,7 @@ def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_token
             with policy_rows(model, None if policy_B is None else policy_B[rows]):
                 logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens,
                                               prefix=None if prefix is None else prefix.rows(rows, micro))
-            parts.append(_pad_right(logp, width).cpu())  # scored rollouts live on the CPU
+            parts.append(pad_right(logp, width).cpu())  # scored rollouts live on the CPU
     finally:
         model.train(was_training)
     return torch.cat(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlora.tensors import pad_right
 from rlora.types import Rollout, RolloutSlice
 
 
@@ -34,10 +35,6 @@ def _pad_left(tensor_BT: torch.Tensor, width: int, value) -> torch.Tensor:
     return F.pad(tensor_BT, (width - tensor_BT.shape[1], 0), value=value)
 
 
-def _pad_right(tensor_BT: torch.Tensor, width: int, value) -> torch.Tensor:
-    return F.pad(tensor_BT, (0, width - tensor_BT.shape[1]), value=value)
-
-
 def _token_temperatures(rollout: Rollout) -> torch.Tensor:
     if rollout.temperature_BTc is not None:
         return rollout.temperature_BTc
@@ -58,13 +55,13 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     return Rollout(
         prompt_ids_BTp=torch.cat([_pad_left(p.prompt_ids_BTp, prompt_width, pad_id) for p in parts]),
         prompt_mask_BTp=torch.cat([_pad_left(p.prompt_mask_BTp, prompt_width, 0) for p in parts]),
-        completion_ids_BTc=torch.cat([_pad_right(p.completion_ids_BTc, width, pad_id) for p in parts]),
-        completion_mask_BTc=torch.cat([_pad_right(p.completion_mask_BTc, width, 0) for p in parts]),
+        completion_ids_BTc=torch.cat([pad_right(p.completion_ids_BTc, width, pad_id) for p in parts]),
+        completion_mask_BTc=torch.cat([pad_right(p.completion_mask_BTc, width, 0) for p in parts]),
         completions=[text for p in parts for text in p.completions],
         finish_reasons=[reason for p in parts for reason in p.finish_reasons],
         temperature_B=torch.cat([p.temperature_B for p in parts]),
-        sampling_logp_BTc=torch.cat([_pad_right(p.sampling_logp_BTc, width, 0.0) for p in parts]) if with_logp else None,
-        temperature_BTc=(torch.cat([_pad_right(_token_temperatures(p), width, 0.0) for p in parts])
+        sampling_logp_BTc=torch.cat([pad_right(p.sampling_logp_BTc, width, 0.0) for p in parts]) if with_logp else None,
+        temperature_BTc=(torch.cat([pad_right(_token_temperatures(p), width, 0.0) for p in parts])
                          if with_token_temperature else None),
     )
 

@@ -1,0 +1,225 @@
+"""A training run's session: everything `rlora train` checks and builds before its first step.
+
+check_inputs validates what can be validated before any model loads (output folder, resume, world,
+rewards, data), so bad input fails in a second; prepare() then loads the base, attaches the policy (one
+LoRA, several policies, or MoLoRA), reward adapters and the critic, builds the samplers, and returns the
+Session the recipe (train/grpo.py) and the steps (train/step.py, train/ppo_step.py) work on."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlora.algos.registry import Algorithm, get_algorithm
+from rlora.config import RLConfig
+from rlora.data.prompts import PromptSets, load_prompt_sets, render_prompt
+from rlora.data.tasks import check_task
+from rlora.errors import UserError
+from rlora.logging.console import info
+from rlora.train.sinks import check_sinks
+from rlora.machine import resolve_sampler_dtype
+from rlora.models import molora as ml
+from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
+from rlora.models.loading import (
+    TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model, load_tokenizer,
+    quantization_config, resolve_device, resolve_model_path,
+)
+from rlora.models.multi_lora import attach_policies
+from rlora.models.value_model import Critic, attach_critic
+from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
+from rlora.rewards.scoring import RewardFn, resolve_rewards
+from rlora.rollout.backends import build_generator
+from rlora.rollout.generator import Generator
+from rlora.train import policies as pol
+from rlora.train.distributed import World, on_rank_zero
+from rlora.train.fsdp import ShardedBase, ShardedSampler, check_fsdp, shard_base
+from rlora.train.outputs import RunDir, default_output_dir
+from rlora.train.resume import check_replay_ranks, check_same_run, find_checkpoint
+from rlora.types import Example
+
+
+@dataclass
+class Session:
+    cfg: RLConfig
+    run_dir: RunDir
+    tokenizer: object
+    tok: TokenizerInfo
+    model: torch.nn.Module
+    algo: Algorithm
+    generator: Generator  # training rollouts
+    eval_generator: Generator  # held-out evaluation: always in the model's own dtype, so accuracy is exact
+    rewards: list[RewardFn]
+    prompts: PromptSets
+    train_ids: list[list[int]]
+    eval_ids: list[list[int]]
+    resume_from: Path | None = None  # checkpoint this run continues from
+    world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
+    num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
+    critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
+    policies: list[pol.Policy] | None = None  # several policies on the base (cfg.policies), built by _run
+    sharded: ShardedBase | None = None  # train.fsdp: the base's decoder layers split across the ranks
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_world(cfg: RLConfig, world: World) -> None:
+    """What data parallel needs: whole prompts per rank, no batch-wide statistics, split-invariant sampling."""
+    if not world.active:
+        return
+    if cfg.train.prompts_per_step % world.size:
+        raise UserError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the {world.size} "
+                        "ranks: each rank samples whole groups")
+    batch_stats = cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp")
+    if batch_stats and cfg.algo.dynamic_sampling:  # a rank whose groups were all dropped computes no statistics
+        raise UserError("data parallel with batch-wide statistics (algo.adv_scale=batch, reinforce_pp) needs every "
+                        "rank to keep its groups: disable algo.dynamic_sampling, or use group statistics")
+    if cfg.rollout.engine != "builtin":
+        raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
+                        "split across ranks)")
+
+
+def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None]:
+    """Everything that can be checked without loading the model, so bad input fails in a second."""
+    check_world(cfg, world)
+    check_fsdp(cfg, world)
+    resolve_machine_settings(cfg, world)
+    if cfg.train.output_dir is None:
+        cfg.train.output_dir = default_output_dir("train")
+    run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
+    resume_from = find_checkpoint(cfg)
+    if resume_from is None or not run_dir.holds_checkpoint(resume_from):
+        on_rank_zero(world, run_dir.check_writable)
+    if resume_from is not None:
+        check_same_run(cfg, resume_from)  # fail before the model loads
+        if cfg.algo.replay.enabled:
+            check_replay_ranks(resume_from, world.size)
+    check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
+    if cfg.lora.init_from:
+        check_adapter_folder(cfg.lora.init_from)
+    return run_dir, check_data_and_rewards(cfg), resume_from
+
+
+def resolve_machine_settings(cfg: RLConfig, world: World = World()) -> None:
+    """`auto` settings -> what this machine runs fastest (rlora.machine), printed once; config.yaml and the
+    checkpoints then hold the chosen value."""
+    if cfg.rollout.sampler_dtype == "auto":
+        device = resolve_device(cfg.model.device)
+        chosen = "model" if cfg.rollout.engine == "hf" else resolve_sampler_dtype("auto", cfg.model.dtype, device)
+        cfg.rollout.sampler_dtype = chosen
+        if world.is_main:
+            why = ("the device computes bf16 natively" if chosen == "bfloat16" else
+                   "hf engine" if cfg.rollout.engine == "hf" else
+                   f"{cfg.model.dtype} model" if cfg.model.dtype != "float32" else
+                   "no native bf16 on this device: AVX512-BF16/AMX absent")
+            info(f"rollout.sampler_dtype=auto -> {chosen} ({why})")
+
+
+def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
+    """The task or data files, the model's quantization needs and the reward functions, before any model loads."""
+    if cfg.data.task is not None:
+        check_task(cfg.data.task, cfg.data.task_args)
+    for path in (cfg.data.path, cfg.data.eval_path):
+        if path is not None and not Path(path).is_file():
+            raise UserError(f"data file not found: {path}")
+    quantization_config(cfg.model)  # bitsandbytes missing: say so before loading anything
+    resolve_device(cfg.model.device)  # a GPU asked for but absent: say so before loading anything
+    if cfg.data.task == "humaneval" and any(spec.fn == "gym" for spec in cfg.rewards):
+        raise UserError("task 'humaneval' is scored by running its tests: use rewards: [{fn: code}] instead of gym")
+    rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
+    check_reward_adapters(rewards, cfg.model.path)
+    return rewards
+
+
+def prepare(cfg: RLConfig, world: World = World()) -> Session:
+    run_dir, rewards, resume_from = check_inputs(cfg, world)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    prompts = load_prompt_sets(cfg.data)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp)  # fsdp: placed layer by layer
+    add_model_eos_ids(tok, base)
+    model = attach_policy(base, cfg)
+    num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
+    model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
+    critic = None
+    if get_algorithm(cfg.algo.name).critic:  # beside the policy's, on its layers: frozen outside Critic.active()
+        critic = attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
+                               cfg.ppo.value_head_init_std)
+    if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
+        causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    sharded = shard_base(model, world, resolve_device(cfg.model.device), cfg.train.fsdp_gather) if cfg.train.fsdp else None
+
+    def ids(examples: list[Example]) -> list[list[int]]:
+        return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
+
+    train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
+    longest = max(len(p) for p in train_ids + eval_ids) + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    generator = build_generator(cfg.rollout, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+    eval_generator = generator
+    if cfg.rollout.sampler_dtype != "model":
+        exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})
+        eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+    if sharded is not None:  # the sampler reads the weights directly: every call gathers the base or streams it
+        generator, eval_generator = ShardedSampler(generator, sharded), ShardedSampler(eval_generator, sharded)
+        if cfg.train.fsdp_gather == "layer" and "hf" in (generator.name, eval_generator.name):
+            raise UserError("train.fsdp_gather=layer streams the layers through rlora's built-in sampler, which does not "
+                            "support this model (it samples with transformers generate): set train.fsdp_gather=model")
+        if cfg.train.fsdp_gather == "layer" and cfg.rollout.merge_adapter:
+            info("train.fsdp_gather=layer with rollout.merge_adapter=true merges the LoRA into every layer in every "
+                 "decode step: rollout.merge_adapter=false samples faster here (docs/fsdp.md)")
+    if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None:
+        info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
+             "off-policy and nothing corrects for it (watch sampler_logp_gap)")
+    # the config rejects these with engine=hf; here the builtin engine fell back to hf for this model
+    for wanted, option, fix in ((cfg.algo.sampler_is_cap is not None, "algo.sampler_is_cap", "unset it"),
+                                (cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false")):
+        if wanted and generator.name != "builtin":
+            raise UserError(f"{option} needs the sampler's log-probs, which only rollout.engine=builtin returns "
+                            f"(this run samples with '{generator.name}'): {fix}")
+    return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
+                   prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded=sharded)
+
+
+def frozen_layers_to_share(cfg: RLConfig, model) -> int:
+    """How many lower decoder layers the step runs once for all its log-prob passes (0: none)."""
+    num_frozen = first_adapter_layer(model) if cfg.train.share_frozen_layers else 0
+    if num_frozen == 0:
+        return 0
+    reason = sharing_unsupported(model)
+    if reason is None and not cfg.train.logprob_chunk_tokens:
+        reason = "train.logprob_chunk_tokens=0 (the full-logits path)"
+    if reason is not None:
+        info(f"train.share_frozen_layers: not for this run ({reason}); every log-prob pass runs all layers")
+        return 0
+    return num_frozen
+
+
+def attach_molora_policy(base, cfg: RLConfig):
+    """The policy as a mixture of LoRA experts on the base (in place); the reference is the base with the mixture
+    off (molora_runtime.reference_policy)."""
+    ml.attach_molora(base, cfg.molora)
+    info(f"molora policy: {cfg.molora.num_experts} experts, top {cfg.molora.top_k}, {cfg.molora.router} router, "
+         f"{len(ml.molora_modules(base))} modules")
+    return base
+
+
+def attach_policy(base, cfg: RLConfig):
+    """The trainable policy on the base: a LoRA adapter, a mixture of LoRA experts, or several named adapters."""
+    if cfg.molora is not None:
+        return attach_molora_policy(base, cfg)
+    if cfg.policies is not None:
+        model = attach_policies(base, cfg.lora, *pol.names_and_seeds(cfg))
+        info(f"{len(cfg.policies)} policies on one base: {', '.join(p.name for p in cfg.policies)}")
+        return model
+    return attach_lora(base, cfg.lora)

@@ -160,8 +160,8 @@ def test_counter_uniform_matches_a_plain_python_splitmix64_and_ignores_batch_com
     got = counter_uniform(seed=42, keys_A=keys, t=3)
     mask = (1 << 64) - 1
     base = (42 * 0xD1B54A32D192ED03 + 3 * 0x8CB92BA72F3D8DD7) & mask
-    # splitmix64: the increment is added before mixing; the top 53 bits, centred: u in (0, 1)
-    want = [((_splitmix64(((k + 1) * 0x9E3779B97F4A7C15 + base) & mask) >> 11) + 0.5) * 2.0**-53
+    # splitmix64: the increment is added before mixing; the top 52 bits, centred: u in (0, 1)
+    want = [((_splitmix64(((k + 1) * 0x9E3779B97F4A7C15 + base) & mask) >> 12) + 0.5) * 2.0**-52
             for k in keys.tolist()]
     assert got.dtype == torch.float64 and got.tolist() == want
     assert counter_uniform(42, keys[2:3], 3).tolist() == got[2:3].tolist()  # a row's draw is its own

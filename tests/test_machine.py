@@ -1,5 +1,7 @@
 """`auto` settings follow the machine: bf16 sampling only where the device computes bf16 natively."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -12,16 +14,20 @@ BF16 = NO_BF16 | {"avx512_bf16"}
 AMX = NO_BF16 | {"amx_tile", "amx_bf16"}
 
 
-@pytest.mark.parametrize("flags,model_dtype,want", [
-    (NO_BF16, "float32", "model"), (BF16, "float32", "bfloat16"), (AMX, "float32", "bfloat16"),
-    (BF16, "bfloat16", "model"), (BF16, "float16", "model"), (frozenset(), "float32", "model")])
-def test_auto_sampler_dtype_on_a_cpu(flags, model_dtype, want):
-    assert machine.resolve_sampler_dtype("auto", model_dtype, "cpu", flags) == want
+@pytest.mark.parametrize("flags,overrides,want", [
+    (NO_BF16, [], "model"), (BF16, [], "bfloat16"), (AMX, [], "bfloat16"),
+    (BF16, ["model.dtype=bfloat16"], "model"), (BF16, ["algo.sampler_is_cap=null"], "model"),  # no correction
+    (BF16, ["rollout.engine=hf", "algo.sampler_is_cap=null"], "model"), (frozenset(), [], "model"),
+    (NO_BF16, ["rollout.sampler_dtype=bfloat16"], "bfloat16")])  # an explicit choice is kept
+def test_auto_sampler_dtype_on_a_cpu(flags, overrides, want, monkeypatch):
+    """The demo config (float32 model, algo.sampler_is_cap 2.0) on CPUs with and without native bf16."""
+    from rlora.config import load_config
+    from rlora.train.session import resolve_machine_settings
 
-
-@pytest.mark.parametrize("setting", ["model", "bfloat16", "float16", "float32"])
-def test_an_explicit_sampler_dtype_is_kept(setting):
-    assert machine.resolve_sampler_dtype(setting, "float32", "cpu", NO_BF16) == setting
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    cfg = load_config(None, ["model.device=cpu", *overrides])
+    resolve_machine_settings(cfg)
+    assert cfg.rollout.sampler_dtype == want
 
 
 def test_native_half_on_a_cpu():
@@ -29,12 +35,12 @@ def test_native_half_on_a_cpu():
     assert not machine.native_half("cpu", "float16", BF16) and machine.native_half("cpu", "float16", NO_BF16 | {"amx_fp16"})
 
 
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="Linux only: /proc/cpuinfo")
 def test_cpu_flags_are_this_machines():
+    words = Path("/proc/cpuinfo").read_text().split()
     flags = machine.cpu_flags()
-    with open("/proc/cpuinfo", encoding="utf-8") as handle:
-        text = handle.read()
-    assert flags and all(flag in text for flag in flags)
-    assert ("avx512_bf16" in flags) == (" avx512_bf16" in text)
+    assert flags and all(flag in words for flag in flags)
+    assert ("avx512_bf16" in flags) == ("avx512_bf16" in words)
 
 
 @pytest.mark.parametrize("flags,want", [(NO_BF16, "model"), (BF16, "bfloat16")])
@@ -67,3 +73,20 @@ def test_auto_with_the_hf_engine_is_the_models_dtype(tiny_model_dir, prompts_fil
         "eval.before": "false", "eval.after": "false"})
     assert main(["train", *args]) == 0
     assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["sampler_dtype"] == "model"
+
+
+def test_a_resumed_run_keeps_its_checkpoints_choice(monkeypatch, tiny_model_dir, prompts_file, tmp_path, capsys):
+    """Made on a CPU with native bf16, resumed on one without: auto takes the checkpoint's bfloat16 (the samples
+    depend on it) instead of refusing the resume for a setting the user never wrote."""
+    out = tmp_path / "run"
+    common = {"rollout.sampler_dtype": "auto", "train.checkpoint_every": 1, "eval.before": "false",
+              "eval.after": "false"}
+    monkeypatch.setattr(machine, "cpu_flags", lambda: BF16)
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **common, **{"train.steps": 1})]) == 0
+    monkeypatch.setattr(machine, "cpu_flags", lambda: NO_BF16)
+    capsys.readouterr()
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **common, **{
+        "train.steps": 2, "train.resume": "auto"})]) == 0
+    err = capsys.readouterr().err
+    assert "auto -> bfloat16 (the checkpoint's)" in err and "resuming from" in err
+    assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["sampler_dtype"] == "bfloat16"

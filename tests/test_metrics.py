@@ -35,6 +35,14 @@ def test_uneven_ranks_join_to_the_whole_batchs_statistics():
     assert merged["reward_mean"] != pytest.approx(statistics.fmean([r["reward_mean"] for r in ranks]))
 
 
+def test_a_reward_function_mean_is_over_the_rows_it_scored():
+    """A function that applies to 1 of rank 0's 8 rows (value 1.0) and all 8 of rank 1's (0.0): 1/9, not 0.5."""
+    ranks = [{"reward/f": 1.0, "reward_count/f": 1, "reward_count": 8},
+             {"reward/f": 0.0, "reward_count/f": 8, "reward_count": 8}]
+    merged = merge_metrics(ranks)
+    assert merged["reward/f"] == pytest.approx(1 / 9) and merged["reward_count/f"] == 9
+
+
 def test_a_rank_without_groups_does_not_weigh_in():
     row = _rank_row([0.0, 1.0, 1.0], [2, 3, 4], 1, 0, 1.0)
     empty = {"step": 2, "rows": 0, "groups": 0, "reward_count": 0, "reward_mean": None, "gen_tokens": 0, "rollout_s": 0.5}
@@ -45,7 +53,10 @@ def test_a_rank_without_groups_does_not_weigh_in():
 
 def test_every_logged_statistic_has_the_reduction_it_needs():
     assert isinstance(reduction_of("gen_tokens"), Sum) and isinstance(reduction_of("step_s"), Max)
-    assert reduction_of("reward_mean") == Mean("reward_count") and reduction_of("reward/gym") == Mean("reward_count")
+    assert reduction_of("reward_mean") == Mean("reward_count") and reduction_of("reward/gym") == Mean("reward_count/gym")
+    assert isinstance(reduction_of("reward_count/gym"), Sum) and isinstance(reduction_of("gpu_peak_gb"), Max)
+    assert reduction_of("reward_mean_sampled") == Mean("reward_count_sampled")
+    assert reduction_of("value_mean") == Mean("value_tokens")
     assert reduction_of("reward_std") == PooledStd("reward_mean", "reward_count")
     assert reduction_of("completion_len_mean") == Mean("rows") and isinstance(reduction_of("completion_len_max"), Max)
     assert reduction_of("loss") is None  # all-reduced in the update: the same on every rank

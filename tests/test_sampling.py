@@ -124,6 +124,8 @@ def test_counter_uniform_never_returns_0_or_1_and_has_no_fixed_point():
     first = sampling.counter_uniform(0, torch.tensor([0]), 0)
     assert 1e-3 < float(first) < 1 - 1e-3  # (seed, key, t) = 0 is an ordinary draw, not an edge
     assert float(sampling.counter_uniform(0, torch.tensor([0]), 0)) == float(first)  # reproducible
+    top, bottom = (2**52 - 1 + 0.5) * 2.0**-52, 0.5 * 2.0**-52  # the extreme values, exact in float64
+    assert 0 < bottom and top < 1
 
 
 @pytest.mark.parametrize("rest", [0, 1])

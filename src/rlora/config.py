@@ -160,7 +160,8 @@ class RolloutConfig(_Section):
         "launch instead of ~30 per layer); false: the eager step that drops finished rows. No effect on CPUs")
     sampler_dtype: Literal["auto", "model", "bfloat16", "float16", "float32"] = Field(
         "auto", description="builtin engine compute dtype. auto: bfloat16 for a float32 model where the device computes "
-        "it natively (GPUs; CPUs with AVX512-BF16/AMX), else model; the choice is printed and saved in config.yaml. "
+        "it natively (GPUs from Ampere; CPUs with AVX512-BF16/AMX) and algo.sampler_is_cap is set, else model; a "
+        "resumed run keeps its checkpoint's; the choice is printed and saved in config.yaml. "
         "bfloat16 on a float32 model is ~2.2-2.6x faster on such CPUs (~2x slower on AVX2-only ones) and samples "
         "slightly off-policy (pair with algo.sampler_is_cap)")
     think: ThinkConfig | None = Field(

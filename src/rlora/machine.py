@@ -2,8 +2,8 @@
 
 The same command can be 3x slower on one CPU than another: a bfloat16 sampler is ~2.5x faster than float32 on
 CPUs with AVX512-BF16 or AMX, and ~2x slower on AVX2-only CPUs, where bf16 matmuls are emulated
-(docs/benchmarks.md). Settings that depend on this default to `auto`, resolved here once per run, printed,
-and written to the run's config.yaml as the value chosen, so a resumed run compares like with like.
+(docs/benchmarks.md). Settings that depend on this default to `auto`, resolved from these facts once per run,
+printed, and written to the run's config.yaml as the value chosen (train/session.py: resolve_machine_settings).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ HALF_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16"
 
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    """The CPU's feature flags (Linux /proc/cpuinfo: x86 `flags`, Arm `Features`); empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
@@ -32,20 +32,9 @@ def native_half(device: torch.device | str, half: str, flags: frozenset[str] | N
     """Does the device compute `half` ("bfloat16" | "float16") matmuls natively? GPUs: bf16 where CUDA
     says so (Ampere on), fp16 always. CPUs: AVX512-BF16/AMX-BF16 for bf16, AVX512-FP16/AMX-FP16 for fp16."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return half == "float16" or torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # bf16 tensor cores from Ampere (compute capability 8) on; earlier ones emulate it
+        return half == "float16" or torch.cuda.get_device_capability(device)[0] >= 8
     if device.type != "cpu":
         return False  # mps and others: not measured here, so never chosen automatically
     flags = cpu_flags() if flags is None else flags
-    return any(flag in flags for flag in HALF_FLAGS[half])
-
-
-def resolve_sampler_dtype(setting: str, model_dtype: str, device: torch.device | str,
-                          flags: frozenset[str] | None = None) -> str:
-    """rollout.sampler_dtype `auto` -> "bfloat16" for a float32 model on a device that computes bf16
-    natively, else "model" (the model's own dtype, exact on-policy sampling). Other settings pass through."""
-    if setting != "auto":
-        return setting
-    if model_dtype == "float32" and native_half(device, "bfloat16", flags):
-        return "bfloat16"
-    return "model"
+    return any(flag in flags for flag in HALF_FLAGS[half])  # x86 names; other CPUs: never chosen automatically

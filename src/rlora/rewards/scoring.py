@@ -121,8 +121,8 @@ def import_callable(dotted: str) -> Callable:
 
 
 def _from_file(spec: str) -> Callable:
-    """`FILE.py:function`: the file imported as a module of its own (its folder first on sys.path while it
-    imports, so it can import its neighbours)."""
+    """`FILE.py:function`: the file imported as a module of its own. Its folder joins sys.path (first) and stays
+    there, so the file can import its neighbours at import time and when the function runs."""
     file_name, _, attr = spec.rpartition(":")
     path = Path(file_name)
     if not path.is_file():
@@ -133,13 +133,12 @@ def _from_file(spec: str) -> Callable:
     if module is None:
         loader_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(loader_spec)
-        sys.path.insert(0, str(path.parent))
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
         try:
             loader_spec.loader.exec_module(module)
         except Exception as err:  # noqa: BLE001 - errors of user code, reported in one line
             raise UserError(f"reward fn '{spec}': importing {path} failed: {type(err).__name__}: {err}") from None
-        finally:
-            sys.path.remove(str(path.parent))
         sys.modules[module_name] = module  # imported once per process
     fn = getattr(module, attr, None)
     if not callable(fn):

@@ -8,7 +8,7 @@ import torch
 from rlora.config import RolloutConfig
 from rlora.errors import UserError
 from rlora.logging.console import info
-from rlora.machine import native_half, resolve_sampler_dtype
+from rlora.machine import native_half
 from rlora.models.loading import DTYPES
 from rlora.rollout.decoder import unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
@@ -21,11 +21,11 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
         reason = unsupported_reason(model, max_length)
         if reason is None:
             parameter = next(model.parameters())
-            model_dtype = str(parameter.dtype).removeprefix("torch.")
-            setting = resolve_sampler_dtype(cfg.sampler_dtype, model_dtype, parameter.device)  # runs resolved it already
+            # `rlora train` resolves auto before this (train/session.py); elsewhere it means exact sampling
+            setting = "model" if cfg.sampler_dtype == "auto" else cfg.sampler_dtype
             dtype = None if setting == "model" else DTYPES[setting]
             if dtype in (torch.bfloat16, torch.float16) and not native_half(parameter.device, setting):
-                info(f"rollout.sampler_dtype={setting} on a CPU without native support for it: sampling "
+                info(f"rollout.sampler_dtype={setting} on a device without native support for it: sampling "
                      "will be slower, not faster")
             return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype,
                                     decode="auto" if cfg.cuda_graphs else "eager")

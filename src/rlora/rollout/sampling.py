@@ -77,7 +77,8 @@ def counter_uniform(seed: int | torch.Tensor, keys_A: torch.Tensor, t: int) -> t
 
     The counter gets splitmix64's increment before mixing: without it (seed 0, key 0, t 0) is the counter 0,
     which the mix maps to 0, so row 0 of every seed-0 run drew u = 0 (the lowest-index token with any
-    probability) as its first token. The 53 bits are centred in their interval: u is never exactly 0 or 1."""
+    probability) as its first token. u takes the top 52 bits, centred in their interval: (m + 0.5) / 2^52 is
+    exact in float64 for every m < 2^52, so u is never 0 or 1 (with 53 bits the largest would round to 1)."""
     if isinstance(seed, torch.Tensor):
         offset = seed.to(torch.int64) * _SEED_MIX + _signed(t * _STEP_MIX + _GOLDEN)
     else:
@@ -86,7 +87,7 @@ def counter_uniform(seed: int | torch.Tensor, keys_A: torch.Tensor, t: int) -> t
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
-    return (_shift_right(x, 11).to(torch.float64) + 0.5) * 2.0**-53
+    return (_shift_right(x, 12).to(torch.float64) + 0.5) * 2.0**-52
 
 
 CANDIDATES = 1024  # top-k/top-p look at this many most likely tokens first (a full vocabulary sort is slow)

@@ -5,7 +5,8 @@ up; times take the slowest rank and maxima the largest; a mean over rows (or gro
 weighted by that count, which the rank reports beside it, so ranks holding different numbers of groups
 (dynamic sampling, a rank without groups) join to the mean over the whole batch; a standard deviation is
 pooled from the ranks' counts, means and deviations. The update's metrics are computed from sums all-reduced
-before dividing (train/update.py), so they are already equal on every rank: averaging keeps them.
+before dividing (train/update.py), so they are already equal on every rank: averaging keeps them. Not exact:
+PPO's explained_variance (each rank's own), averaged over ranks.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class PooledStd:
 
 Reduction = Sum | Max | Mean | PooledStd
 
-_COUNTS = ("rows", "groups", "reward_count", "gen_tokens", "prompt_tokens", "groups_sampled", "groups_dropped",
+_COUNTS = ("rows", "groups", "reward_count", "reward_count_sampled", "value_tokens", "gen_tokens", "prompt_tokens", "groups_sampled", "groups_dropped",
            "resamples", "rescued_groups", "reward_failures", "replay_groups", "replay_stored", "replay_buffer")
 REDUCTIONS: dict[str, Reduction] = {
     **{key: Sum() for key in _COUNTS},
@@ -53,6 +54,9 @@ REDUCTIONS: dict[str, Reduction] = {
     "frac_groups_zero_std": Mean("groups"),
     "frac_zero_var_first": Mean("groups_sampled"),
     "frac_zero_var_after_resample": Mean("groups_sampled"),
+    "reward_mean_sampled": Mean("reward_count_sampled"),
+    "value_mean": Mean("value_tokens"), "return_mean": Mean("value_tokens"), "advantage_mean": Mean("value_tokens"),
+    "gpu_peak_gb": Max(),
 }
 
 
@@ -61,7 +65,9 @@ def reduction_of(key: str) -> Reduction | None:
     if key in REDUCTIONS:
         return REDUCTIONS[key]
     if key.startswith("reward/"):  # one reward function's mean over the rows it scored
-        return Mean("reward_count")
+        return Mean("reward_count/" + key.removeprefix("reward/"))
+    if key.startswith("reward_count/"):
+        return Sum()
     if key.endswith("_s") or key.endswith("_max"):
         return Max()
     return None

@@ -137,7 +137,7 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
         "lr": lr, "value_lr": value_lr, "temperature": step_params(cfg, step).temperature,
         "explained_variance": explained_variance(old_values_BT, targets.returns_BT, mask_BT),
         "value_mean": _masked_mean(old_values_BT, mask_BT), "return_mean": _masked_mean(targets.returns_BT, mask_BT),
-        "advantage_mean": _masked_mean(targets.advantages_BT, mask_BT),
+        "advantage_mean": _masked_mean(targets.advantages_BT, mask_BT), "value_tokens": int(mask_BT.sum()),
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "values_s": t_values - t_collected, "train_s": t_end - t_values,
     }

@@ -155,6 +155,12 @@ def check_same_run(cfg, folder: Path) -> dict:
     return state
 
 
+def saved_setting(folder: Path, section: str, key: str):
+    """One setting of the config a checkpoint was made with (None where it has none)."""
+    state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    return (yaml.safe_load(state["config"]).get(section) or {}).get(key)
+
+
 def _with_current_defaults(saved: dict, config_cls) -> dict:
     """The saved config as this version writes it (keys added since, e.g. a policy's beta, at their defaults);
     as saved when it no longer validates (the comparison then names what differs)."""

@@ -21,7 +21,7 @@ from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.train.sinks import check_sinks
-from rlora.machine import resolve_sampler_dtype
+from rlora.machine import native_half
 from rlora.models import molora as ml
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
@@ -35,10 +35,10 @@ from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.train import policies as pol
-from rlora.train.distributed import World, on_rank_zero
+from rlora.train.distributed import World, gather_objects, on_rank_zero
 from rlora.train.fsdp import ShardedBase, ShardedSampler, check_fsdp, shard_base
 from rlora.train.outputs import RunDir, default_output_dir
-from rlora.train.resume import check_replay_ranks, check_same_run, find_checkpoint
+from rlora.train.resume import check_replay_ranks, check_same_run, find_checkpoint, saved_setting
 from rlora.types import Example
 
 
@@ -90,11 +90,11 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     """Everything that can be checked without loading the model, so bad input fails in a second."""
     check_world(cfg, world)
     check_fsdp(cfg, world)
-    resolve_machine_settings(cfg, world)
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
     resume_from = find_checkpoint(cfg)
+    resolve_machine_settings(cfg, world, resume_from)
     if resume_from is None or not run_dir.holds_checkpoint(resume_from):
         on_rank_zero(world, run_dir.check_writable)
     if resume_from is not None:
@@ -107,19 +107,29 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     return run_dir, check_data_and_rewards(cfg), resume_from
 
 
-def resolve_machine_settings(cfg: RLConfig, world: World = World()) -> None:
+def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from: Path | None = None) -> None:
     """`auto` settings -> what this machine runs fastest (rlora.machine), printed once; config.yaml and the
-    checkpoints then hold the chosen value."""
-    if cfg.rollout.sampler_dtype == "auto":
-        device = resolve_device(cfg.model.device)
-        chosen = "model" if cfg.rollout.engine == "hf" else resolve_sampler_dtype("auto", cfg.model.dtype, device)
-        cfg.rollout.sampler_dtype = chosen
-        if world.is_main:
-            why = ("the device computes bf16 natively" if chosen == "bfloat16" else
-                   "hf engine" if cfg.rollout.engine == "hf" else
-                   f"{cfg.model.dtype} model" if cfg.model.dtype != "float32" else
-                   "no native bf16 on this device: AVX512-BF16/AMX absent")
-            info(f"rollout.sampler_dtype=auto -> {chosen} ({why})")
+    checkpoints then hold the chosen value. A resumed run keeps its checkpoint's choice (the samples depend on
+    it), and rank 0 decides for every rank (ranks on other CPUs must still sample alike)."""
+    if cfg.rollout.sampler_dtype != "auto":
+        return
+    if resume_from is not None:
+        # every checkpoint's config names its sampler dtype (the key predates `auto`, which it never holds)
+        chosen, why = saved_setting(resume_from, "rollout", "sampler_dtype") or "model", "the checkpoint's"
+    elif cfg.rollout.engine == "hf":
+        chosen, why = "model", "hf engine"
+    elif cfg.model.dtype != "float32":
+        chosen, why = "model", f"a {cfg.model.dtype} model"
+    elif not native_half(resolve_device(cfg.model.device), "bfloat16"):
+        chosen, why = "model", "no native bf16 on this device (AVX512-BF16/AMX absent, or a GPU before Ampere)"
+    elif cfg.algo.sampler_is_cap is None:
+        chosen, why = "model", "bf16 is native, but set algo.sampler_is_cap to sample from it with importance correction"
+    else:
+        chosen, why = "bfloat16", "the device computes bf16 natively; algo.sampler_is_cap corrects for it"
+    chosen, why = gather_objects(world, (chosen, why))[0]
+    cfg.rollout.sampler_dtype = chosen
+    if world.is_main:
+        info(f"rollout.sampler_dtype=auto -> {chosen} ({why})")
 
 
 def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:

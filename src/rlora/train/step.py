@@ -340,6 +340,7 @@ def _reward_metrics(batch: Batch) -> dict:
         "reward_mean": float(total[valid].mean()) if valid.any() else None, "reward_count": int(valid.sum()),
         "reward_std": float(total[valid].std()) if valid.sum() > 1 else 0.0,
         **{f"reward/{name}": _mean(values) for name, values in scores.per_fn.items()},
+        **{f"reward_count/{name}": _count(values) for name, values in scores.per_fn.items()},  # what each mean is over
         "reward_failures": int(scores.failed_B.sum()),
     }
 
@@ -362,6 +363,7 @@ def _rollout_metrics(batch: Batch) -> dict:
 def _collect_metrics(stats: CollectStats, cfg) -> dict:
     out = {"sampling_rounds": stats.sampling_rounds, "groups_sampled": stats.groups_sampled,
            "reward_mean_sampled": stats.first_reward_sum / stats.first_reward_count if stats.first_reward_count else None,
+           "reward_count_sampled": stats.first_reward_count,
            "frac_zero_var_first": stats.zero_var_before / max(stats.groups_sampled, 1)}
     if cfg.algo.dynamic_sampling:
         out["groups_dropped"] = stats.groups_dropped
@@ -388,6 +390,10 @@ def _samples(s, batch: Batch, advantages, step: int) -> list[dict]:
 def _num(value: torch.Tensor) -> float | None:
     v = float(value)
     return None if v != v else v
+
+
+def _count(values: list) -> int:
+    return sum(1 for v in values if v is not None and v == v)
 
 
 def _mean(values: list) -> float | None:

@@ -35,7 +35,10 @@ def _run_command(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([*launcher, "-m", "rlora", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
-@pytest.mark.parametrize("algo", [{}, {"algo.adv_scale": "batch"}, {"algo.name": "reinforce_pp", "algo.beta": 0.01}])
+# 30 s each on a 2-core CPU: plain groups (also run by the DAPO and policies tests) and REINFORCE++'s whitening
+# (the same summed statistics as adv_scale=batch) run in the slow target, batch statistics by default
+@pytest.mark.parametrize("algo", [pytest.param({}, marks=pytest.mark.slow), {"algo.adv_scale": "batch"},
+                                  pytest.param({"algo.name": "reinforce_pp", "algo.beta": 0.01}, marks=pytest.mark.slow)])
 def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_file, tmp_path, algo):
     # Also with batch-wide statistics (GRPO's std over the batch, REINFORCE++'s token whitening): the ranks sum
     # their counts, sums and squared deviations, so each divides by the whole batch's std.
@@ -92,6 +95,7 @@ def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_fi
         assert row[key] == pytest.approx(alone[key], rel=1e-9), key
 
 
+@pytest.mark.slow  # 60 s: five torchrun launches (scripts/test.sh --slow)
 def test_replay_buffers_per_rank_resume_exactly(tiny_model_dir, prompts_file, tmp_path):
     """Experience replay on 2 ranks: each rank stores and replays its own groups, and a checkpoint holds every
     rank's buffer. 2 steps + resume + 2 steps == 4 steps straight (adapters within 1e-6, the same samples and

@@ -20,6 +20,7 @@ from rlora.train.fsdp import check_fsdp
 from test_distributed import TESTS, _run
 
 
+@pytest.mark.slow  # 100 s on a 2-core CPU; the default suite keeps the sharded policies run and the sampling tests
 def test_sharded_base_trains_and_samples_like_data_parallel(tiny_model_dir, prompts_file, tmp_path):
     """Rank 0's only group is flat (flat_for_zero, no KL): it trains no row while rank 1 trains four, so rank 0
     pads with zero passes. Also on: the frozen layer 0 computed once (top_layers=1, old log-probs for 2

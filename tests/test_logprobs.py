@@ -79,6 +79,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 40 s: two processes, each with ~2 GB of full-vocabulary logits
 def test_chunked_path_peak_memory_is_a_fraction_of_the_full_path(tmp_path):
     """8 x 384 completion tokens over a 32k vocabulary: full fp32 logits are 8*385*32000*4 B = 394 MB
     (plus their log-softmax and gradient); the chunked path holds one 128 x 32000 chunk (16 MB, a few copies) at a time.

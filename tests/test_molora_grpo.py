@@ -247,7 +247,8 @@ def _one_and_two_ranks(model_dir, prompts_file, tmp_path, router, extra) -> dict
     return outs
 
 
-@pytest.mark.parametrize("router", ["sequence", "token"])
+# 27 s each on a 2-core CPU: one router per case by default, the other in the slow target
+@pytest.mark.parametrize("router", [pytest.param("sequence", marks=pytest.mark.slow), "token"])
 def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, prompts_file, tmp_path):
     """torchrun, 2 ranks x 1 prompt against 1 rank x 2 prompts, one micro-batch per group: the routers' balance
     loss uses the whole batch's utilisation and unit count over both ranks (a routing pass on each rank, summed),
@@ -272,7 +273,7 @@ def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, pro
         check_fsdp(cfg, World(rank=0, size=2))
 
 
-@pytest.mark.parametrize("router", ["sequence", "token"])
+@pytest.mark.parametrize("router", ["sequence", pytest.param("token", marks=pytest.mark.slow)])
 def test_a_rank_without_groups_joins_the_routers_sums(router, tiny_model_dir, prompts_file, tmp_path):
     """DAPO drops rank 0's only group (flat_for_zero): rank 0 trains nothing but still takes part in the routers'
     sums (an empty RolloutRouting in contribute_nothing); the run equals one process dropping the same group."""

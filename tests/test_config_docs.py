@@ -30,7 +30,7 @@ def reference() -> str:
 def test_reference_file_is_up_to_date(reference):
     assert REFERENCE.is_file(), f"docs/configuration.md is missing: generate it with `{REGENERATE}`"
     assert REFERENCE.read_text(encoding="utf-8") == reference, (
-        f"docs/configuration.md is out of date with src/rlora/config.py: regenerate it with `{REGENERATE}`")
+        f"docs/configuration.md is out of date with src/rlora/config/: regenerate it with `{REGENERATE}`")
 
 
 def test_render_is_deterministic(reference):

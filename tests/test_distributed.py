@@ -12,12 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_overrides
-from rlora.config import load_config
+from rlora.config import check_launch, load_config
 from rlora.errors import UserError
 from rlora.rollout.sampling import counter_uniform
 from rlora.train.distributed import World
 from rlora.train.metrics import merge_metrics
-from rlora.train.session import check_world
 
 TESTS = os.path.dirname(__file__)
 
@@ -127,17 +126,17 @@ def test_replay_buffers_per_rank_resume_exactly(tiny_model_dir, prompts_file, tm
 def test_world_checks_and_metric_merging():
     cfg = load_config(None, ["train.prompts_per_step=3", "train.micro_batch_size=8"])
     with pytest.raises(UserError, match="multiple of the 2 ranks"):
-        check_world(cfg, World(0, 2))
+        check_launch(cfg, 2)
     for override, message in (("algo.adv_scale=batch", "batch-wide statistics .* disable algo.dynamic_sampling"),
                               ("algo.name=reinforce_pp", "batch-wide statistics .* disable algo.dynamic_sampling"),
                               ("rollout.engine=hf", "rollout.engine=builtin")):
         extra = ["rollout.sampler_dtype=model", "algo.sampler_is_cap=null"] if "hf" in override else []
         extra += ["algo.dynamic_sampling=true"] if "batch" in message else []
         with pytest.raises(UserError, match=message):
-            check_world(load_config(None, [override, *extra]), World(1, 2))
+            check_launch(load_config(None, [override, *extra]), 2)
         if "batch" in message:  # batch-wide statistics alone are summed over the ranks
-            check_world(load_config(None, [override]), World(1, 2))
-    check_world(cfg, World())  # one process: anything goes
+            check_launch(load_config(None, [override]), 2)
+    check_launch(cfg, 1)  # one process: anything goes
     # the loss is already the global one on every rank (all-reduced in the update): averaging keeps it
     merged = merge_metrics([{"step": 3, "loss": 0.75, "gen_tokens": 10, "rollout_s": 2.0, "reward_mean": 0.5, "kl": None},
                             {"step": 3, "loss": 0.75, "gen_tokens": 12, "rollout_s": 3.0, "reward_mean": 1.0, "kl": None}])

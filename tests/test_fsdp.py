@@ -12,11 +12,9 @@ from safetensors.torch import load_file
 
 from conftest import tiny_overrides
 from rlora.cli import main
-from rlora.config import load_config
+from rlora.config import check_launch, load_config
 from rlora.errors import UserError
 from rlora.models.tiny import build_random_model
-from rlora.train.distributed import World
-from rlora.train.fsdp import check_fsdp
 from test_distributed import TESTS, _run
 
 
@@ -116,10 +114,9 @@ def test_fsdp_in_one_process_is_one_line(tiny_model_dir, prompts_file, tmp_path,
     ("algo.replay.enabled=true", "does not support algo.replay yet"),
 ])
 def test_unsupported_combinations_are_refused(override, message):
-    cfg = load_config(None, ["train.fsdp=true", override])
-    with pytest.raises(UserError, match=message):
-        check_fsdp(cfg, World(0, 2))
-    check_fsdp(load_config(None, ["train.fsdp=true"]), World(1, 2))  # the switch alone is fine under torchrun
+    with pytest.raises(UserError, match=message):  # refused as the config loads, before any launch
+        load_config(None, ["train.fsdp=true", override])
+    check_launch(load_config(None, ["train.fsdp=true"]), 2)  # the switch alone is fine under torchrun
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +155,7 @@ def test_sampling_from_the_sharded_base_equals_the_unsharded_policy(four_layer_d
 
 def test_gather_mode_without_fsdp_is_refused(tiny_model_dir, prompts_file, tmp_path, capsys):
     with pytest.raises(UserError, match="train.fsdp_gather=layer applies to a sharded base: set train.fsdp=true"):
-        check_fsdp(load_config(None, ["train.fsdp_gather=layer"]), World(0, 2))
+        load_config(None, ["train.fsdp_gather=layer"])
     with pytest.raises(UserError, match="invalid value for train.fsdp_gather: Input should be 'model' or 'layer'"):
         load_config(None, ["train.fsdp_gather=layers"])
     out = tmp_path / "o"

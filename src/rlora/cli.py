@@ -28,7 +28,7 @@ examples:
 
 stable override keys: model.path lora.rank lora.alpha lora.target_modules rollout.num_generations
   rollout.max_new_tokens rollout.temperature algo.beta algo.loss_agg train.steps train.prompts_per_step
-  train.lr train.seed train.output_dir   (any other config key works too; see src/rlora/config.py)
+  train.lr train.seed train.output_dir   (any other config key works too; see src/rlora/config/)
 """
 
 SFT_EPILOG = """\

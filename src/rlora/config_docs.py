@@ -1,7 +1,7 @@
 """The configuration reference (docs/configuration.md), generated from the pydantic config classes.
 
 `render_reference()` walks `RLConfig.model_fields`, then the sections of `SFTConfig` (`rlora sft`) and
-`RMConfig` (`rlora rm`) that differ from RLConfig's (so a section added to config.py appears without any
+`RMConfig` (`rlora rm`) that differ from RLConfig's (so a section added to config/schema.py appears without any
 change here), descending into nested sections (`algo.adaptive`), optional sections (`rollout.think`) and
 lists of sections (`rewards[]`), and adds the presets of every algorithm in `rlora.algos.registry`.
 
@@ -26,7 +26,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rlora.config import RLConfig, RMConfig, SFTConfig
+from rlora.config import REFUSALS, RefusedCombination, RLConfig, RMConfig, SFTConfig, check_launch, load_config
+from rlora.config.refusals import EXAMPLE_BASES
 
 REGENERATE = ".venv/bin/python -m rlora.config_docs"
 _ROOT = Path(__file__).resolve().parents[2]
@@ -223,7 +224,7 @@ def render_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "<!-- Generated from src/rlora/config.py and src/rlora/algos/registry.py by "
+        "<!-- Generated from src/rlora/config/ and src/rlora/algos/registry.py by "
         f"`{REGENERATE}`; do not edit by hand. tests/test_config_docs.py fails when it is out of date. -->",
         "",
         "A config is a YAML file of sections; any key can also be set on the command line as `section.key=value` "
@@ -233,13 +234,12 @@ def render_reference() -> str:
         "closest valid key. Examples: `src/rlora/configs/demo.yaml` (the embedded demo), `configs/*.yaml`.",
         "",
         "Keys are dotted from the root; `rewards[].fn` is the key `fn` of each item of the list `rewards`. "
-        "Constraints are checked when the config loads, as are the cross-field rules in "
-        "`RLConfig._check_combinations` (e.g. exactly one of `data.task` / `data.path`; `train.prompts_per_step` x "
-        "`rollout.num_generations` divisible by `train.micro_batch_size`). The algorithm named by `algo.name` fills "
-        "the keys it presets (see [Algorithm presets](#algorithm-presets)) wherever the config does not set them.",
+        "Constraints are checked when the config loads. The algorithm named by `algo.name` then fills "
+        "the keys it presets (see [Algorithm presets](#algorithm-presets)) wherever the config does not set them, "
+        "and the [refused combinations](#refused-combinations) are checked, before any model loads.",
         "",
         "Sections: " + ", ".join(f"[`{name}`](#{name})" for name, _ in sections) + ", "
-        "[algorithm presets](#algorithm-presets).",
+        "[algorithm presets](#algorithm-presets), [refused combinations](#refused-combinations).",
         "",
     ]
     for name, field in sections:
@@ -254,7 +254,35 @@ def render_reference() -> str:
         "",
     ]
     lines += _table(preset_rows(), ("algorithm", "presets", "paper"))
+    lines += [
+        "",
+        "## Refused combinations",
+        "",
+        "One table, `src/rlora/config/refusals.py`: the first row that matches stops the command with its message "
+        "(exit code 2). Rows marked *ranks* depend on how many data-parallel ranks torchrun started and are checked "
+        "when the command starts; the others when the config loads. The example is what triggers the row (overrides "
+        "of the demo config, or of sft's / rm's defaults); the message is what it then prints.",
+        "",
+    ]
+    lines += _table(refusal_rows(), ("row", "commands", "example", "message"))
     return "\n".join(lines) + "\n"
+
+
+def refusal_rows() -> list[tuple[str, str, str, str]]:
+    """Each row of the refusal table with the message its own example prints."""
+    rows = []
+    for row in REFUSALS:
+        model_cls, base = EXAMPLE_BASES[row.commands[0]]
+        try:
+            check_launch(load_config(None, [*base, *row.example], model_cls=model_cls), row.example_ranks)
+        except RefusedCombination as refused:
+            message = str(refused)
+        else:  # tests/test_refusals.py fails first
+            raise AssertionError(f"the example of refusal row {row.name} is accepted")
+        ranks = f" on {row.example_ranks} rank(s)" if row.launch else ""
+        rows.append((f"`{row.name}`", ", ".join(row.commands) + (" (*ranks*)" if row.launch else ""),
+                     " ".join(f"`{item}`" for item in row.example) + ranks, message))
+    return rows
 
 
 def _command_markdown(command: str, root: type[BaseModel], doc: str) -> list[str]:
@@ -281,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.output.read_text(encoding="utf-8") if args.output.is_file() else None
         if current != text:
-            state = "is missing" if current is None else "is out of date with src/rlora/config.py"
+            state = "is missing" if current is None else "is out of date with src/rlora/config/"
             print(f"{args.output} {state}: regenerate it with `{REGENERATE}`", file=sys.stderr)
             return 1
         print(f"{args.output} is up to date")

@@ -14,8 +14,8 @@ forward; train.fsdp_gather picks whether a sampling call gathers the whole base 
 
 FSDP's all-gathers are collectives: every rank must run the same sequence of layer passes. The step's
 log-prob passes over a rank's rollout are the same on every rank when every rank has the same number of
-rows (check_fsdp refuses what changes that: dynamic sampling, adaptive resampling, reward adapters); the
-policy update skips rows that cannot contribute, a different number per rank, so ranks with fewer
+rows (the refusal table, config/refusals.py, refuses what changes that: dynamic sampling, adaptive
+resampling, reward adapters); the policy update skips rows that cannot contribute, a different number per rank, so ranks with fewer
 micro-batches add passes that change no gradient (`passes_to_add`, `zero_pass`).
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.loading import model_device
@@ -34,35 +33,6 @@ from rlora.models.sharded_base import ShardedBase, held_parameters, shard_layers
 from rlora.batching import trim
 from rlora.train.distributed import World, all_reduce_max
 from rlora.types import Rollout
-
-
-def check_fsdp(cfg, world: World) -> None:
-    """What train.fsdp needs, before anything loads (check_world has refused what data parallel cannot do)."""
-    if not cfg.train.fsdp:
-        if cfg.train.fsdp_gather != "model":
-            raise UserError(f"train.fsdp_gather={cfg.train.fsdp_gather} applies to a sharded base: set train.fsdp=true "
-                            "(under torchrun) or remove train.fsdp_gather")
-        return
-    if not world.active:
-        raise UserError("train.fsdp shards the base across data-parallel ranks: launch with torchrun "
-                        "--nproc_per_node N (N >= 2), or set train.fsdp=false")
-    if cfg.model.quantization != "none":
-        raise UserError(f"train.fsdp does not shard a quantized base (model.quantization={cfg.model.quantization}): "
-                        "set model.quantization=none or train.fsdp=false")
-    if cfg.algo.dynamic_sampling or cfg.algo.adaptive.enabled:
-        raise UserError("train.fsdp needs every rank to sample and train the same number of rows each step; "
-                        "algo.dynamic_sampling and algo.adaptive resample per rank: disable them or train.fsdp")
-    if cfg.molora is not None:
-        raise UserError("train.fsdp does not support a molora policy yet: set train.fsdp=false (plain data parallel)")
-    if cfg.algo.replay.enabled:
-        raise UserError("train.fsdp does not support algo.replay yet (each rank replays its own number of groups "
-                        "through the base): set train.fsdp=false (plain data parallel) or disable algo.replay")
-    if cfg.algo.name == "ppo":
-        raise UserError("train.fsdp does not support algo.name=ppo yet (the critic's passes through the base differ "
-                        "per rank): set train.fsdp=false (plain data parallel)")
-    if any(spec.fn == "reward_model" for spec in cfg.rewards):
-        raise UserError("train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores "
-                        "through the sharded base a different number of times per rank): set train.fsdp=false")
 
 
 def is_sharded(model) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from rlora.algos.registry import Algorithm, get_algorithm
-from rlora.config import RLConfig
+from rlora.config import RLConfig, check_launch
 from rlora.data.prompts import PromptSets, load_prompt_sets, render_prompt
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
@@ -36,7 +36,7 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.train import policies as pol
 from rlora.train.distributed import World, gather_objects, on_rank_zero
-from rlora.train.fsdp import ShardedBase, ShardedSampler, check_fsdp, shard_base
+from rlora.train.fsdp import ShardedBase, ShardedSampler, shard_base
 from rlora.train.outputs import RunDir, default_output_dir
 from rlora.train.resume import check_replay_ranks, check_same_run, find_checkpoint, saved_setting
 from rlora.types import Example
@@ -70,26 +70,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_world(cfg: RLConfig, world: World) -> None:
-    """What data parallel needs: whole prompts per rank, no batch-wide statistics, split-invariant sampling."""
-    if not world.active:
-        return
-    if cfg.train.prompts_per_step % world.size:
-        raise UserError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the {world.size} "
-                        "ranks: each rank samples whole groups")
-    batch_stats = cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp")
-    if batch_stats and cfg.algo.dynamic_sampling:  # a rank whose groups were all dropped computes no statistics
-        raise UserError("data parallel with batch-wide statistics (algo.adv_scale=batch, reinforce_pp) needs every "
-                        "rank to keep its groups: disable algo.dynamic_sampling, or use group statistics")
-    if cfg.rollout.engine != "builtin":
-        raise UserError("data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is "
-                        "split across ranks)")
-
-
 def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None]:
     """Everything that can be checked without loading the model, so bad input fails in a second."""
-    check_world(cfg, world)
-    check_fsdp(cfg, world)
+    check_launch(cfg, world.size)  # the refusal table's rows that read the number of ranks
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)

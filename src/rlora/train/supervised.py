@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rlora.config import check_launch
 from rlora.errors import UserError
 from rlora.logging.console import progress_bar
 from rlora.models.loading import check_adapter_folder, quantization_config, resolve_device
@@ -17,12 +18,7 @@ from rlora.train.outputs import RunDir, default_output_dir
 
 def check_inputs(cfg, command: str = "sft", world: World = World()) -> RunDir:
     """What can be checked before the tokenizer and model load (`rlora sft` and `rlora rm` configs)."""
-    if world.active and cfg.train.batch_size % world.size:
-        raise UserError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the {world.size} ranks: each "
-                        "rank trains its share of every batch")
-    if world.active and getattr(cfg, "molora", None) is not None:
-        raise UserError(f"rlora {command} with a molora section runs in one process (the routers' auxiliary loss "
-                        "covers the whole batch): run it without torchrun")
+    check_launch(cfg, world.size)  # the refusal table's rows that read the number of ranks
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir(command)
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)

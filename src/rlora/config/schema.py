@@ -1,22 +1,19 @@
-"""Typed configuration: YAML file + dotted `key=value` overrides, validated before any model loads.
+"""The configuration's schema: one pydantic model per section, `extra="forbid"` so a misspelt key is an error.
 
-Every section is a pydantic model with `extra="forbid"`, so a misspelt key is an error that names the
-closest valid key. `load_config` is the single entry point; it raises `UserError` with one line.
+A section validates its own values (ranges, choices, and the few rules that hold wherever the section is
+built alone: `rlora eval` builds an EvalConfig, a MoLoRA folder a MoLoRAConfig). Rules that combine sections
+or depend on the launch are rows of one table, config/refusals.py; YAML, overrides and algorithm presets are
+config/loading.py.
 """
 
 from __future__ import annotations
 
 import difflib
-import typing
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlora.errors import UserError
-from rlora.presets import PRESETS
+from rlora.presets import ALGORITHM_NAMES
 
 if TYPE_CHECKING:
     from rlora.types import ThinkPhase
@@ -50,13 +47,6 @@ class LoraConfig(_Section):
     use_rslora: bool = Field(False, description="Scale by alpha/sqrt(rank) instead of alpha/rank")
     init_from: str | None = Field(None, description="Start from an existing PEFT adapter folder")
 
-    @model_validator(mode="after")
-    def _one_layer_choice(self) -> "LoraConfig":
-        if self.layers is not None and self.top_layers is not None:
-            raise ValueError("set lora.layers (indices) or lora.top_layers (a count from the top), not both")
-        if self.init_from and (self.layers is not None or self.top_layers is not None):
-            raise ValueError("lora.init_from keeps the layers of the adapter it loads: remove lora.layers / lora.top_layers")
-        return self
 
 
 class MoLoRAConfig(_Section):
@@ -168,12 +158,6 @@ class RolloutConfig(_Section):
         None, description="builtin engine: sample the thinking span (start..end) with its own temperature/top_p; the "
         "training log-probs use each token's own temperature (null: one setting for the whole completion)")
 
-    @model_validator(mode="after")
-    def _check_think(self) -> "RolloutConfig":
-        if self.think is not None and self.engine == "hf":
-            raise ValueError("rollout.think (phase-aware sampling) needs the built-in sampler: set rollout.engine=builtin "
-                             "or rollout.think=null")
-        return self
 
     def think_phase(self) -> ThinkPhase | None:
         """The think section as the sampler's ThinkPhase (None when off)."""
@@ -238,6 +222,15 @@ class AlgoConfig(_Section):
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
 
+    @field_validator("name")
+    @classmethod
+    def _known_algorithm(cls, name: str) -> str:
+        if name not in ALGORITHM_NAMES:
+            close = difflib.get_close_matches(name, ALGORITHM_NAMES, n=1)
+            raise ValueError(f"unknown algo.name '{name}' (" + (f"did you mean '{close[0]}'?" if close else
+                             f"available: {', '.join(ALGORITHM_NAMES)}") + ")")
+        return name
+
 
 class PPOConfig(_Section):
     """PPO with a critic on the policy's base (algo.name=ppo, docs/algorithms.md#ppo): a value adapter beside the
@@ -257,51 +250,6 @@ class PPOConfig(_Section):
     value_lr: float | None = Field(None, gt=0, description="Learning rate of the value adapter and head (null: "
                                    "train.lr); same warmup/schedule")
     value_head_init_std: float = Field(0.0, ge=0, description="Normal std of the value head's initial weight (0: zeros)")
-
-
-def _check_ppo(cfg) -> None:
-    """The ppo section belongs to algo.name=ppo; PPO has a critic, so no group tricks; G = 1 only with a critic."""
-    algo, rollout = cfg.algo, cfg.rollout
-    if algo.name != "ppo":
-        if cfg.ppo is not None:
-            raise ValueError(f"the ppo section applies to algo.name=ppo, not {algo.name}: remove it or set algo.name=ppo")
-        if rollout.num_generations < 2:
-            raise ValueError(f"rollout.num_generations=1 gives {algo.name} no group to compare (every advantage 0): "
-                             "use at least 2, or algo.name=ppo (its critic is the baseline)")
-        return
-    for wanted, key in ((algo.dynamic_sampling, "algo.dynamic_sampling"), (algo.adaptive.enabled, "algo.adaptive"),
-                        (algo.replay.enabled, "algo.replay")):
-        if wanted:
-            raise ValueError(f"{key} works on groups of samples and group advantages; algo.name=ppo scores each sample "
-                             f"with its critic: disable {key}")
-
-
-def _check_policies(cfg: "RLConfig") -> None:
-    """Several policies on one base: unique names, and what a run of several policies does not do yet."""
-    names = [p.name for p in cfg.policies]
-    if "base" in names:  # `rlora eval RUN` evaluates the base model under that name beside every policy
-        raise ValueError("policies: the name 'base' is reserved for the base model (rlora eval): choose another")
-    if len(names) < 2:
-        raise ValueError("policies lists one policy: remove the policies section (train.lr / train.seed set a single "
-                         "policy) or list at least two")
-    if len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"policies: the name '{twice}' is given twice: every policy needs its own name")
-    refused = [
-        (cfg.molora is not None, "a molora section", "remove molora (each policy is a plain LoRA adapter)"),
-        (cfg.algo.name == "ppo", "algo.name=ppo", "use a group algorithm such as grpo"),
-        (cfg.algo.name.startswith("reinforce_pp") or cfg.algo.adv_scale == "batch",
-         f"batch-wide advantage statistics ({cfg.algo.name}, adv_scale={cfg.algo.adv_scale})",
-         "use group statistics (e.g. grpo with algo.adv_scale=group)"),
-        (cfg.algo.dynamic_sampling, "algo.dynamic_sampling", "set algo.dynamic_sampling=false"),
-        (cfg.algo.adaptive.enabled, "adaptive resampling", "use another algorithm than adaptive_grpo"),
-        (cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false"),
-        (cfg.rollout.engine != "builtin", "rollout.engine=hf", "use rollout.engine=builtin (it batches the policies)"),
-    ]
-    for wanted, what, fix in refused:
-        if wanted:
-            raise ValueError(f"policies: several policies in one run do not support {what} yet: {fix}, or train "
-                             "the policies in separate runs")
 
 
 class OptimizerConfig(_Section):
@@ -416,82 +364,6 @@ class RLConfig(_Section):
         None, description="Train several LoRA policies (same lora.* shape) on one base in one run, each with its own "
         "optimizer, metrics and folder, all served by one batched pass (docs/policies.md); null: one policy")
 
-    @model_validator(mode="after")
-    def _check_combinations(self) -> "RLConfig":
-        data, train, rollout = self.data, self.train, self.rollout
-        if self.molora is not None:
-            _check_molora(self)
-            _check_molora_rl(self)
-        if (data.task is None) == (data.path is None):
-            raise ValueError("set exactly one of data.task (a reasoning-gym task) or data.path (a local file)")
-        if data.task is not None and data.seed == data.eval_seed:
-            raise ValueError("data.seed equals data.eval_seed: the held-out split would repeat the training problems")
-        if rollout.min_new_tokens > rollout.max_new_tokens:
-            raise ValueError("rollout.min_new_tokens must not exceed rollout.max_new_tokens")
-        if rollout.engine == "hf":
-            if self.algo.replay.enabled:
-                raise ValueError("algo.replay needs the sampler's log-probs: use rollout.engine=builtin "
-                                 "or set algo.replay.enabled=false")
-            if self.algo.sampler_is_cap is not None:
-                raise ValueError("algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin "
-                                 "or set algo.sampler_is_cap=null")
-            if rollout.sampler_dtype not in ("auto", "model") or not rollout.merge_adapter:
-                raise ValueError("rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only: "
-                                 "set rollout.sampler_dtype=model (and merge_adapter=true) with rollout.engine=hf")
-        if any(not s for s in rollout.stop):
-            raise ValueError("rollout.stop holds an empty string: every stop string needs at least one character")
-        completions = train.prompts_per_step * rollout.num_generations
-        if completions % train.micro_batch_size:
-            raise ValueError(
-                f"train.prompts_per_step x rollout.num_generations = {completions} is not divisible by "
-                f"train.micro_batch_size = {train.micro_batch_size}"
-            )
-        self._apply_algorithm_presets()
-        self._check_algorithm()
-        _check_ppo(self)
-        if self.policies is not None:
-            _check_policies(self)
-        if not self.rewards:
-            raise ValueError("no reward functions: add e.g. `rewards: [{fn: gym}]` to the config")
-        return self
-
-    def _apply_algorithm_presets(self) -> None:
-        """Fill the keys the chosen algorithm presets, where the user did not set them."""
-        if self.algo.name not in PRESETS:
-            close = difflib.get_close_matches(self.algo.name, list(PRESETS), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"available: {', '.join(PRESETS)}"
-            raise ValueError(f"unknown algo.name '{self.algo.name}' ({hint})")
-        for dotted, value in PRESETS[self.algo.name].items():
-            *path, key = dotted.split(".")
-            node: BaseModel = self
-            explicit = True
-            for part in path:
-                explicit = explicit and part in node.model_fields_set
-                node = getattr(node, part)
-            if not (explicit and key in node.model_fields_set):
-                if isinstance(value, dict):  # a whole section, validated by its class
-                    value = _section_class(type(node), key).model_validate(value)
-                setattr(node, key, value(self) if callable(value) else value)
-
-    def _check_algorithm(self) -> None:
-        algo, rollout = self.algo, self.rollout
-        if algo.overlong_buffer > rollout.max_new_tokens:
-            raise ValueError(f"algo.overlong_buffer={algo.overlong_buffer} exceeds rollout.max_new_tokens="
-                             f"{rollout.max_new_tokens}: the buffer is the last part of the length limit")
-        if algo.name == "gspo" and algo.loss_agg != "seq_mean":
-            raise ValueError("gspo clips one ratio per sequence: use algo.loss_agg=seq_mean")
-        if algo.adaptive.adv_stats == "all" and algo.name in ("reinforce_pp", "reinforce_pp_baseline"):
-            raise ValueError("algo.adaptive.adv_stats=all needs group advantages; reinforce_pp whitens over the batch: "
-                             "use algo.adaptive.adv_stats=kept")
-        if algo.replay.enabled and algo.name in ("reinforce_pp", "reinforce_pp_baseline"):
-            raise ValueError("algo.replay stores per-completion advantages; reinforce_pp's are per token and "
-                             "batch-whitened: disable algo.replay or pick another algorithm")
-        if rollout.temperature_schedule != "constant" and rollout.temperature_end is None:
-            raise ValueError(f"rollout.temperature_schedule={rollout.temperature_schedule} needs rollout.temperature_end")
-        if rollout.temperature_schedule == "constant" and rollout.temperature_end is not None:
-            raise ValueError("rollout.temperature_end is set but rollout.temperature_schedule is constant: choose "
-                             "linear, cosine or exponential (or unset temperature_end)")
-
     def constant_norm(self) -> int:
         """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit."""
         return self.algo.constant_norm or self.rollout.max_new_tokens
@@ -550,60 +422,7 @@ class SFTConfig(_SupervisedRoot):
         None, description="Train a mixture of LoRA experts (docs/molora.md) instead of the lora adapter; every "
         "lora.* key must then keep its default (null: plain LoRA)")
 
-    @model_validator(mode="after")
-    def _check_combinations(self) -> "SFTConfig":
-        train = self.train
-        _check_micro_batches(train)
-        if train.epochs is not None and train.steps is not None:
-            raise ValueError("set train.steps or train.epochs, not both")
-        if train.full_finetune and (self.lora.init_from or self.model.quantization != "none"):
-            raise ValueError("train.full_finetune trains the model itself: unset lora.init_from and "
-                             "model.quantization")
-        if self.molora is not None:
-            _check_molora(self)
-        return self
 
-
-# lora.* keys with a molora.* counterpart; the others (layers, top_layers, use_rslora, init_from) have none
-_MOLORA_COUNTERPARTS = ("rank", "alpha", "dropout", "target_modules")
-
-
-def _check_molora(cfg) -> None:
-    """A config with a molora section: nothing of the lora section may be set to anything but its default (it
-    would be silently ignored), and the options MoLoRA does not support are refused."""
-    if getattr(cfg.train, "full_finetune", False):
-        raise ValueError("molora trains adapters; train.full_finetune trains the model itself: use one of the two")
-    if cfg.model.quantization != "none":
-        raise ValueError("molora needs an unquantized base: set model.quantization=none")
-    defaults = LoraConfig()
-    for key in LoraConfig.model_fields:
-        if getattr(cfg.lora, key) == getattr(defaults, key):
-            continue
-        if key in _MOLORA_COUNTERPARTS:
-            raise ValueError(f"lora.{key} does not apply with molora (the experts use molora.{key}): remove lora.{key}")
-        if key == "init_from":
-            raise ValueError("lora.init_from loads a PEFT adapter; molora starts its experts fresh: remove "
-                             "lora.init_from (continuing from a MoLoRA folder is not supported yet)")
-        raise ValueError(f"lora.{key} is not supported with molora: remove lora.{key}")
-
-
-def _check_molora_rl(cfg: "RLConfig") -> None:
-    """What `rlora train` cannot do with a MoLoRA policy yet (docs/molora.md)."""
-    if cfg.train.checkpoint_every or cfg.train.resume is not None:
-        raise ValueError("train.checkpoint_every / train.resume do not support molora yet (checkpoints hold a PEFT "
-                         "adapter): set train.checkpoint_every=0 and unset train.resume")
-    if cfg.train.gradient_checkpointing and cfg.molora.router == "sequence":
-        raise ValueError("train.gradient_checkpointing re-runs the decoder outside the prompt routing of a molora "
-                         "sequence router: set train.gradient_checkpointing=false (or molora.router=token)")
-    if any(spec.fn == "reward_model" for spec in cfg.rewards):
-        raise ValueError("rewards fn: reward_model puts a PEFT reward adapter on the base, which a molora policy "
-                         "cannot share yet: use another reward function or train a LoRA policy")
-    if cfg.algo.name == "ppo":
-        raise ValueError("algo.name=ppo puts a PEFT value adapter on the base, which a molora policy cannot share "
-                         "yet: use a group algorithm (e.g. grpo) or train a LoRA policy")
-
-
-# ---- rlora rm ------------------------------------------------------------------------------------------
 
 class RMDataConfig(_Section):
     """Preference pairs: a prompt, a chosen and a rejected response per row (docs/reward_models.md)."""
@@ -640,149 +459,3 @@ class RMConfig(_SupervisedRoot):
 
     data: RMDataConfig
     train: RMTrainConfig = Field(default_factory=RMTrainConfig)
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> "RMConfig":
-        _check_micro_batches(self.train)
-        return self
-
-
-def _check_micro_batches(train) -> None:
-    if train.batch_size % train.micro_batch_size:
-        raise ValueError(f"train.batch_size={train.batch_size} is not divisible by "
-                         f"train.micro_batch_size={train.micro_batch_size}")
-
-
-DEMO_CONFIG = "demo.yaml"
-
-
-def demo_config_text() -> str:
-    return resources.files("rlora.configs").joinpath(DEMO_CONFIG).read_text()
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`a.b=1 c=[x,y]` -> nested dict; values are parsed as YAML (numbers, bools, lists, null)."""
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise UserError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=10)")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UserError(f"override '{item}' sets a key under '{part}', which is a value, not a section")
-        node[parts[-1]] = value
-    return tree
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("task_args", "args"):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _read_yaml(path: str | None) -> dict[str, Any]:
-    if path is None:
-        text, where = demo_config_text(), "built-in demo config"
-    else:
-        file = Path(path)
-        if not file.is_file():
-            raise UserError(f"config file not found: {path}")
-        try:
-            text = file.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"config file {path} is not UTF-8 text") from None
-        where = path
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise UserError(f"YAML syntax error in {where}{at}: {problem}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise UserError(f"{where} must be a mapping of sections (model:, lora:, train: ...), not {type(loaded).__name__}")
-    return loaded
-
-
-def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
-    """Valid key names at a location such as ('train', 'stpes') -> fields of TrainConfig."""
-    cls: Any = model_cls
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = cls.model_fields.get(part)
-        if field is None:
-            return []
-        annotation = field.annotation
-        inner = getattr(annotation, "__args__", None)
-        cls = inner[0] if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) else annotation
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
-            return []
-    return list(cls.model_fields)
-
-
-def _format_validation_error(err: ValidationError, model_cls: type[BaseModel]) -> str:
-    first = err.errors()[0]
-    loc = tuple(first["loc"])
-    dotted = ".".join(str(p) for p in loc)
-    if first["type"] == "extra_forbidden":
-        names = _field_names(model_cls, loc)
-        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
-        parent = ".".join(str(p) for p in loc[:-1])
-        hint = f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else f" (valid: {', '.join(names)})"
-        return f"unknown config key '{dotted}'{hint}"
-    message = first["msg"].removeprefix("Value error, ")
-    if not loc:
-        return f"invalid config: {message}"
-    return f"invalid value for {dotted}: {message} (got {first.get('input')!r})"
-
-
-def _section_class(owner: type[BaseModel], key: str) -> type[BaseModel]:
-    """The section class of owner.key (`PPOConfig | None` -> PPOConfig)."""
-    annotation = owner.model_fields[key].annotation
-    for candidate in typing.get_args(annotation) or (annotation,):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    raise TypeError(f"{owner.__name__}.{key} is not a config section")
-
-
-def load_config(path: str | None = None, overrides: list[str] | None = None, model_cls: type[BaseModel] = RLConfig):
-    """Read YAML (the built-in demo when `path` is None), apply overrides, validate. Raises UserError."""
-    raw = _merge(_read_yaml(path), parse_overrides(overrides or []))
-    try:
-        config = model_cls.model_validate(raw)
-    except ValidationError as err:
-        raise UserError(_format_validation_error(err, model_cls)) from None
-    for spec in getattr(config, "rewards", []):
-        spec.fn = _locate_reward_file(spec.fn, Path(path).parent if path else Path.cwd())
-    return config
-
-
-def _locate_reward_file(fn: str, folder: Path) -> str:
-    """A reward written next to the config: `my_reward.py:brevity` relative to the config file's folder, or
-    `my_reward.brevity` with my_reward.py in that folder -> the file's absolute path, so that the saved
-    config.yaml (and a resume from it) finds the same file from anywhere."""
-    if ".py:" in fn:
-        file_name, _, attr = fn.rpartition(":")
-        return f"{(folder / file_name).resolve() if not Path(file_name).is_absolute() else file_name}:{attr}"
-    module, _, attr = fn.rpartition(".")
-    if module and "." not in module and (folder / f"{module}.py").is_file():
-        return f"{(folder / f'{module}.py').resolve()}:{attr}"
-    return fn
-
-
-def to_yaml(config: BaseModel) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

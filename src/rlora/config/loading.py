@@ -1,0 +1,177 @@
+"""Loading a config: YAML file (or the built-in demo) + dotted `key=value` overrides -> validated sections ->
+the algorithm's presets on the keys the user left out -> the refusal table (config/refusals.py).
+
+`load_config` is the single entry point; every problem is a `UserError` of one line, and a misspelt key
+names the closest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rlora.config.refusals import check_config
+from rlora.config.schema import RLConfig
+from rlora.errors import UserError
+from rlora.presets import PRESETS
+
+DEMO_CONFIG = "demo.yaml"
+
+
+def demo_config_text() -> str:
+    return resources.files("rlora.configs").joinpath(DEMO_CONFIG).read_text()
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`a.b=1 c=[x,y]` -> nested dict; values are parsed as YAML (numbers, bools, lists, null)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UserError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=10)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override '{item}' sets a key under '{part}', which is a value, not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("task_args", "args"):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: str | None) -> dict[str, Any]:
+    if path is None:
+        text, where = demo_config_text(), "built-in demo config"
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"config file not found: {path}")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"config file {path} is not UTF-8 text") from None
+        where = path
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"YAML syntax error in {where}{at}: {problem}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"{where} must be a mapping of sections (model:, lora:, train: ...), not {type(loaded).__name__}")
+    return loaded
+
+
+def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
+    """Valid key names at a location such as ('train', 'stpes') -> fields of TrainConfig."""
+    cls: Any = model_cls
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = cls.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        cls = inner[0] if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) else annotation
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return []
+    return list(cls.model_fields)
+
+
+def _format_validation_error(err: ValidationError, model_cls: type[BaseModel]) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    dotted = ".".join(str(p) for p in loc)
+    if first["type"] == "extra_forbidden":
+        names = _field_names(model_cls, loc)
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
+        parent = ".".join(str(p) for p in loc[:-1])
+        hint = f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else f" (valid: {', '.join(names)})"
+        return f"unknown config key '{dotted}'{hint}"
+    message = first["msg"].removeprefix("Value error, ")
+    if not loc:
+        return f"invalid config: {message}"
+    return f"invalid value for {dotted}: {message} (got {first.get('input')!r})"
+
+
+def _section_class(owner: type[BaseModel], key: str) -> type[BaseModel]:
+    """The section class of owner.key (`PPOConfig | None` -> PPOConfig)."""
+    annotation = owner.model_fields[key].annotation
+    for candidate in typing.get_args(annotation) or (annotation,):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    raise TypeError(f"{owner.__name__}.{key} is not a config section")
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, model_cls: type[BaseModel] = RLConfig):
+    """Read YAML (without `path`: the built-in demo for `rlora train`, the defaults for sft and rm), apply overrides,
+    validate, apply the algorithm's presets, check the refusal table's config rows (the launch rows wait for the
+    recipe). Raises UserError."""
+    base = _read_yaml(path) if path is not None or model_cls is RLConfig else {}
+    raw = _merge(base, parse_overrides(overrides or []))
+    try:
+        config = model_cls.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err, model_cls)) from None
+    if isinstance(config, RLConfig):
+        apply_presets(config)
+    check_config(config)
+    for spec in getattr(config, "rewards", []):
+        spec.fn = _locate_reward_file(spec.fn, Path(path).parent if path else Path.cwd())
+    return config
+
+
+def apply_presets(cfg: RLConfig) -> None:
+    """Fill the keys the chosen algorithm presets (rlora/presets.py), where the user did not set them."""
+    for dotted, value in PRESETS[cfg.algo.name].items():
+        *path, key = dotted.split(".")
+        node: BaseModel = cfg
+        explicit = True
+        for part in path:
+            explicit = explicit and part in node.model_fields_set
+            node = getattr(node, part)
+        if not (explicit and key in node.model_fields_set):
+            if isinstance(value, dict):  # a whole section, validated by its class
+                value = _section_class(type(node), key).model_validate(value)
+            setattr(node, key, value(cfg) if callable(value) else value)
+
+
+def _locate_reward_file(fn: str, folder: Path) -> str:
+    """A reward written next to the config: `my_reward.py:brevity` relative to the config file's folder, or
+    `my_reward.brevity` with my_reward.py in that folder -> the file's absolute path, so that the saved
+    config.yaml (and a resume from it) finds the same file from anywhere."""
+    if ".py:" in fn:
+        file_name, _, attr = fn.rpartition(":")
+        return f"{(folder / file_name).resolve() if not Path(file_name).is_absolute() else file_name}:{attr}"
+    module, _, attr = fn.rpartition(".")
+    if module and "." not in module and (folder / f"{module}.py").is_file():
+        return f"{(folder / f'{module}.py').resolve()}:{attr}"
+    return fn
+
+
+def to_yaml(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,306 @@
+"""Every refused combination of settings, as one table, checked before any model loads.
+
+A row names the commands it applies to, a predicate over the validated config (after the algorithm's
+presets) and the one-line message that says what to change. Rows marked `launch` also read the number of
+data-parallel ranks, which is known once torchrun has started the process: `check_config` runs the other
+rows when a config loads, `check_launch` runs these from the recipe's input checks, so each row is checked
+once on the way to training, and `rlora eval` of a sharded run's folder is not refused for lacking torchrun.
+Each row carries an example (overrides of the command's base config) that triggers it; a test walks the table
+and docs/configuration.md lists it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlora.config.schema import LoraConfig, RLConfig, RMConfig, SFTConfig
+from rlora.errors import UserError
+
+COMMANDS = {RLConfig: "train", SFTConfig: "sft", RMConfig: "rm"}
+# what the rows' examples override (load_config without a file): the demo for `rlora train`, the defaults and a data
+# file for sft and rm (the file is not read while the config loads)
+EXAMPLE_BASES: dict[str, tuple[type, tuple[str, ...]]] = {
+    "train": (RLConfig, ()), "sft": (SFTConfig, ("data.path=rows.jsonl",)), "rm": (RMConfig, ("data.path=rows.jsonl",))}
+
+
+class RefusedCombination(UserError):
+    """A UserError that names the table row that refused the config."""
+
+    def __init__(self, row: str, message: str):
+        super().__init__(message)
+        self.row = row
+
+
+@dataclass(frozen=True)
+class Refusal:
+    name: str
+    commands: tuple[str, ...]
+    refused: Callable[..., bool]  # (cfg) -> bool, or (cfg, ranks) -> bool for a launch row
+    message: str | Callable[..., str]  # the same arguments -> the message
+    example: tuple[str, ...]  # overrides of the command's base config that trigger this row
+    launch: bool = False  # reads the number of ranks: checked by check_launch, with `example_ranks` in the test
+    example_ranks: int = 2
+
+
+def _molora_lora_key(cfg) -> str | None:
+    """The first lora.* key set to something but its default in a config with a molora section."""
+    defaults = LoraConfig()
+    return next((key for key in LoraConfig.model_fields if getattr(cfg.lora, key) != getattr(defaults, key)), None)
+
+
+# lora.* keys with a molora.* counterpart; the others (layers, top_layers, use_rslora, init_from) have none
+_MOLORA_COUNTERPARTS = ("rank", "alpha", "dropout", "target_modules")
+
+
+def _molora_lora_message(cfg) -> str:
+    key = _molora_lora_key(cfg)
+    if key in _MOLORA_COUNTERPARTS:
+        return f"lora.{key} does not apply with molora (the experts use molora.{key}): remove lora.{key}"
+    if key == "init_from":
+        return ("lora.init_from loads a PEFT adapter; molora starts its experts fresh: remove lora.init_from "
+                "(continuing from a MoLoRA folder is not supported yet)")
+    return f"lora.{key} is not supported with molora: remove lora.{key}"
+
+
+def _batch_statistics(cfg) -> bool:
+    return cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp")
+
+
+def _reward_model(cfg) -> bool:
+    return any(spec.fn == "reward_model" for spec in cfg.rewards)
+
+
+def _ppo_group_option(cfg) -> str | None:
+    algo = cfg.algo
+    options = (("algo.dynamic_sampling", algo.dynamic_sampling), ("algo.adaptive", algo.adaptive.enabled),
+               ("algo.replay", algo.replay.enabled))
+    return next((key for key, wanted in options if wanted), None)
+
+
+def _duplicate_policy(cfg) -> str | None:
+    names = [p.name for p in cfg.policies or []]
+    return next((n for n in names if names.count(n) > 1), None)
+
+
+def _policies(refused: Callable[[Any], bool], what: str | Callable[[Any], str], fix: str, example: tuple[str, ...],
+              name: str) -> Refusal:
+    """A feature that a run of several policies does not support yet."""
+    two = ("policies=[{name: a}, {name: b}]",)
+
+    def message(cfg) -> str:
+        return (f"policies: several policies in one run do not support {what(cfg) if callable(what) else what} yet: "
+                f"{fix}, or train the policies in separate runs")
+    return Refusal(name, ("train",), lambda cfg: cfg.policies is not None and refused(cfg), message, two + example)
+
+
+def _fsdp(name: str, refused: Callable[[Any], bool], message: str, example: tuple[str, ...]) -> Refusal:
+    return Refusal(name, ("train",), lambda cfg: cfg.train.fsdp and refused(cfg), message, ("train.fsdp=true", *example))
+
+
+HF = ("rollout.engine=hf", "rollout.sampler_dtype=model", "algo.sampler_is_cap=null")
+MOLORA = ("molora={num_experts: 2}",)
+
+REFUSALS: tuple[Refusal, ...] = (
+    # ---- sections that exclude each other
+    Refusal("lora-layers-and-top-layers", ("train", "sft", "rm"),
+            lambda cfg: cfg.lora.layers is not None and cfg.lora.top_layers is not None,
+            "set lora.layers (indices) or lora.top_layers (a count from the top), not both",
+            ("lora.layers=[0]", "lora.top_layers=1")),
+    Refusal("lora-init-from-with-layers", ("train", "sft", "rm"),
+            lambda cfg: bool(cfg.lora.init_from) and (cfg.lora.layers is not None or cfg.lora.top_layers is not None),
+            "lora.init_from keeps the layers of the adapter it loads: remove lora.layers / lora.top_layers",
+            ("lora.init_from=adapter", "lora.top_layers=1")),
+    Refusal("molora-full-finetune", ("sft",), lambda cfg: cfg.molora is not None and cfg.train.full_finetune,
+            "molora trains adapters; train.full_finetune trains the model itself: use one of the two",
+            MOLORA + ("train.full_finetune=true",)),
+    Refusal("molora-quantized", ("train", "sft"), lambda cfg: cfg.molora is not None and cfg.model.quantization != "none",
+            "molora needs an unquantized base: set model.quantization=none", MOLORA + ("model.quantization=4bit",)),
+    Refusal("molora-lora-keys", ("train", "sft"), lambda cfg: cfg.molora is not None and _molora_lora_key(cfg) is not None,
+            _molora_lora_message, MOLORA + ("lora.rank=4",)),
+    Refusal("molora-checkpoints", ("train",),
+            lambda cfg: cfg.molora is not None and bool(cfg.train.checkpoint_every or cfg.train.resume is not None),
+            "train.checkpoint_every / train.resume do not support molora yet (checkpoints hold a PEFT adapter): set "
+            "train.checkpoint_every=0 and unset train.resume", MOLORA + ("train.checkpoint_every=5",)),
+    Refusal("molora-gradient-checkpointing", ("train",),
+            lambda cfg: cfg.molora is not None and cfg.train.gradient_checkpointing and cfg.molora.router == "sequence",
+            "train.gradient_checkpointing re-runs the decoder outside the prompt routing of a molora sequence router: "
+            "set train.gradient_checkpointing=false (or molora.router=token)",
+            MOLORA + ("train.gradient_checkpointing=true",)),
+    Refusal("molora-reward-model", ("train",), lambda cfg: cfg.molora is not None and _reward_model(cfg),
+            "rewards fn: reward_model puts a PEFT reward adapter on the base, which a molora policy cannot share yet: "
+            "use another reward function or train a LoRA policy", MOLORA + ("rewards=[{fn: reward_model}]",)),
+    Refusal("molora-ppo", ("train",), lambda cfg: cfg.molora is not None and cfg.algo.name == "ppo",
+            "algo.name=ppo puts a PEFT value adapter on the base, which a molora policy cannot share yet: use a group "
+            "algorithm (e.g. grpo) or train a LoRA policy", MOLORA + ("algo.name=ppo",)),
+    Refusal("full-finetune-with-adapter-options", ("sft",),
+            lambda cfg: cfg.train.full_finetune and bool(cfg.lora.init_from or cfg.model.quantization != "none"),
+            "train.full_finetune trains the model itself: unset lora.init_from and model.quantization",
+            ("train.full_finetune=true", "model.quantization=8bit")),
+    # ---- data and batches
+    Refusal("data-task-or-path", ("train",), lambda cfg: (cfg.data.task is None) == (cfg.data.path is None),
+            "set exactly one of data.task (a reasoning-gym task) or data.path (a local file)", ("data.path=rows.jsonl",)),
+    Refusal("data-seed-is-eval-seed", ("train",),
+            lambda cfg: cfg.data.task is not None and cfg.data.seed == cfg.data.eval_seed,
+            "data.seed equals data.eval_seed: the held-out split would repeat the training problems",
+            ("data.seed=7", "data.eval_seed=7")),
+    Refusal("micro-batch-divides-completions", ("train",),
+            lambda cfg: cfg.train.prompts_per_step * cfg.rollout.num_generations % cfg.train.micro_batch_size != 0,
+            lambda cfg: f"train.prompts_per_step x rollout.num_generations = "
+                        f"{cfg.train.prompts_per_step * cfg.rollout.num_generations} is not divisible by "
+                        f"train.micro_batch_size = {cfg.train.micro_batch_size}", ("train.micro_batch_size=5",)),
+    Refusal("micro-batch-divides-batch", ("sft", "rm"), lambda cfg: cfg.train.batch_size % cfg.train.micro_batch_size != 0,
+            lambda cfg: f"train.batch_size={cfg.train.batch_size} is not divisible by "
+                        f"train.micro_batch_size={cfg.train.micro_batch_size}",
+            ("train.batch_size=6", "train.micro_batch_size=4")),
+    Refusal("steps-and-epochs", ("sft",), lambda cfg: cfg.train.epochs is not None and cfg.train.steps is not None,
+            "set train.steps or train.epochs, not both", ("train.steps=3", "train.epochs=1")),
+    Refusal("no-rewards", ("train",), lambda cfg: not cfg.rewards,
+            "no reward functions: add e.g. `rewards: [{fn: gym}]` to the config", ("rewards=[]",)),
+    # ---- sampling
+    Refusal("min-new-tokens-over-max", ("train",), lambda cfg: cfg.rollout.min_new_tokens > cfg.rollout.max_new_tokens,
+            "rollout.min_new_tokens must not exceed rollout.max_new_tokens", ("rollout.min_new_tokens=1000",)),
+    Refusal("empty-stop-string", ("train",), lambda cfg: any(not s for s in cfg.rollout.stop),
+            "rollout.stop holds an empty string: every stop string needs at least one character", ("rollout.stop=['']",)),
+    Refusal("temperature-schedule-without-end", ("train",),
+            lambda cfg: cfg.rollout.temperature_schedule != "constant" and cfg.rollout.temperature_end is None,
+            lambda cfg: f"rollout.temperature_schedule={cfg.rollout.temperature_schedule} needs rollout.temperature_end",
+            ("rollout.temperature_schedule=linear",)),
+    Refusal("temperature-end-without-schedule", ("train",),
+            lambda cfg: cfg.rollout.temperature_schedule == "constant" and cfg.rollout.temperature_end is not None,
+            "rollout.temperature_end is set but rollout.temperature_schedule is constant: choose linear, cosine or "
+            "exponential (or unset temperature_end)", ("rollout.temperature_end=0.5",)),
+    Refusal("hf-engine-think", ("train",), lambda cfg: cfg.rollout.think is not None and cfg.rollout.engine == "hf",
+            "rollout.think (phase-aware sampling) needs the built-in sampler: set rollout.engine=builtin or "
+            "rollout.think=null", HF + ("rollout.think={}",)),
+    Refusal("hf-engine-replay", ("train",), lambda cfg: cfg.rollout.engine == "hf" and cfg.algo.replay.enabled,
+            "algo.replay needs the sampler's log-probs: use rollout.engine=builtin or set algo.replay.enabled=false",
+            HF + ("algo.replay.enabled=true",)),
+    Refusal("hf-engine-sampler-is-cap", ("train",),
+            lambda cfg: cfg.rollout.engine == "hf" and cfg.algo.sampler_is_cap is not None,
+            "algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin or set "
+            "algo.sampler_is_cap=null", ("rollout.engine=hf", "rollout.sampler_dtype=model")),
+    Refusal("hf-engine-builtin-options", ("train",),
+            lambda cfg: cfg.rollout.engine == "hf" and (cfg.rollout.sampler_dtype not in ("auto", "model")
+                                                        or not cfg.rollout.merge_adapter),
+            "rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only: set "
+            "rollout.sampler_dtype=model (and merge_adapter=true) with rollout.engine=hf",
+            ("rollout.engine=hf", "algo.sampler_is_cap=null", "rollout.sampler_dtype=bfloat16")),
+    # ---- algorithms
+    Refusal("overlong-buffer-over-length", ("train",), lambda cfg: cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens,
+            lambda cfg: f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds rollout.max_new_tokens="
+                        f"{cfg.rollout.max_new_tokens}: the buffer is the last part of the length limit",
+            ("algo.overlong_buffer=1000",)),
+    Refusal("gspo-sequence-loss", ("train",), lambda cfg: cfg.algo.name == "gspo" and cfg.algo.loss_agg != "seq_mean",
+            "gspo clips one ratio per sequence: use algo.loss_agg=seq_mean", ("algo.name=gspo", "algo.loss_agg=token_mean")),
+    Refusal("adaptive-all-stats-batch-whitened", ("train",),
+            lambda cfg: cfg.algo.adaptive.adv_stats == "all" and cfg.algo.name.startswith("reinforce_pp"),
+            "algo.adaptive.adv_stats=all needs group advantages; reinforce_pp whitens over the batch: use "
+            "algo.adaptive.adv_stats=kept", ("algo.name=reinforce_pp", "algo.adaptive.adv_stats=all")),
+    Refusal("replay-token-advantages", ("train",),
+            lambda cfg: cfg.algo.replay.enabled and cfg.algo.name.startswith("reinforce_pp"),
+            "algo.replay stores per-completion advantages; reinforce_pp's are per token and batch-whitened: disable "
+            "algo.replay or pick another algorithm", ("algo.name=reinforce_pp", "algo.replay.enabled=true")),
+    Refusal("ppo-section-without-ppo", ("train",), lambda cfg: cfg.algo.name != "ppo" and cfg.ppo is not None,
+            lambda cfg: f"the ppo section applies to algo.name=ppo, not {cfg.algo.name}: remove it or set algo.name=ppo",
+            ("ppo={}",)),
+    Refusal("one-generation-without-critic", ("train",),
+            lambda cfg: cfg.algo.name != "ppo" and cfg.rollout.num_generations < 2,
+            lambda cfg: f"rollout.num_generations=1 gives {cfg.algo.name} no group to compare (every advantage 0): use "
+                        "at least 2, or algo.name=ppo (its critic is the baseline)", ("rollout.num_generations=1", "train.micro_batch_size=2")),
+    Refusal("ppo-group-options", ("train",), lambda cfg: cfg.algo.name == "ppo" and _ppo_group_option(cfg) is not None,
+            lambda cfg: f"{_ppo_group_option(cfg)} works on groups of samples and group advantages; algo.name=ppo "
+                        f"scores each sample with its critic: disable {_ppo_group_option(cfg)}",
+            ("algo.name=ppo", "algo.dynamic_sampling=true")),
+    # ---- several policies on one base
+    Refusal("policy-named-base", ("train",), lambda cfg: any(p.name == "base" for p in cfg.policies or []),
+            # `rlora eval RUN` evaluates the base model under that name beside every policy
+            "policies: the name 'base' is reserved for the base model (rlora eval): choose another",
+            ("policies=[{name: base}, {name: b}]",)),
+    Refusal("one-policy-listed", ("train",), lambda cfg: cfg.policies is not None and len(cfg.policies) < 2,
+            "policies lists one policy: remove the policies section (train.lr / train.seed set a single policy) or "
+            "list at least two", ("policies=[{name: a}]",)),
+    Refusal("policy-named-twice", ("train",), lambda cfg: _duplicate_policy(cfg) is not None,
+            lambda cfg: f"policies: the name '{_duplicate_policy(cfg)}' is given twice: every policy needs its own name",
+            ("policies=[{name: a}, {name: a}]",)),
+    _policies(lambda cfg: cfg.molora is not None, "a molora section", "remove molora (each policy is a plain LoRA "
+              "adapter)", MOLORA, "policies-molora"),
+    _policies(lambda cfg: cfg.algo.name == "ppo", "algo.name=ppo", "use a group algorithm such as grpo",
+              ("algo.name=ppo",), "policies-ppo"),
+    _policies(_batch_statistics, lambda cfg: f"batch-wide advantage statistics ({cfg.algo.name}, "
+              f"adv_scale={cfg.algo.adv_scale})", "use group statistics (e.g. grpo with algo.adv_scale=group)",
+              ("algo.adv_scale=batch",), "policies-batch-statistics"),
+    _policies(lambda cfg: cfg.algo.dynamic_sampling, "algo.dynamic_sampling", "set algo.dynamic_sampling=false",
+              ("algo.dynamic_sampling=true",), "policies-dynamic-sampling"),
+    _policies(lambda cfg: cfg.algo.adaptive.enabled, "adaptive resampling", "use another algorithm than adaptive_grpo",
+              ("algo.name=adaptive_grpo",), "policies-adaptive"),
+    _policies(lambda cfg: cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false",
+              ("algo.replay.enabled=true",), "policies-replay"),
+    _policies(lambda cfg: cfg.rollout.engine != "builtin", "rollout.engine=hf",
+              "use rollout.engine=builtin (it batches the policies)", HF, "policies-hf-engine"),
+    # ---- a sharded base (train.fsdp)
+    Refusal("fsdp-gather-without-fsdp", ("train",),
+            lambda cfg: not cfg.train.fsdp and cfg.train.fsdp_gather != "model",
+            lambda cfg: f"train.fsdp_gather={cfg.train.fsdp_gather} applies to a sharded base: set train.fsdp=true "
+                        "(under torchrun) or remove train.fsdp_gather", ("train.fsdp_gather=layer",)),
+    _fsdp("fsdp-quantized", lambda cfg: cfg.model.quantization != "none",
+          "train.fsdp does not shard a quantized base: set model.quantization=none or train.fsdp=false",
+          ("model.quantization=4bit",)),
+    _fsdp("fsdp-resampling", lambda cfg: cfg.algo.dynamic_sampling or cfg.algo.adaptive.enabled,
+          "train.fsdp needs every rank to sample and train the same number of rows each step; algo.dynamic_sampling "
+          "and algo.adaptive resample per rank: disable them or train.fsdp", ("algo.dynamic_sampling=true",)),
+    _fsdp("fsdp-molora", lambda cfg: cfg.molora is not None,
+          "train.fsdp does not support a molora policy yet: set train.fsdp=false (plain data parallel)", MOLORA),
+    _fsdp("fsdp-replay", lambda cfg: cfg.algo.replay.enabled,
+          "train.fsdp does not support algo.replay yet (each rank replays its own number of groups through the base): "
+          "set train.fsdp=false (plain data parallel) or disable algo.replay", ("algo.replay.enabled=true",)),
+    _fsdp("fsdp-ppo", lambda cfg: cfg.algo.name == "ppo",
+          "train.fsdp does not support algo.name=ppo yet (the critic's passes through the base differ per rank): set "
+          "train.fsdp=false (plain data parallel)", ("algo.name=ppo",)),
+    _fsdp("fsdp-reward-model", _reward_model,
+          "train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores through the sharded "
+          "base a different number of times per rank): set train.fsdp=false", ("rewards=[{fn: reward_model}]",)),
+    # ---- the launch: how many data-parallel ranks torchrun started
+    Refusal("fsdp-one-process", ("train",), lambda cfg, ranks: cfg.train.fsdp and ranks == 1,
+            "train.fsdp shards the base across data-parallel ranks: launch with torchrun --nproc_per_node N (N >= 2), "
+            "or set train.fsdp=false", ("train.fsdp=true",), launch=True, example_ranks=1),
+    Refusal("prompts-per-rank", ("train",), lambda cfg, ranks: cfg.train.prompts_per_step % ranks != 0,
+            lambda cfg, ranks: f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the {ranks} "
+                               "ranks: each rank samples whole groups",
+            ("train.prompts_per_step=3", "train.micro_batch_size=8"), launch=True),
+    Refusal("rows-per-rank", ("sft", "rm"), lambda cfg, ranks: cfg.train.batch_size % ranks != 0,
+            lambda cfg, ranks: f"train.batch_size={cfg.train.batch_size} must be a multiple of the {ranks} ranks: each "
+                               "rank trains its share of every batch",
+            ("train.batch_size=3", "train.micro_batch_size=1"), launch=True),
+    Refusal("ranks-batch-statistics-dynamic-sampling", ("train",),
+            # a rank whose groups were all dropped would compute no statistics
+            lambda cfg, ranks: ranks > 1 and _batch_statistics(cfg) and cfg.algo.dynamic_sampling,
+            "data parallel with batch-wide statistics (algo.adv_scale=batch, reinforce_pp) needs every rank to keep its "
+            "groups: disable algo.dynamic_sampling, or use group statistics",
+            ("algo.adv_scale=batch", "algo.dynamic_sampling=true"), launch=True),
+    Refusal("ranks-hf-engine", ("train",), lambda cfg, ranks: ranks > 1 and cfg.rollout.engine != "builtin",
+            "data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is split across "
+            "ranks)", HF, launch=True),
+    Refusal("ranks-molora-supervised", ("sft",), lambda cfg, ranks: ranks > 1 and cfg.molora is not None,
+            "rlora sft with a molora section runs in one process (the routers' auxiliary loss covers the whole batch): "
+            "run it without torchrun", MOLORA, launch=True),
+)
+
+
+def _raise_first(cfg, rows, *args) -> None:
+    command = COMMANDS[type(cfg)]
+    for row in rows:
+        if command in row.commands and row.refused(cfg, *args):
+            message = row.message(cfg, *args) if callable(row.message) else row.message
+            raise RefusedCombination(row.name, message)
+
+
+def check_config(cfg) -> None:
+    """Raise RefusedCombination for the first row (not a launch row) that refuses this validated config."""
+    _raise_first(cfg, [row for row in REFUSALS if not row.launch])
+
+
+def check_launch(cfg, ranks: int) -> None:
+    """Raise RefusedCombination for the first launch row that refuses this config on `ranks` data-parallel ranks."""
+    _raise_first(cfg, [row for row in REFUSALS if row.launch], ranks)

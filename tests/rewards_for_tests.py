@@ -57,3 +57,8 @@ def flat_for_zero(prompts, completions, answer, **columns):
     """The same reward for every completion of the problem whose answer is 0 (a zero-variance group),
     count_a for the others."""
     return [1.0 if str(a) == "0" else c.count("a") / max(len(c), 1) for c, a in zip(completions, answer)]
+
+
+def char_count(prompts, completions, **columns):
+    """The completion's length in characters: a reward the test can recompute from the logged completion text."""
+    return [float(len(c)) for c in completions]

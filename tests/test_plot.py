@@ -121,3 +121,63 @@ def test_bad_input_one_line_exit_2(name, make_args, message, tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.startswith("rlora: error:")]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+# ---- each panel draws the column it names ----------------------------------------------------------------
+
+# panel title -> the metrics.jsonl column it names, written out here (not read from rlora.plot.METRICS)
+TITLE_COLUMN = {
+    "reward (mean)": "reward_mean", "KL to the reference": "kl", "entropy (nats per token)": "entropy",
+    "completion length (tokens, mean)": "completion_len_mean", "clip fraction": "clip_frac", "step time (s)": "step_s",
+}
+
+
+def _distinct_rows(n: int, offset: float) -> list[dict]:
+    """Every column in its own range of values (and each run in its own, by offset), plus columns that are not
+    plotted; kl is null at step 2 and clip_frac absent at step 3, so a panel's steps depend on its column too."""
+    rows = []
+    for i in range(1, n + 1):
+        row = {"step": i, "reward_mean": offset + 0.1 * i, "kl": None if i == 2 else offset + 10 + i ** 2,
+               "entropy": offset + 100 - i, "completion_len_mean": offset + 1000 + 3 * i, "step_s": offset + 5000 + i % 3,
+               "loss": offset - i, "grad_norm": offset + 7 * i, "reward/count_a": offset + 0.25}
+        if i != 3:
+            row["clip_frac"] = offset + 0.5 / i
+        rows.append(row)
+    return rows
+
+
+def _column(rows: list[dict], column: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the steps where the column holds a number."""
+    kept = [row for row in rows if row.get(column) is not None]
+    return [row["step"] for row in kept], [row[column] for row in kept]
+
+
+def test_each_panel_plots_the_column_its_title_names(tmp_path, monkeypatch):
+    from rlora import plot
+
+    runs = {"first": _distinct_rows(5, 0.0), "second": _distinct_rows(4, 20_000.0)}
+    folders = [str(_write_run(tmp_path / label, rows)) for label, rows in runs.items()]
+    drawn = []
+
+    def keep_figure(fig, path):  # the figures plot_runs writes, read back from their axes below (PNGs: tests above)
+        drawn.append((path.name, fig))
+        return path
+
+    monkeypatch.setattr(plot, "_save", keep_figure)
+    plot_runs(folders, output=str(tmp_path / "plots"))
+    assert sorted(name for name, _ in drawn) == sorted([f"{c}.png" for c in TITLE_COLUMN.values()] + ["overview.png"])
+    for name, fig in drawn:
+        titles = [ax.get_title() for ax in fig.axes]
+        if name == "overview.png":
+            assert sorted(titles) == sorted(TITLE_COLUMN)  # every panel, each once
+        else:
+            assert [TITLE_COLUMN[t] for t in titles] == [name.removesuffix(".png")]  # the file is named for it
+        for ax in fig.axes:
+            column = TITLE_COLUMN[ax.get_title()]
+            assert ax.get_ylabel() == column
+            lines = ax.get_lines()
+            assert [line.get_label() for line in lines] == list(runs)
+            for line in lines:
+                steps, values = _column(runs[line.get_label()], column)
+                assert list(line.get_xdata()) == steps, (name, column, line.get_label())
+                assert list(line.get_ydata()) == pytest.approx(values, rel=1e-12), (name, column, line.get_label())

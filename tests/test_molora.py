@@ -1,4 +1,4 @@
-"""MoLoRA (src/rlora/models/molora.py): the layer against a naive per-expert loop, the auxiliary losses against
+"""MoLoRA (src/rlora/models/molora/): the layer against a naive per-expert loop, the auxiliary losses against
 hand-computed values, exactness at start, per-sequence routing identical in incremental decoding and in one
 full forward, save/reload, folder errors, and where gradients go."""
 

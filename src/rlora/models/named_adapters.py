@@ -12,7 +12,6 @@ from pathlib import Path
 from rlora.errors import UserError, first_line
 from rlora.models import molora as ml
 from rlora.models.loading import check_adapter_folder
-from rlora.models.molora_runtime import has_molora
 
 NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # peft keeps adapters in module dicts: no '.'
 # peft warns about adapter names found inside its 'lora_' parameter prefix ('a', 'o', 'ra' ...): prefix them
@@ -104,7 +103,7 @@ def attach_named(base, adapters: dict[str, str], model_label: str):
 @contextmanager
 def activated(model, name: str | None):
     """The model with adapter `name` active; None: every adapter switched off (the plain base)."""
-    if has_molora(model):
+    if ml.has_molora(model):
         with (ml.molora_disabled(model) if name is None else nullcontext()):
             yield model
     elif not hasattr(model, "peft_config"):

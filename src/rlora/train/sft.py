@@ -28,7 +28,7 @@ from rlora.models.loading import (
     trainable_parameters,
 )
 from rlora.tensors import right_padded
-from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank
+from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor, on_every_rank
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir
 from rlora.train.session import seed_everything
@@ -62,92 +62,62 @@ def prompt_ids(row: TokenizedRow) -> list[int]:
     return row.ids[: max(first, 1)]
 
 
-class BatchRouting:
-    """MoLoRA's part of one batch run as micro-batches: each micro-batch's routing context (sequence router:
-    the summaries of its rows' prompts), its share of the batch's auxiliary loss, and the router metrics.
-
-    The auxiliary loss of a step is that of the whole batch as one forward (`ml.batch_aux_losses`): the
-    z-loss and the balance loss's probabilities are summed per micro-batch and divided by the batch's unit
-    count (rows for a sequence router, unpadded tokens for a token router); the balance loss's utilisation f_e
-    (no gradient) is the whole batch's. It is known before the first backward: from the forward itself with one
-    micro-batch; from the prompt summaries with a sequence router (no forward); with a token router and
-    several micro-batches, from a no-grad routing pass over the batch first (one extra forward per step, only
-    when balance_coef > 0). So micro_batch_size does not change the gradient, auxiliary loss included."""
-
-    def __init__(self, model, rows: list[TokenizedRow], chunks: list[list[TokenizedRow]], pad_id: int):
-        self.model = model
-        config = ml.routing_state(model).config
-        sequence = config.router == "sequence"
-        self.summaries = [ml.prompt_summary(model, [prompt_ids(r) for r in chunk]) for chunk in chunks] \
-            if sequence else None
-        self.units = len(rows) if sequence else sum(len(r.ids) for r in rows)
-        self.stats = ml.RouterStats.for_model(model)  # of the training forwards: the metrics
-        self.aux_total = 0.0
-        self.utilisation = None  # the batch's f_e; None: from the training forwards (one micro-batch)
-        if config.balance_coef > 0 and len(chunks) > 1:
-            self.utilisation = self._routing_pass(chunks, pad_id)
-
-    def _routing_pass(self, chunks: list[list[TokenizedRow]], pad_id: int) -> torch.Tensor:
-        stats = ml.RouterStats.for_model(self.model)
-        if self.summaries is not None:
-            stats.add_summaries(self.model, torch.cat(self.summaries))
-            return stats.utilisation()
-        with torch.no_grad():
-            for chunk in chunks:
-                ids, mask, _ = (t.to(model_device(self.model)) for t in collate(chunk, pad_id))
-                self.model(input_ids=ids, attention_mask=mask)
-                stats.add_forward(self.model, mask)
-        return stats.utilisation()
-
-    def context(self, index: int):
-        """The routing context of micro-batch `index`'s forward."""
-        return nullcontext() if self.summaries is None else ml.sequence_routing(self.model, self.summaries[index])
-
-    def aux_share(self, mask: torch.Tensor) -> torch.Tensor:
-        """After a micro-batch's forward: its share of the batch's auxiliary loss (to add to its loss)."""
-        self.stats.add_forward(self.model, mask)
-        utilisation = self.stats.utilisation() if self.utilisation is None else self.utilisation
-        aux = ml.batch_aux_losses(self.model, utilisation, self.units, mask).total
-        self.aux_total += aux.item()
-        return aux
-
-    def metrics(self) -> dict[str, float]:
-        return {"aux_loss": self.aux_total, **self.stats.metrics()}
+def chunk_summaries(model, chunks: list[list[TokenizedRow]]) -> list[torch.Tensor] | None:
+    """Per micro-batch, the prompt summaries of its rows, which route them (a MoLoRA sequence router); None
+    where the model needs none (plain LoRA, token router)."""
+    if not ml.sequence_routed(model):
+        return None
+    return [ml.prompt_summary(model, [prompt_ids(r) for r in chunk]) for chunk in chunks]
 
 
 def routing_contexts(model, chunks: list[list[TokenizedRow]]) -> list:
     """Per micro-batch, the routing context its forward needs: a sequence router's prompt summaries, else
     nothing (plain LoRA, token router)."""
-    molora = ml.molora_modules(model)
-    if not molora or molora[0][1].config.router != "sequence":
+    summaries = chunk_summaries(model, chunks)
+    if summaries is None:
         return [nullcontext() for _ in chunks]
-    return [ml.routing_from_prompts(model, [prompt_ids(r) for r in chunk]) for chunk in chunks]
+    return [ml.sequence_routing(model, summary) for summary in summaries]
 
 
 def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int,
                    metrics: dict | None = None, world: World = World()) -> tuple[float, int]:
     """Accumulate the gradient of the batch's mean token loss: every micro-batch's summed loss is divided by
     the whole batch's target count, so how the batch is split does not change the gradient. A MoLoRA model
-    adds the batch's auxiliary loss the same way (BatchRouting) and puts `aux_loss` and the router metrics
-    into `metrics`. Data parallel: `rows` is this rank's share; the count, the gradients and the loss are
-    summed over ranks. -> (loss, tokens): the task loss alone, of the whole batch."""
+    adds the routers' auxiliary loss of the whole batch as one forward (ml.BatchAuxLoss: so micro_batch_size
+    does not change that part of the gradient either) and puts `aux_loss` and the router metrics into
+    `metrics`. Data parallel: `rows` is this rank's share; the count, the gradients and the loss are summed over
+    ranks. -> (loss, tokens): the task loss alone, of the whole batch."""
     total = int(all_reduce_sums(world, [sum(num_targets(r) for r in rows)])[0])
     chunks = micro_batches(rows, micro_size)
-    routing = BatchRouting(model, rows, chunks, pad_id) if ml.molora_modules(model) else None
+    batches = [collate(chunk, pad_id) for chunk in chunks]
+    summaries = chunk_summaries(model, chunks)
+    device = model_device(model)
+
+    def forward(index: int):
+        """Micro-batch `index`'s forward in its routing context -> (output, attention mask, labels)."""
+        ids, mask, labels = (t.to(device) for t in batches[index])
+        with nullcontext() if summaries is None else ml.sequence_routing(model, summaries[index]):
+            return model(input_ids=ids, attention_mask=mask), mask, labels
+
+    aux = None
+    if ml.has_molora(model):
+        aux = ml.BatchAuxLoss(model, [mask for _, mask, _ in batches], lambda: torch.cat(summaries), forward,
+                              (lambda t: all_reduce_tensor(world, t)) if world.active else None)
     loss_sum = 0.0
-    for index, chunk in enumerate(chunks):
-        ids, mask, labels = (t.to(model_device(model)) for t in collate(chunk, pad_id))
-        with routing.context(index) if routing else nullcontext():
-            nll = token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels)
+    for index in range(len(batches)):
+        out, mask, labels = forward(index)
+        nll = token_nll_sum(out.logits, labels)
         loss = nll / total
-        if routing is not None:
-            loss = loss + routing.aux_share(mask)
+        if aux is not None:
+            loss = loss + aux.share(mask)
         loss.backward()
         loss_sum += nll.item()
     all_reduce_gradients(world, trainable_parameters(model))
     (loss_sum,) = all_reduce_sums(world, [loss_sum])
-    if routing is not None and metrics is not None:
-        metrics.update(routing.metrics())
+    if aux is not None:
+        router_metrics = aux.metrics()  # a collective under data parallel: every rank calls it
+        if metrics is not None:
+            metrics.update(router_metrics)
     return loss_sum / total, total
 
 

@@ -13,7 +13,8 @@ from rlora.config import AlgoConfig
 from rlora.models.loading import trainable_parameters
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
-from rlora.models.molora_runtime import RolloutRouting, aux_losses_on, has_molora
+from rlora.models.molora import aux_losses_on, has_molora
+from rlora.models.molora_runtime import RolloutRouting
 from rlora.models.multi_lora import parameters_per_policy, policy_rows, policy_state
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor
 from rlora.train.fsdp import passes_to_add, zero_pass

@@ -325,7 +325,7 @@ def test_reply_stream_shows_whole_characters_and_the_stripped_reply(tiny_model_d
 def test_chat_streams_the_reply_it_would_print_whole(tiny_model_dir, adapters, monkeypatch):
     """The loop with the real sampler: the reply appears in pieces while it is generated, and the transcript is
     the one printed without streaming (the reply of transformers generate, greedy)."""
-    import rlora.chat as chat
+    import rlora.chat.loop as chat  # where the loop looks ReplyStream up
 
     writes = []
 

@@ -1,0 +1,113 @@
+"""`rlora chat`'s model: the base with every adapter as a named peft adapter, its tokenizer and rlora's
+sampler (ChatModel: render a conversation, sample a reply); which base to load (choose_model)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlora.chat.conversation import ChatState, fit_context
+from rlora.errors import UserError
+from rlora.models.named_adapters import activated, attach_named, recorded_base
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+# ---------------------------------------------------------------- the model -------------------------------------
+
+
+def choose_model(model: str | None, adapters: dict[str, str]) -> str:
+    """--model, else the first adapter's recorded base, else the built-in alias -> a loadable path."""
+    from rlora.models.loading import resolve_model_path
+
+    if model is not None:
+        return resolve_model_path(model)
+    first = next(iter(adapters.values()), None)
+    base = recorded_base(first) if first is not None else None
+    if base is None:
+        return resolve_model_path(DEFAULT_MODEL)
+    try:
+        return resolve_model_path(base)
+    except UserError:
+        raise UserError(f"adapter '{first}' names the base '{base}', which is not a model folder here: "
+                        "pass --model MODEL") from None
+
+
+@dataclass
+class Reply:
+    text: str
+    finish_reason: str  # "stop" or "length"
+    dropped: int  # user turns dropped from the context for this reply
+
+
+class ChatModel:
+    """The base model with its adapters, its tokenizer and rlora's sampler."""
+
+    def __init__(self, model, tokenizer, generator, max_length: int):
+        self.model, self.tokenizer, self.generator, self.max_length = model, tokenizer, generator, max_length
+
+    def render(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @property
+    def streams(self) -> bool:
+        """Whether replies can be shown while they are generated (the built-in sampler; `generate` cannot)."""
+        return self.generator.name == "builtin"
+
+    def reply(self, state: ChatState, on_token: Callable[[int], None] | None = None) -> Reply:
+        """Sample the assistant's answer to the conversation (whose last turn is the user's). on_token(token):
+        each token as it is drawn (only where `streams`)."""
+        from rlora.types import SamplingParams
+
+        s = state.settings
+        ids, dropped = fit_context(state.conv, self.render, self.max_length - s.max_new_tokens)
+        params = (SamplingParams(max_new_tokens=s.max_new_tokens, greedy=True) if s.temperature == 0 else
+                  SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p))
+        stream = {} if on_token is None else {"on_token": lambda _row, token: on_token(token)}
+        with activated(self.model, state.active) as model:
+            rollout = self.generator.sample(model, [ids], 1, params, seed=s.seed + state.replies, **stream)
+        return Reply(rollout.completions[0], rollout.finish_reasons[0], dropped)
+
+
+def model_max_length(model, tokenizer) -> int:
+    from rlora.models.loading import causal_lm
+
+    limit = getattr(causal_lm(model).config, "max_position_embeddings", None)
+    if not limit:
+        limit = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 2048
+    return int(limit)
+
+
+def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_new_tokens: int) -> ChatModel:
+    from rlora.config import ModelConfig, RolloutConfig
+    from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer
+    from rlora.rollout.backends import build_generator
+
+    tokenizer, tok = load_tokenizer(model_path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"the tokenizer of '{model_path}' has no chat template: rlora chat needs a chat (instruct) model")
+    base = load_base_model(ModelConfig(path=model_path, dtype=dtype), model_path)
+    add_model_eos_ids(tok, base)
+    model = attach_named(base, adapters, model_path)
+    max_length = model_max_length(model, tokenizer)
+    if max_new_tokens >= max_length:
+        raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for the prompt in the model's "
+                        f"{max_length} positions")
+    exact = RolloutConfig(sampler_dtype="model")  # the same replies for a seed on every machine
+    generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, max_length, batch_size=1)
+    return ChatModel(model, tokenizer, generator, max_length)
+
+
+def check_base_matches(adapters: dict[str, str], model_path: str) -> list[str]:
+    """Notices for adapters recorded for another base (same shapes load, but the adapter was not trained for it)."""
+    notices = []
+    for name, folder in adapters.items():
+        base = recorded_base(folder)
+        if base and base != model_path and not (Path(base).exists() and Path(base).resolve() == Path(model_path).resolve()):
+            notices.append(f"adapter {name} was trained on '{base}', not on '{model_path}'")
+    return notices
+
+
+# ---------------------------------------------------------------- the terminal ----------------------------------

@@ -283,3 +283,26 @@ def test_per_prompt_stop_strings(tiny_model_dir):
         assert tokens_of(ours, i) == tokens_of(hf, i), i
     assert [r for r in ours.finish_reasons] == ["stop", "length", "stop", "length"] == hf.finish_reasons
     assert tokens_of(ours, 1) == tokens_of(free, 1) and len(tokens_of(ours, 0)) <= 4
+
+
+def test_the_demo_settings_run_unchanged_on_a_model_that_falls_back(tmp_path, prompts_file, capsys):
+    """A model the engine does not support (Mistral whose sliding window is shorter than the sequences) samples
+    with generate in the model's dtype: the demo's algo.sampler_is_cap and sampler_dtype then do not apply, which
+    one notice says once; the run trains with no importance weights instead of refusing after the model loaded."""
+    import json
+
+    from conftest import tiny_overrides
+
+    from rlora.cli import main
+
+    model_dir = build_random_model(tmp_path / "mistral", family="mistral", tie=False, sliding_window=4)
+    out = tmp_path / "run"
+    code = main(["train", *tiny_overrides(str(model_dir), prompts_file, str(out), **{
+        "algo.sampler_is_cap": 2.0, "rollout.sampler_dtype": "bfloat16", "eval.before": "false"})])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("does not support this model (sliding-window attention)") == 1, err
+    assert "algo.sampler_is_cap do not apply" in err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["is_weight_mean"] is None and r["sampler_logp_gap"] is None for r in rows), rows
+    assert all(r["grad_norm"] > 0 for r in rows)

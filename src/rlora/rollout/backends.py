@@ -33,5 +33,5 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
             raise UserError(f"rollout.think (phase-aware sampling) needs the built-in engine, which does not support "
                             f"this model ({reason}): remove rollout.think to sample with transformers generate")
         info(f"rollout.engine=builtin does not support this model ({reason}); sampling with transformers generate "
-             "(rollout.sampler_dtype and merge_adapter do not apply)")
+             "in the model's dtype (rollout.sampler_dtype, merge_adapter and algo.sampler_is_cap do not apply)")
     return HFGenerator(tokenizer, eos_ids, pad_id, batch_size=batch_size)

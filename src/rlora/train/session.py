@@ -160,7 +160,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     longest = max(len(p) for p in train_ids + eval_ids) + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
     generator = build_generator(cfg.rollout, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
     eval_generator = generator
-    if cfg.rollout.sampler_dtype != "model":
+    if cfg.rollout.sampler_dtype != "model" and generator.name == "builtin":  # evaluations sample exactly
         exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})
         eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
     if sharded is not None:  # the sampler reads the weights directly: every call gathers the base or streams it
@@ -171,15 +171,15 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
         if cfg.train.fsdp_gather == "layer" and cfg.rollout.merge_adapter:
             info("train.fsdp_gather=layer with rollout.merge_adapter=true merges the LoRA into every layer in every "
                  "decode step: rollout.merge_adapter=false samples faster here (docs/fsdp.md)")
-    if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None:
+    if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None and generator.name == "builtin":
         info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
              "off-policy and nothing corrects for it (watch sampler_logp_gap)")
-    # the config rejects these with engine=hf; here the builtin engine fell back to hf for this model
-    for wanted, option, fix in ((cfg.algo.sampler_is_cap is not None, "algo.sampler_is_cap", "unset it"),
-                                (cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false")):
-        if wanted and generator.name != "builtin":
-            raise UserError(f"{option} needs the sampler's log-probs, which only rollout.engine=builtin returns "
-                            f"(this run samples with '{generator.name}'): {fix}")
+    # the config refuses these with engine=hf; here the builtin engine fell back to generate for this model
+    if cfg.algo.replay.enabled and generator.name != "builtin":
+        raise UserError(f"algo.replay needs the sampler's log-probs, which only rollout.engine=builtin returns (this "
+                        f"run samples with '{generator.name}'): set algo.replay.enabled=false")
+    # algo.sampler_is_cap there has nothing to correct: generate samples in the model's dtype, as the trainer
+    # computes (step.behaviour gives no weights without sampler log-probs); build_generator's notice says so
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
                    prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded=sharded)
 

@@ -199,14 +199,17 @@ def behaviour(s, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None
     """Behaviour log-probs and per-row caps for the truncated importance weights: the bf16 sampler's
     (algo.sampler_is_cap) on fresh rows, the stored sampler's (algo.replay.is_cap) on replayed rows."""
     cfg, rollout = s.cfg.algo, batch.rollout
-    if cfg.sampler_is_cap is None and not batch.replayed:
+    # a backend without sampler log-probs (generate, where the built-in engine does not support the model) samples
+    # in the model's dtype: nothing to correct on the fresh rows (replay, which needs them, is refused there)
+    fresh_cap = cfg.sampler_is_cap if rollout.sampling_logp_BTc is not None else None
+    if fresh_cap is None and not batch.replayed:
         return None, None
     behaviour_BT = rollout.sampling_logp_BTc.clone()
     cap_B = torch.full((rollout.num_completions,), cfg.replay.is_cap)
-    if cfg.sampler_is_cap is None:
+    if fresh_cap is None:
         behaviour_BT[:batch.num_fresh] = float("nan")
     else:
-        cap_B[:batch.num_fresh] = cfg.sampler_is_cap
+        cap_B[:batch.num_fresh] = fresh_cap
     return behaviour_BT, cap_B
 
 

@@ -22,12 +22,13 @@ from rlora.train.distributed import World, all_reduce_sums, barrier, gather_obje
 from rlora.train.evaluate import eval_sampling, evaluate, evaluate_policies
 from rlora.train.metrics import merge_metrics
 from rlora.train.optim import build_optimizer
+from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir, to_json
 from rlora.train.ppo_step import ppo_step
 from rlora.train.replay import ReplayBuffer
 from rlora.train.resume import check_same_run, replay_state, restore_training_state, save_training_state
 from rlora.train.session import Session, prepare
-from rlora.train.step import RewardFailure, grpo_step
+from rlora.train.step import grpo_step
 
 
 def run_eval(s: Session, label: str) -> dict | None:
@@ -148,7 +149,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed, world.rank) if cfg.algo.replay.enabled else None
     first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
-    t0, last, status = time.perf_counter() - train_s_before, {}, "completed"
+    t0, last = time.perf_counter() - train_s_before, {}
+    summary = {"status": "completed", "last_metrics": last, "eval": evals}  # what summary.json holds if a step fails
 
     def checkpoint(done: int) -> None:
         buffers = None if replay is None else gather_objects(world, replay_state(replay))  # every rank's
@@ -163,7 +165,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
             raise UserError(f"could not write the checkpoint after step {done} ({cause or 'on rank 0'}); the previous "
                             "checkpoint stays valid: fix the cause and continue with train.resume=auto")
 
-    try:
+    with kept_on_stop(s.run_dir, summary, lambda: save_final(s), before_save=lambda: sinks.close(failed=True)):
         with progress_bar("train", cfg.train.steps) as update:
             update(first_step, "")
             for step in range(first_step, cfg.train.steps):
@@ -177,6 +179,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
                         policy.run_dir.append_jsonl("metrics.jsonl", per_policy[policy.name])
                 line = metrics_line(last) if s.policies is None else policies_line(last, s.policies)
                 s.run_dir.append_jsonl("metrics.jsonl", last)
+                summary["last_metrics"] = last
                 sinks.log_metrics(step + 1, last)
                 if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
                     sinks.log_completions(step + 1, samples)
@@ -189,20 +192,6 @@ def _run(cfg: RLConfig, world: World) -> dict:
                 if all_reduce_sums(world, [float(out_of_time)])[0]:  # every rank stops after the same step
                     info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
                     break
-    except BaseException as stop:  # keep what was learnt, say why it stopped, then let the error through
-        if isinstance(stop, KeyboardInterrupt):
-            status = "interrupted"
-        elif isinstance(stop, RewardFailure):
-            status = "stopped: reward failures"
-        else:
-            status = f"failed: {type(stop).__name__}: {stop}"
-        sinks.close(failed=True)
-        try:
-            save_final(s)
-            s.run_dir.write_json("summary.json", {"status": status, "last_metrics": last, "eval": evals})
-        except OSError as err:  # e.g. the disk is full: say so, and let the original error through
-            info(f"could not save the adapter after the failure: {err}")
-        raise
     sinks.close()
     save_final(s)
     done = last.get("step", first_step)
@@ -213,7 +202,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
     barrier(world)
     if any(evals.values()):
         s.run_dir.write_json("eval.json", evals)
-    summary = {"status": status, "steps": done, "train_s": train_s, "adapter_params": n_trainable, "last_metrics": last, "eval": evals}
+    summary |= {"steps": done, "train_s": train_s, "adapter_params": n_trainable}
     s.run_dir.write_json("summary.json", summary)
     if cfg.log.plot and world.is_main:  # several policies: their curves overlaid
         plot_after_run(s.run_dir.path, None if s.policies is None else [p.run_dir.path for p in s.policies])

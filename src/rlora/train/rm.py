@@ -25,6 +25,7 @@ from rlora.tensors import right_padded
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, on_every_rank
 from rlora.train.session import seed_everything
 from rlora.train.optim import build_optimizer
+from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir
 from rlora.train.supervised import check_inputs, micro_batches, optimizer_steps
 
@@ -136,14 +137,8 @@ def _run_rm(cfg: RMConfig, world: World) -> dict:
         run_dir.write_folder("reward_model", lambda folder: save_reward_model(folder, model, head))
 
     t0 = time.perf_counter()
-    try:
+    with kept_on_stop(run_dir, summary, save):  # keep what was learnt, say why it stopped
         train_loop(cfg, run_dir, model, head, params, optimizer, scheduler, data, tok.pad_id, summary, world)
-    except BaseException as stop:  # keep what was learnt and say why it stopped
-        summary["status"] = "interrupted" if isinstance(stop, KeyboardInterrupt) else \
-            f"failed: {type(stop).__name__}: {stop}"
-        save()
-        run_dir.write_json("summary.json", summary)
-        raise
     save()
     summary["train_s"] = time.perf_counter() - t0
     run_dir.write_json("summary.json", summary)

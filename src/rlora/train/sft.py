@@ -30,6 +30,7 @@ from rlora.models.loading import (
 from rlora.tensors import right_padded
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor, on_every_rank
 from rlora.train.optim import build_optimizer
+from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir
 from rlora.train.session import seed_everything
 from rlora.train.supervised import check_inputs, micro_batches, optimizer_steps
@@ -205,14 +206,9 @@ def _run_sft(cfg: SFTConfig, world: World) -> dict:
                "train_rows": len(data.train), "eval_rows": len(data.eval), "truncated_rows": data.truncated,
                "dropped_rows": data.dropped, "last_metrics": {}, "eval_loss": None}
     t0 = time.perf_counter()
-    try:
+    # whatever stops the steps: keep what was learnt, say why it stopped
+    with kept_on_stop(run_dir, summary, lambda: save_outputs(cfg, run_dir, model, tokenizer)):
         train_loop(cfg, run_dir, model, params, optimizer, scheduler, data, tok.pad_id, steps, summary, world)
-    except BaseException as stop:  # keep what was learnt and say why it stopped
-        summary["status"] = "interrupted" if isinstance(stop, KeyboardInterrupt) else \
-            f"failed: {type(stop).__name__}: {stop}"
-        save_outputs(cfg, run_dir, model, tokenizer)
-        run_dir.write_json("summary.json", summary)
-        raise
     save_outputs(cfg, run_dir, model, tokenizer)
     summary["train_s"] = time.perf_counter() - t0
     run_dir.write_json("summary.json", summary)

@@ -32,6 +32,8 @@ from rlora.types import Example, Rollout, SamplingParams
 class RewardFailure(UserError):
     """Too many samples' rewards failed in one step; the run stops and keeps its last adapter."""
 
+    run_status = "stopped: reward failures"  # summary.json (train/lifecycle.py)
+
 
 def score_rollout(s, rollout: Rollout, examples: list[Example]) -> Scores:
     G = s.cfg.rollout.num_generations

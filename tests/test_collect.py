@@ -1,7 +1,9 @@
 """Dynamic sampling (DAPO) and adaptive resampling (adaptive GRPO) with a scripted sampler: exact counts of
-sampling rounds, which groups are resampled with which settings, what is kept, and the advantage statistics."""
+sampling rounds, which groups are resampled with which settings, what is kept, the advantage statistics, and the
+slots that name the groups (the sampler keys and seeds of the int slots they replace)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ from rlora.algos.advantages import group_advantages
 from rlora.config import AlgoConfig
 from rlora.rewards.scoring import Scores
 from rlora.train.collect import Collector, assemble, fails, is_flat
+from rlora.train.policies import row_policies
+from rlora.train.slots import Slot, extra_round, first_round
+from rlora.train.step import _sampling_args
 from rlora.types import Rollout, SamplingParams
 
 G = 4
@@ -17,8 +22,9 @@ BASE = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.95)
 
 
 class ScriptedSampler:
-    """Returns, call after call, the scripted rewards of each prompt (a dict prompt -> list of reward rows,
-    consumed in order); completions are `length` tokens long. Records every call."""
+    """Returns, call after call, the scripted rewards of each slot (a dict slot -> list of reward rows, consumed in
+    order; plain ints name the slots: the Collector never looks inside one); completions are `length` tokens long.
+    Records every call."""
 
     def __init__(self, script: dict[int, list[list[float]]], length: int = 3):
         self.script = {p: list(rows) for p, rows in script.items()}
@@ -60,7 +66,7 @@ def test_without_resampling_one_round_with_the_step_seed():
     sampler = ScriptedSampler({0: [[1, 0, 0, 0]], 1: [[1, 1, 1, 1]]})
     collector = Collector(sampler, BASE, G, algo(), seed=123)
     groups = collector.collect([0, 1], lambda r: pytest.fail("no extra round expected"))
-    assert [g.prompt for g in groups] == [0, 1]
+    assert [g.slot for g in groups] == [0, 1]
     assert sampler.calls == [([0, 1], [(0.7, 0.95)] * 2, 123)]
     assert collector.stats.sampling_rounds == 1 and collector.stats.zero_var_before == 1
 
@@ -70,7 +76,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
     sampler = ScriptedSampler({0: [[1, 1, 1, 1]], 1: [[1, 0, 0, 1]], 2: [[0, 0, 0, 0]], 3: [[0, 0.5, 0, 0]]})
     collector = Collector(sampler, BASE, G, algo(dynamic_sampling=True, max_extra_rounds=3), seed=5)
     groups = collector.collect([0, 1], lambda r: {1: [2, 3]}[r])
-    assert [g.prompt for g in groups] == [1, 3]
+    assert [g.slot for g in groups] == [1, 3]
     assert [c[0] for c in sampler.calls] == [[0, 1], [2, 3]]
     assert collector.stats.sampling_rounds == 2 and collector.stats.groups_dropped == 2
     assert len({c[2] for c in sampler.calls}) == 2  # each round draws with its own seed
@@ -80,7 +86,7 @@ def test_dynamic_sampling_keeps_only_a_full_batch():
     sampler = ScriptedSampler({0: [[1, 1, 1, 1]], 1: [[1, 0, 0, 1]], 2: [[0, 1, 0, 0]], 3: [[0, 0.5, 0, 0]]})
     collector = Collector(sampler, BASE, G, algo(dynamic_sampling=True), seed=5)
     groups = collector.collect([0, 1], lambda r: [2, 3])
-    assert [g.prompt for g in groups] == [1, 2]  # 3 was informative too, but the step is full
+    assert [g.slot for g in groups] == [1, 2]  # 3 was informative too, but the step is full
 
 
 def test_dynamic_sampling_stops_at_the_round_cap():
@@ -129,7 +135,7 @@ def test_adaptive_with_dynamic_sampling_resamples_refill_rounds_too():
     cfg = algo(dynamic_sampling=True, adaptive={"enabled": True, "max_retries": 1})
     collector = Collector(sampler, BASE, G, cfg, seed=0)
     groups = collector.collect([0, 1], lambda r: [2])
-    assert [g.prompt for g in groups] == [1, 2]
+    assert [g.slot for g in groups] == [1, 2]
     assert [c[0] for c in sampler.calls] == [[0, 1], [0], [2], [2]]
 
 
@@ -196,8 +202,6 @@ def test_loss_mask_and_behaviour_of_a_batch_with_replayed_groups():
     """Fresh rows: failed rewards and (with mask_truncated) truncated completions leave the loss; the bf16
     sampler's cap applies to fresh rows, replay.is_cap to replayed ones; without sampler_is_cap fresh rows
     are unweighted (NaN behaviour)."""
-    from types import SimpleNamespace
-
     from rlora.config import RLConfig
     from rlora.batching import concat_rollouts
     from rlora.train.replay import StoredGroup
@@ -239,3 +243,66 @@ def test_replay_count_rounds_stochastically_to_the_expected_number():
     assert set(counts) == {0, 1} and abs(sum(counts) / 400 - 0.5) < 0.08
     assert [replay_count(2.0, 0, s) for s in range(5)] == [2] * 5
     assert replay_count(0.5, 0, 7) == replay_count(0.5, 0, 7)
+
+
+def _int_slot_sampling_args(P: int, step: int, train_seed: int, policy_seeds: list[int] | None, slots: list[int],
+                            seed: int):
+    """The sampler's (seed or seeds, keys, policies) as the trainer derived them from int slots before
+    train/slots.py: one policy, slot r * P + i (round r's position i) is the key; several, slot k * P + i is
+    position i of policy k, with key i and policy k's step seed plus the Collector's offset."""
+    if policy_seeds is None:
+        return seed, slots, None
+    offset = seed - (train_seed * 100_003 + step)
+    return ([policy_seeds[slot // P] * 100_003 + step + offset for slot in slots], [slot % P for slot in slots],
+            [slot // P for slot in slots])
+
+
+def test_typed_slots_give_the_int_slots_keys_seeds_and_policies():
+    P, step, train_seed, policy_seeds = 3, 5, 7, [4, 9]
+    step_seed = train_seed * 100_003 + step
+
+    def run(policies):
+        return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(seed=train_seed, prompts_per_step=P)),
+                               policies=policies and [SimpleNamespace(seed=seed) for seed in policies])
+
+    # hand-computed keys: r x P + position, whatever the policy
+    assert Slot(0, 0, 2, prompt=6).key(P) == 2 and Slot(0, 2, 1, prompt=0).key(P) == 7
+    assert Slot(1, 0, 2, prompt=6).key(P) == 2  # policy 1 keys its slot as a run of policy 1 alone would
+    step_prompts = [6, 0, 3]
+    # one policy: round 0 (all positions, then one rank's share), dynamic sampling's rounds 1 and 2, retries
+    for positions in ([0, 1, 2], [1]):
+        assert [s.prompt for s in first_round(step_prompts, positions, 1)] == [step_prompts[i] for i in positions]
+        for retry in (0, 1):
+            seed = step_seed + 1_000_003 * retry  # Collector._seed of round 0
+            assert _sampling_args(run(None), step, first_round(step_prompts, positions, 1), seed) == \
+                _int_slot_sampling_args(P, step, train_seed, None, positions, seed)
+    for round_index, drawn in ((1, [2, 5, 1]), (2, [4, 7])):
+        slots = extra_round(round_index, drawn)
+        assert [s.prompt for s in slots] == drawn
+        for share in (slots, slots[1:]):  # every rank's list, and rank 1's share of a 3-rank world's
+            seed = step_seed + 1_000_003 * (round_index * 64 + 1)  # its first retry
+            old = [round_index * P + s.position for s in share]
+            assert _sampling_args(run(None), step, share, seed) == \
+                _int_slot_sampling_args(P, step, train_seed, None, old, seed)
+    # two policies: each rank's slots policy by policy (the old rank_slots order k * P + i), with an offset too
+    for positions in ([0, 1, 2], [2]):
+        slots = first_round(step_prompts, positions, 2)
+        old = [k * P + i for k in range(2) for i in positions]
+        assert [s.prompt for s in slots] == [step_prompts[slot % P] for slot in old]
+        for seed in (step_seed, step_seed + 1_000_003):
+            assert _sampling_args(run(policy_seeds), step, slots, seed) == \
+                _int_slot_sampling_args(P, step, train_seed, policy_seeds, old, seed)
+        assert torch.equal(row_policies(slots, G), torch.tensor([slot // P for slot in old]).repeat_interleave(G))
+
+
+def test_slots_of_different_policies_and_rounds_never_collide():
+    P, step_prompts = 3, [6, 0, 3]
+    rounds = [first_round(step_prompts, [0, 1, 2], 2)] + [extra_round(r, [1, 2, 4]) for r in (1, 2, 3)]
+    slots = [s for r in rounds for s in r]
+    # the int slots collided here: policy 1's position 0 and round 1's position 0 were both slot P
+    assert len(set(slots)) == len(slots) == 2 * P + 3 * P
+    by_policy = {}
+    for s in slots:
+        by_policy.setdefault(s.policy, []).append(s.key(P))
+    assert all(len(set(keys)) == len(keys) for keys in by_policy.values())  # one policy's groups: distinct draws
+    assert by_policy[1] == by_policy[0][:P]  # each policy keys the step's prompts as its own run would

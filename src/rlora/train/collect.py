@@ -1,11 +1,12 @@
 """The groups of one step: sample, resample groups that fail (adaptive GRPO), drop groups whose rewards are
 all equal and sample more prompts (DAPO's dynamic sampling).
 
-A group is the G completions of one prompt drawn with one setting. All sampling goes through a
-`SampleFn` (prompt indices, settings per prompt, seed -> rollout and scores), so this logic is tested
-with a scripted sampler. Retried groups are drawn at the schedule's temperature/top-p; each row keeps
-the temperature it was drawn at (Rollout.temperature_B), and the trainer's old and new log-probs of
-that row use the same temperature, so the ratio compares like with like.
+A group is the G completions of one prompt drawn with one setting, named by its slot (train/slots.py). All
+sampling goes through a `SampleFn` (slots, settings per slot, seed -> rollout and scores), so this logic is
+tested with a scripted sampler (which names its groups by plain ints: nothing here looks inside a slot).
+Retried groups are drawn at the schedule's temperature/top-p; each row keeps the temperature it was drawn at
+(Rollout.temperature_B), and the trainer's old and new log-probs of that row use the same temperature, so the
+ratio compares like with like.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from rlora.algos.advantages import group_flags, overlong_penalty
 from rlora.config import AdaptiveConfig, AlgoConfig
 from rlora.rewards.scoring import Scores
 from rlora.batching import concat_rollouts, select_rows
+from rlora.train.slots import Slot
 from rlora.types import Rollout, SamplingParams
 
-SampleFn = Callable[[list[int], list[SamplingParams], int], tuple[Rollout, Scores]]
+SampleFn = Callable[[list[Slot], list[SamplingParams], int], tuple[Rollout, Scores]]
 
 
 @dataclass
 class Group:
-    prompt: int  # which prompt: what the SampleFn takes (the trainer passes slots of the step, see step.py)
+    slot: Slot  # which policy drew which prompt of the step: what the SampleFn takes
     rollout: Rollout  # the kept attempt's G rows
     scores: Scores  # its rewards (task rewards: what the adaptive and dynamic-sampling conditions look at)
     shaping_G: torch.Tensor  # overlong penalty of each row (float64; 0 when off)
@@ -91,14 +93,14 @@ class Collector:
         # round 0, retry 0 keeps the step's seed (a run without resampling draws exactly as before)
         return self.seed + 1_000_003 * (round_index * 64 + retry)
 
-    def _draw(self, prompts: list[int], params: SamplingParams, seed: int) -> list[Group]:
-        rollout, scores = self.sample(prompts, [params] * len(prompts), seed)
+    def _draw(self, slots: list[Slot], params: SamplingParams, seed: int) -> list[Group]:
+        rollout, scores = self.sample(slots, [params] * len(slots), seed)
         lengths_B = rollout.completion_mask_BTc.sum(-1)
         shaping_B = overlong_penalty(lengths_B, params.max_new_tokens, self.algo.overlong_buffer, self.algo.overlong_penalty)
         groups = []
-        for i, prompt in enumerate(prompts):
+        for i, slot in enumerate(slots):
             rows = list(range(i * self.G, (i + 1) * self.G))
-            group = Group(prompt, select_rows(rollout, rows), scores.select(rows), shaping_B[rows])
+            group = Group(slot, select_rows(rollout, rows), scores.select(rows), shaping_B[rows])
             group.attempt_rewards.append(group.rewards_G)
             groups.append(group)
         return groups
@@ -114,7 +116,7 @@ class Collector:
                 return
             setting = cfg.schedule[min(retry, len(cfg.schedule)) - 1]
             params = dataclasses.replace(self.base, temperature=setting.temperature, top_p=setting.top_p)
-            fresh = self._draw([g.prompt for g in failing], params, self._seed(round_index, retry))
+            fresh = self._draw([g.slot for g in failing], params, self._seed(round_index, retry))
             for group, new in zip(failing, fresh):
                 # the newest attempt is kept: a group stops being resampled once it passes
                 group.rollout, group.scores, group.shaping_G = new.rollout, new.scores, new.shaping_G
@@ -123,8 +125,8 @@ class Collector:
             self.budget -= len(failing)
             self.stats.resamples += len(failing)
 
-    def _round(self, prompts: list[int], round_index: int) -> list[Group]:
-        groups = self._draw(prompts, self.base, self._seed(round_index, 0))
+    def _round(self, slots: list[Slot], round_index: int) -> list[Group]:
+        groups = self._draw(slots, self.base, self._seed(round_index, 0))
         self.stats.sampling_rounds += 1
         self.stats.add_first_attempts(groups)
         if self.algo.adaptive.enabled:
@@ -133,19 +135,19 @@ class Collector:
         self.stats.zero_var_after += sum(is_flat(g.scores.total_B) for g in groups)
         return groups
 
-    def collect(self, prompts: list[int], more_prompts: Callable[[int], list[int]]) -> list[Group]:
+    def collect(self, slots: list[Slot], more_slots: Callable[[int], list[Slot]]) -> list[Group]:
         """Groups for the step. With dynamic sampling, zero-variance groups are dropped and round r = 1, 2, ...
-        samples `more_prompts(r)` until len(prompts) groups are kept or algo.max_extra_rounds is spent; then
+        samples `more_slots(r)` until len(slots) groups are kept or algo.max_extra_rounds is spent; then
         the step trains on the groups it has (possibly fewer, possibly none)."""
-        groups = self._round(prompts, 0)
+        groups = self._round(slots, 0)
         if not self.algo.dynamic_sampling:
             return groups
         kept = self._keep_informative(groups)
         for round_index in range(1, self.algo.max_extra_rounds + 1):
-            if len(kept) >= len(prompts):
+            if len(kept) >= len(slots):
                 break
-            kept += self._keep_informative(self._round(more_prompts(round_index), round_index))
-        return kept[:len(prompts)]
+            kept += self._keep_informative(self._round(more_slots(round_index), round_index))
+        return kept[:len(slots)]
 
     def _keep_informative(self, groups: list[Group]) -> list[Group]:
         kept = [g for g in groups if not is_flat(g.scores.total_B)]

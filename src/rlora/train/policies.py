@@ -1,8 +1,8 @@
 """Several policies trained in one run on one base (the `policies:` section, docs/policies.md).
 
 Each policy is a named LoRA adapter (models/multi_lora.py) with its own AdamW, schedule, learning rate, seed,
-metrics and folder OUTPUT/policies/NAME. A step gives every policy the step's prompts: slot k * P + i is prompt
-slot i sampled by policy k, with the key and seed that a run of policy k alone would use, so its samples are
+metrics and folder OUTPUT/policies/NAME. A step gives every policy the step's prompts: a slot of each
+(train/slots.py), drawn with the key and seed that a run of that policy alone would use, so its samples are
 those of that run. All policies' rows are sampled in one batched decode, share one reference pass (the base:
 every adapter off) and train in shared forward/backward passes.
 """
@@ -18,6 +18,7 @@ from rlora.config import RLConfig
 from rlora.models.multi_lora import policy_parameters, save_policy
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir
+from rlora.train.slots import Slot
 
 POLICIES_FOLDER = "policies"
 
@@ -64,9 +65,9 @@ def save_adapters(model, policies: list[Policy], name: str = "adapter") -> None:
         policy.run_dir.write_folder(name, lambda folder, p=policy: save_policy(model, p.name, folder))
 
 
-def row_policies(slots: list[int], prompts_per_step: int, G: int) -> torch.Tensor:
+def row_policies(slots: list[Slot], G: int) -> torch.Tensor:
     """The policy of each of the G rows of each group, from the groups' slots -> policy_B (long)."""
-    return torch.tensor([slot // prompts_per_step for slot in slots], dtype=torch.long).repeat_interleave(G)
+    return torch.tensor([slot.policy for slot in slots], dtype=torch.long).repeat_interleave(G)
 
 
 def split_metrics(metrics: dict, policies: list[Policy]) -> tuple[dict, dict[str, dict]]:

@@ -22,6 +22,7 @@ from rlora.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.train.schedules import progress_of, scheduled_value
+from rlora.train.slots import Slot, extra_round, first_round
 from rlora.train.distributed import all_reduce_sums
 from rlora.train.policies import row_policies
 from rlora.train.optim import optimizer_step
@@ -63,9 +64,8 @@ class Batch:
     rollout: Rollout
     scores: Scores  # fresh rows only
     stats_rewards_P_S: torch.Tensor  # rewards for the advantage statistics of the fresh groups
-    groups: list[Group]  # Group.prompt holds the group's slot (see _sampler)
+    groups: list[Group]  # in row order; Group.slot: which policy drew which prompt (train/slots.py)
     replayed: list[StoredGroup] = field(default_factory=list)
-    slot_prompt: dict[int, int] = field(default_factory=dict)  # slot -> index into the training prompts
 
     @property
     def num_fresh(self) -> int:
@@ -84,24 +84,23 @@ def step_seed(cfg, step: int, seed: int | None = None) -> int:
     return (cfg.train.seed if seed is None else seed) * 100_003 + step
 
 
-def _sampling_args(s, step: int, slots: list[int], seed: int):
-    """(seed or seeds, keys, policies) of the sampler call for these slots. Several policies: slot k * P + i is
-    prompt slot i drawn by policy k, with the key (i) and seed a run of policy k alone would use."""
+def _sampling_args(s, step: int, slots: list[Slot], seed: int):
+    """(seed or seeds, keys, policies) of the sampler call for these slots. Several policies: each slot draws with
+    the key and seed that a run of its policy alone would use."""
+    keys = [slot.key(s.cfg.train.prompts_per_step) for slot in slots]
     if s.policies is None:
-        return seed, slots, None
-    P, offset = s.cfg.train.prompts_per_step, seed - step_seed(s.cfg, step)  # offset: a later round or retry
-    policy = [slot // P for slot in slots]
-    return [step_seed(s.cfg, step, s.policies[k].seed) + offset for k in policy], [slot % P for slot in slots], policy
+        return seed, keys, None
+    offset = seed - step_seed(s.cfg, step)  # the Collector's addition for a later round or a retry
+    seeds = [step_seed(s.cfg, step, s.policies[slot.policy].seed) + offset for slot in slots]
+    return seeds, keys, [slot.policy for slot in slots]
 
 
-def _sampler(s, step: int, timings: Timings, slot_prompt: dict[int, int]):
+def _sampler(s, step: int, timings: Timings):
     """SampleFn over the run's model, generator and reward functions; counts time spent in each. It samples
-    *slots*: positions in the step's list of prompts (round r's extra prompts from r x P on); a slot's
-    dataset prompt is slot_prompt[slot]. The slot is the sampler's key, so a slot's samples do not depend on
-    which rank or batch draws it, and a prompt that fills two slots of a step gets two different groups."""
-    def sample(slots: list[int], params: list[SamplingParams], seed: int):
+    slots (train/slots.py): each slot's training prompt, with the slot's key."""
+    def sample(slots: list[Slot], params: list[SamplingParams], seed: int):
         t0 = time.perf_counter()
-        prompts = [slot_prompt[slot] for slot in slots]
+        prompts = [slot.prompt for slot in slots]
         seeds, keys, policies = _sampling_args(s, step, slots, seed)
         rollout = s.generator.sample(s.model, [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations, params,
                                      seeds, keys=keys, policies=policies)
@@ -115,28 +114,20 @@ def _sampler(s, step: int, timings: Timings, slot_prompt: dict[int, int]):
     return sample
 
 
-def rank_slots(world, prompts_per_step: int, copies: int) -> list[int]:
-    """This rank's slots of the step: its share of the P prompts, for each of the `copies` policies (slot k * P + i),
-    so that every rank holds the same number of every policy's groups."""
-    mine = world.share(list(range(prompts_per_step)))
-    return [k * prompts_per_step + i for k in range(copies) for i in mine]
-
-
 def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     copies = len(s.policies) if s.policies else 1  # several policies: each samples every prompt of the step
-    slot_prompt = {k * P + i: prompt for k in range(copies) for i, prompt in enumerate(step_prompts)}
+    # this rank's share of the step's prompts, for every policy: each rank holds as many groups of each policy
+    my_slots = first_round(step_prompts, s.world.share(list(range(P))), copies)
     extra = ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, step_prompts)
 
-    def more_slots(round_index: int) -> list[int]:
-        drawn = extra(round_index)  # the same list on every rank
-        slot_prompt.update({round_index * P + i: prompt for i, prompt in enumerate(drawn)})
-        return s.world.share([round_index * P + i for i in range(len(drawn))])
+    def more_slots(round_index: int) -> list[Slot]:
+        return s.world.share(extra_round(round_index, extra(round_index)))  # every rank draws the same list
 
-    collector = Collector(_sampler(s, step, timings, slot_prompt), step_params(cfg, step), cfg.rollout.num_generations,
-                          cfg.algo, step_seed(cfg, step))
-    groups = collector.collect(rank_slots(s.world, P, copies), more_slots)
+    collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
+                          step_seed(cfg, step))
+    groups = collector.collect(my_slots, more_slots)
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
@@ -144,7 +135,7 @@ def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -
     replayed = replay.draw(replay_count(expected, cfg.train.seed, step, s.world.rank), step) if replay else []
     if replayed:
         rollout = concat_rollouts([rollout] + [g.rollout for g in replayed], s.tok.pad_id)
-    return Batch(rollout, scores, stats_rewards, groups, replayed, slot_prompt), collector.stats
+    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats
 
 
 class ExtraPrompts:
@@ -257,8 +248,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
         with reference_policy(s.model):
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     t_ref = time.perf_counter()
-    policy_B = None if s.policies is None else row_policies([g.prompt for g in batch.groups], cfg.train.prompts_per_step,
-                                                              cfg.rollout.num_generations)
+    policy_B = None if s.policies is None else row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations)
     old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix, policy_B) if need_old else None
     t_old = time.perf_counter()
 
@@ -292,7 +282,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
         # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares)
         metrics = {**shared, "gen_tokens": int(rollout.completion_mask_BTc.sum()), "policies": {
             p.name: {**_reward_metrics(part), **update, **_rollout_metrics(part), **_collect_metrics(_first_draws(part), cfg)}
-            for p, update, part in zip(s.policies, updates, _policy_batches(batch, cfg.train.prompts_per_step, len(s.policies)))
+            for p, update, part in zip(s.policies, updates, _policy_batches(batch, len(s.policies)))
             if part.groups}}
     first_params = trained[0][0]
     if first_params and first_params[0].is_cuda:
@@ -304,12 +294,12 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     return metrics, _samples(s, batch, advantages, step)
 
 
-def _policy_batches(batch: Batch, prompts_per_step: int, num_policies: int) -> list[Batch]:
+def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
     """Each policy's part of a step's batch (fresh groups only: several policies do not replay)."""
     G = batch.num_fresh // len(batch.groups)
     parts = []
     for k in range(num_policies):
-        groups = [i for i, g in enumerate(batch.groups) if g.prompt // prompts_per_step == k]
+        groups = [i for i, g in enumerate(batch.groups) if g.slot.policy == k]
         rows = [i * G + j for i in groups for j in range(G)]
         parts.append(Batch(select_rows(batch.rollout, rows), batch.scores.select(rows), batch.stats_rewards_P_S[groups],
                            [batch.groups[i] for i in groups]))
@@ -384,8 +374,8 @@ def _samples(s, batch: Batch, advantages, step: int) -> list[dict]:
     rows = []
     for i in range(batch.num_fresh):
         group = batch.groups[i // G]
-        policy = {} if s.policies is None else {"policy": s.policies[group.prompt // s.cfg.train.prompts_per_step].name}
-        rows.append({"step": step + 1, **policy, "prompt": prompt_text(s.prompts.train[batch.slot_prompt[group.prompt]]), "completion": rollout.completions[i],
+        policy = {} if s.policies is None else {"policy": s.policies[group.slot.policy].name}
+        rows.append({"step": step + 1, **policy, "prompt": prompt_text(s.prompts.train[group.slot.prompt]), "completion": rollout.completions[i],
                      "reward": _num(scores.total_B[i]), "advantage": float(per_row[i]),
                      "temperature": float(rollout.temperature_B[i]), "retries": group.retries,
                      **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}})

@@ -141,10 +141,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
     critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
     info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
          f"-> {cfg.train.output_dir}")
-    optimizer = scheduler = None  # several policies: one of each per policy (s.policies)
-    if cfg.policies is not None:
-        s.policies = pol.build_policies(cfg, s.model, s.run_dir.path, world.is_main)
-    else:
+    optimizer = scheduler = None  # several policies: one of each per policy (s.policies, built by prepare)
+    if cfg.policies is None:
         optimizer, scheduler = build_optimizer(optimizer_groups(s), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed, world.rank) if cfg.algo.replay.enabled else None
     first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)

@@ -42,8 +42,10 @@ from rlora.train.resume import check_replay_ranks, check_same_run, find_checkpoi
 from rlora.types import Example
 
 
-@dataclass
+@dataclass(frozen=True)
 class Session:
+    """Everything the steps of `rlora train` use, built once by prepare() (frozen: no step swaps a part of it)."""
+
     cfg: RLConfig
     run_dir: RunDir
     tokenizer: object
@@ -60,7 +62,7 @@ class Session:
     world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
     critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
-    policies: list[pol.Policy] | None = None  # several policies on the base (cfg.policies), built by _run
+    policies: list[pol.Policy] | None = None  # several policies on the base (cfg.policies): each one's optimizer
     sharded: ShardedBase | None = None  # train.fsdp: the base's decoder layers split across the ranks
 
 
@@ -180,8 +182,9 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
                         f"run samples with '{generator.name}'): set algo.replay.enabled=false")
     # algo.sampler_is_cap there has nothing to correct: generate samples in the model's dtype, as the trainer
     # computes (step.behaviour gives no weights without sampler log-probs); build_generator's notice says so
+    policies = None if cfg.policies is None else pol.build_policies(cfg, model, run_dir.path, world.is_main)
     return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded=sharded)
+                   prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, policies, sharded)
 
 
 def frozen_layers_to_share(cfg: RLConfig, model) -> int:

@@ -8,6 +8,7 @@ import torch
 from test_policy_model import make_policy, perturb_adapter, sample
 
 from conftest import tiny_overrides
+from rlora.algos.advantages import per_token
 from rlora.algos.registry import ALGORITHMS, get_algorithm
 from rlora.cli import main
 from rlora.config import AlgoConfig, ReplayConfig
@@ -63,9 +64,11 @@ def test_dynamic_sampling_with_only_flat_groups_skips_the_update(tiny_model_dir,
     assert all(float(w.abs().sum()) == 0 for name, w in weights.items() if "lora_B" in name)  # never updated
 
 
-def test_replay_mixes_stored_groups_with_importance_weights(tiny_model_dir, prompts_file, tmp_path):
+@pytest.mark.parametrize("name", ["grpo", "reinforce_pp"])  # advantages per completion; per token
+def test_replay_mixes_stored_groups_with_importance_weights(name, tiny_model_dir, prompts_file, tmp_path):
     code, rows = run(tiny_model_dir, prompts_file, tmp_path / "run", **{
-        "algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "train.steps": 3, "train.lr": 0.01})
+        "algo.name": name, "algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "train.steps": 3,
+        "train.lr": 0.01})
     assert code == 0
     assert rows[0]["replay_groups"] == 0 and rows[0]["replay_stored"] > 0
     assert rows[1]["replay_groups"] > 0 and rows[1]["is_weight_mean"] is not None
@@ -83,7 +86,6 @@ def test_replay_needs_the_builtin_sampler(tiny_model_dir, prompts_file, tmp_path
     (["algo.name=gspo", "algo.loss_agg=token_mean"], "gspo clips one ratio per sequence"),
     (["algo.overlong_buffer=100"], "exceeds rollout.max_new_tokens"),
     (["rollout.temperature_schedule=linear"], "needs rollout.temperature_end"),
-    (["algo.name=reinforce_pp", "algo.replay.enabled=true"], "disable algo.replay"),
     (["algo.name=reinforce_pp", "algo.adaptive.adv_stats=all"], "adv_stats=kept"),
     (["algo.name=drgrpo"], "did you mean 'dr_grpo'"),
 ])
@@ -94,7 +96,8 @@ def test_bad_algorithm_combinations_are_one_line_errors(override, message, capsy
 
 
 def _group(rollout, rows, adv, step):
-    return StoredGroup(select_rows(rollout, rows), torch.tensor(adv), rollout.completion_mask_BTc[rows], step)
+    mask = rollout.completion_mask_BTc[rows]
+    return StoredGroup(select_rows(rollout, rows), per_token(torch.tensor(adv), mask), mask, step)
 
 
 def test_replay_buffer_keeps_informative_groups_evicts_oldest_and_counts_uses(tiny_model_dir):
@@ -163,7 +166,8 @@ def test_replayed_groups_of_other_widths_train_with_their_weights(tiny_model_dir
     B, T = joined.completion_ids_BTc.shape
     behaviour = torch.full((B, T), float("nan"))
     behaviour[2:] = -50.0  # far below any real log-prob: the weight hits the cap
-    scored = ScoredRollout(joined, torch.tensor([0.5, -0.5, 1.0, -1.0]), joined.completion_mask_BTc,
+    mask = joined.completion_mask_BTc
+    scored = ScoredRollout(joined, per_token(torch.tensor([0.5, -0.5, 1.0, -1.0]), mask), mask,
                            behaviour_logp_BTc=behaviour, is_cap_B=torch.tensor([9.0, 9.0, 1.5, 1.5]),
                            fresh_B=torch.tensor([True, True, False, False]))
     model.zero_grad(set_to_none=True)
@@ -172,7 +176,7 @@ def test_replayed_groups_of_other_widths_train_with_their_weights(tiny_model_dir
     assert stats["is_weight_mean"] == pytest.approx(1.5)  # only the replayed rows are weighted, all at the cap
     # the same batch without weights, replayed rows' advantages scaled by 1.5 instead: the same gradient
     model.zero_grad(set_to_none=True)
-    plain = ScoredRollout(joined, torch.tensor([0.5, -0.5, 1.5, -1.5]), joined.completion_mask_BTc)
+    plain = ScoredRollout(joined, per_token(torch.tensor([0.5, -0.5, 1.5, -1.5]), mask), mask)
     accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(), plain, 4, 7)
     assert torch.allclose(weighted, _grads(model), rtol=1e-5, atol=1e-8)
 
@@ -186,7 +190,8 @@ def test_entropy_bonus_adds_minus_coef_times_entropy_gradient(tiny_model_dir):
     tokenizer, tok, model = make_policy(tiny_model_dir)
     perturb_adapter(model, scale=0.2)
     rollout = sample(model, tokenizer, tok, n_prompts=2, G=2, max_new=5)
-    scored = ScoredRollout(rollout, torch.tensor([0.5, -0.5, 1.0, -1.0]), rollout.completion_mask_BTc)
+    mask = rollout.completion_mask_BTc
+    scored = ScoredRollout(rollout, per_token(torch.tensor([0.5, -0.5, 1.0, -1.0]), mask), mask)
     grads = {}
     for coef in (0.0, 1.0, 2.0):
         model.zero_grad(set_to_none=True)

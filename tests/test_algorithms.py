@@ -141,8 +141,8 @@ def test_gspo_hand_computed_sequence_ratio_and_clipping():
     inp = LossInputs(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask)
     out = gspo_token_loss(inp, 0.2, 0.2, 0.0)
     assert torch.allclose(out.loss_BT[:, :2], torch.tensor([[-1.2, -1.2], [1.349859, 1.349859]]), atol=1e-6)
-    assert out.clipped_BT[:, 0].tolist() == [True, False]
-    assert torch.allclose(out.ratio_BT[:, 0], torch.tensor([1.349859, 1.349859]), atol=1e-6)
+    assert out.metrics_BT["clip_frac"][:, 0].tolist() == [True, False]
+    assert torch.allclose(out.metrics_BT["ratio_mean"][:, 0], torch.tensor([1.349859, 1.349859]), atol=1e-6)
 
 
 def test_gspo_gradient_is_sequence_ratio_over_length():
@@ -164,7 +164,7 @@ def test_cispo_hand_computed_keeps_gradient_of_clipped_tokens():
     inp = LossInputs(logp, old, torch.tensor([1.0]), torch.ones(1, 2))
     out = cispo_token_loss(inp, clip_low=1.0, clip_high=0.2, beta=0.0)
     assert torch.allclose(out.loss_BT, torch.tensor([[0.6, math.exp(-2)]]), atol=1e-6)
-    assert out.clipped_BT.tolist() == [[True, False]]
+    assert out.metrics_BT["clip_frac"].tolist() == [[True, False]]
     out.loss_BT.sum().backward()
     # d/dlogp = -sg(weight) * A: the clipped token still gets -1.2 (PPO-clip would give it 0)
     assert torch.allclose(logp.grad, torch.tensor([[-1.2, -math.exp(-2)]]), atol=1e-6)

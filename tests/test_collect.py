@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlora.algos.advantages import group_advantages
+from rlora.algos.advantages import group_advantages, per_token
 from rlora.config import AlgoConfig
 from rlora.rewards.scoring import Scores
 from rlora.train.collect import Collector, assemble, fails, is_flat
@@ -210,7 +210,8 @@ def test_loss_mask_and_behaviour_of_a_batch_with_replayed_groups():
     fresh, scores = ScriptedSampler({0: [[1.0, math.nan, 0.0, 0.0]]})([0], [BASE], 0)
     fresh.finish_reasons = ["stop", "stop", "length", "stop"]
     old, _ = ScriptedSampler({1: [[0, 1, 0, 0]]}, length=5)([1], [BASE], 0)  # another completion width
-    stored = StoredGroup(old, torch.tensor([-0.5, 1.5, -0.5, -0.5]), old.completion_mask_BTc, step=1)
+    stored = StoredGroup(old, per_token(torch.tensor([-0.5, 1.5, -0.5, -0.5]), old.completion_mask_BTc),
+                         old.completion_mask_BTc, step=1)
     batch = Batch(concat_rollouts([fresh, old], 0), scores, torch.zeros(1, G), [], [stored])
     cfg = RLConfig.model_validate({"data": {"task": "chain_sum"}, "rewards": [{"fn": "gym"}],
                                    "algo": {"mask_truncated": True, "sampler_is_cap": 3.0, "replay": {"is_cap": 1.5}}})
@@ -222,6 +223,40 @@ def test_loss_mask_and_behaviour_of_a_batch_with_replayed_groups():
     s.cfg = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"sampler_is_cap": None})})
     behaviour_BT, cap_B = behaviour(s, batch)
     assert torch.isnan(behaviour_BT[:4]).all() and not torch.isnan(behaviour_BT[4:]).any()
+
+
+@pytest.mark.parametrize("name", ["grpo", "reinforce_pp"])
+def test_a_batch_with_replayed_groups_has_advantages_per_token(name):
+    """advantages_of: the fresh rows' advantages from the algorithm, one per token (a group algorithm's broadcast
+    to the completion's tokens, REINFORCE++'s per token and 0 on padding), then each replayed group's stored ones
+    (per token, from another step, of another width) padded to the batch's width."""
+    from types import SimpleNamespace
+
+    from rlora.algos.advantages import reinforce_pp_advantages
+    from rlora.algos.registry import get_algorithm
+    from rlora.batching import concat_rollouts
+    from rlora.config import RLConfig
+    from rlora.train.distributed import World
+    from rlora.train.replay import StoredGroup
+    from rlora.train.step import Batch, advantages_of, loss_mask
+
+    fresh, scores = ScriptedSampler({0: [[1.0, 0.0, 0.5, 0.0]]})([0], [BASE], 0)  # 3 tokens
+    old, _ = ScriptedSampler({1: [[0, 1, 0, 0]]}, length=5)([1], [BASE], 0)
+    stored_GT = torch.arange(20.0).view(G, 5) * old.completion_mask_BTc  # what a REINFORCE++ step stored
+    stored = StoredGroup(old, stored_GT, old.completion_mask_BTc, step=1)
+    batch = Batch(concat_rollouts([fresh, old], 0), scores, scores.total_B.view(1, G), [], [stored])
+    cfg = RLConfig.model_validate({"data": {"task": "chain_sum"}, "rewards": [{"fn": "gym"}], "algo": {"name": name}})
+    s = SimpleNamespace(cfg=cfg, algo=get_algorithm(name), world=World())
+    mask = loss_mask(s, batch)
+    advantages = advantages_of(s, batch, mask, None, None)
+    assert advantages.shape == mask.shape == (8, 5) and torch.equal(advantages[G:], stored_GT)
+    rewards = scores.total_B
+    if name == "grpo":
+        assert torch.equal(advantages[:G], group_advantages(rewards.view(1, G)).view(G, 1).expand(G, 5))
+    else:
+        expected = reinforce_pp_advantages(rewards, mask[:G], None, 0.0, cfg.algo.adv_eps)
+        assert torch.equal(advantages[:G], expected.float())
+        assert advantages[:G, 3:].abs().sum() == 0 and advantages[:G, :3].abs().sum() > 0
 
 
 def test_extra_prompts_never_repeat_within_a_step_and_are_seeded():

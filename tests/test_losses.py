@@ -19,12 +19,12 @@ def test_grpo_loss_hand_computed_clipping():
     # token 2: ratio 0.606531, A=-1 -> min(-0.6065, -0.8) = -0.8 -> loss 0.8, clipped
     # token 3: ratio 1.648721, A=-1 -> min(-1.6487, -1.2) = -1.6487 -> loss 1.648721, not clipped
     logp = torch.tensor([[0.5, -0.5], [-0.5, 0.5]])
-    inp = LossInputs(logp_BT=logp, old_logp_BT=torch.zeros(2, 2), advantages=torch.tensor([1.0, -1.0]),
+    inp = LossInputs(logp_BT=logp, old_logp_BT=torch.zeros(2, 2), advantages_BT=torch.tensor([1.0, -1.0]),
                      mask_BT=torch.ones(2, 2))
     out = grpo_token_loss(inp, clip_low=0.2, clip_high=0.2, beta=0.0)
     assert torch.allclose(out.loss_BT, torch.tensor([[-1.2, -0.606531], [0.8, 1.648721]]), atol=1e-6)
-    assert out.clipped_BT.tolist() == [[True, False], [True, False]]
-    assert out.kl_BT is None
+    assert out.metrics_BT["clip_frac"].tolist() == [[True, False], [True, False]]
+    assert out.kl_BT is None and out.metrics_BT["kl"] is None
 
 
 def test_clip_higher_uses_separate_bounds():

@@ -10,6 +10,7 @@ import torch
 from test_policy_model import sample, vary_lengths
 
 from conftest import tiny_overrides
+from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.cli import main
 from rlora.config import AlgoConfig, ModelConfig, load_config
@@ -97,7 +98,8 @@ def _scored(model, tokenizer, tok):
     """8 completions of 2 prompts (ragged lengths, left-padded prompts) with advantages (two of them 0)."""
     rollout = vary_lengths(sample(model, tokenizer, tok, seed=3), tok.pad_id)
     advantages = torch.tensor([1.0, -0.5, 0.0, 0.7, -1.2, 0.3, 0.0, 0.9])
-    return ScoredRollout(rollout, advantages, rollout.completion_mask_BTc.clone())
+    mask = rollout.completion_mask_BTc.clone()
+    return ScoredRollout(rollout, per_token(advantages, mask), mask)
 
 
 @pytest.mark.parametrize("router", ["sequence", "token"])

@@ -51,7 +51,7 @@ def spy_on(monkeypatch, name: str) -> dict[str, list]:
         return out
 
     def token_loss(inputs, **kwargs):
-        calls["loss"].append(inputs.advantages.detach().cpu().clone())
+        calls["loss"].append(inputs.advantages_BT[:, 0].detach().cpu().clone())  # one per completion
         return registered.token_loss(inputs, **kwargs)
 
     monkeypatch.setitem(registry.ALGORITHMS, name,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_overrides
 from test_reward_adapter import rm_folder  # noqa: F401 - the reward model fixture
+from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.cli import main
 from rlora.config import AlgoConfig, LoraConfig, TrainConfig
@@ -214,8 +215,8 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
     with reference_policy(model):
         ref = batched_logprobs(model, rollout, 5)
     old = batched_logprobs(model, rollout, 5, policy_B=policy_B)
-    scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, old, ref if beta else None,
-                           policy_B=policy_B, betas=betas)
+    scored = ScoredRollout(rollout, per_token(advantages, rollout.completion_mask_BTc), rollout.completion_mask_BTc,
+                           old, ref if beta else None, policy_B=policy_B, betas=betas)
     lrs = [1e-3, 3e-3]
     optims = [build_optimizer(mlr.policy_parameters(model, n), TrainConfig(lr=lr), 4) for n, lr in zip(NAMES, lrs)]
     for _ in range(iterations):
@@ -228,7 +229,8 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
         own = Rollout(part.prompt_ids_BTp, part.prompt_mask_BTp, part.completion_ids_BTc, part.completion_mask_BTc,
                       rollout.completions[rows], rollout.finish_reasons[rows], part.temperature_B)
         own_beta = betas[k] if betas else beta
-        alone = ScoredRollout(own, advantages[rows], own.completion_mask_BTc, old[rows], ref[rows] if own_beta else None)
+        alone = ScoredRollout(own, per_token(advantages[rows], own.completion_mask_BTc), own.completion_mask_BTc,
+                              old[rows], ref[rows] if own_beta else None)
         params = trainable_parameters(single)
         opt, sched = build_optimizer(params, TrainConfig(lr=lr), 4)
         own_cfg = cfg.model_copy(update={"beta": own_beta})

@@ -5,6 +5,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig
 from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, save_adapter, trainable_parameters
@@ -58,7 +59,8 @@ def test_before_first_update_ratio_is_one_and_kl_is_zero(tiny_model_dir):
     assert torch.equal(policy[mask], reference[mask])
     # old log-probs from a different micro-batching (3 rows at a time): the num_iterations > 1 path
     old = batched_logprobs(model, rollout, 3)
-    scored = ScoredRollout(rollout, torch.linspace(-1, 1, 8), rollout.completion_mask_BTc, old, reference)
+    scored = ScoredRollout(rollout, per_token(torch.linspace(-1, 1, 8), rollout.completion_mask_BTc),
+                           rollout.completion_mask_BTc, old, reference)
     stats = accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(beta=0.04), scored, 8, 6)
     assert stats["kl"] == 0.0 and stats["clip_frac"] == 0.0
     assert abs(stats["ratio_mean"] - 1.0) < 1e-6
@@ -69,7 +71,8 @@ def test_update_moves_adapter_and_keeps_base_bit_identical(tiny_model_dir):
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     adapter_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     rollout = sample(model, tokenizer, tok)
-    scored = ScoredRollout(rollout, torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), rollout.completion_mask_BTc)
+    scored = ScoredRollout(rollout, per_token(torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), rollout.completion_mask_BTc),
+                           rollout.completion_mask_BTc)
     params = trainable_parameters(model)
     optimizer, scheduler = build_optimizer(params, TrainConfig(lr=1e-2), total_updates=3)
     for _ in range(3):
@@ -100,7 +103,8 @@ def test_micro_batching_does_not_change_the_gradient(tiny_model_dir):
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, 0.0, -0.3, 0.2])
     old = batched_logprobs(model, rollout, 8) + 0.05 * torch.randn_like(ref)  # ratio != 1: clipping in play
     for agg in ("token_mean", "seq_mean", "constant"):
-        scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, old, ref)
+        scored = ScoredRollout(rollout, per_token(advantages, rollout.completion_mask_BTc), rollout.completion_mask_BTc,
+                               old, ref)
         one_of_eight = gradient_of(model, scored, 8, agg, beta=0.04)
         eight_of_one = gradient_of(model, scored, 1, agg, beta=0.04)
         assert one_of_eight.abs().max() > 0
@@ -115,7 +119,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir):
     perturb_adapter(model)
     rollout = vary_lengths(sample(model, tokenizer, tok, seed=4), tok.pad_id)
     advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 0.5, -0.5])  # group 0 has zero variance
-    scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc)
+    scored = ScoredRollout(rollout, per_token(advantages, rollout.completion_mask_BTc), rollout.completion_mask_BTc)
     skipping = gradient_of(model, scored, 4, "token_mean")
     # the same loss written without the skip: an explicit forward over all 8 rows
     model.zero_grad(set_to_none=True)

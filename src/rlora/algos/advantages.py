@@ -1,4 +1,5 @@
-"""Advantages: per completion (GRPO, RLOO) or per token (REINFORCE++), and DAPO's overlong shaping.
+"""Advantages: per completion (GRPO, RLOO) or per token (REINFORCE++), and DAPO's overlong shaping. Training
+takes them per token, [B, T]: `per_token` broadcasts a completion's advantage to its positions where they are made.
 
 GRPO: A_pg = (r_pg - mean_g r_pg) / (std + eps), with the std taken per group, over the whole batch, or
 not at all (Dr.GRPO). The std is the unbiased sample std (divides by n - 1), as in the GRPO paper's
@@ -99,6 +100,13 @@ def rloo_advantages(rewards_P_G: torch.Tensor, scale: AdvScale = "none", eps: fl
     centred_P_G = _scale(rewards - others_mean_P_G, rewards, scale, eps, all_sum)
     centred_P_G = torch.where(failed | flat_P1 | (count_P1 < 2), torch.zeros_like(centred_P_G), centred_P_G)
     return centred_P_G.float()
+
+
+def per_token(advantages: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """[B] one advantage per completion, or [B, T] one per token -> [B, T] (a view: a completion's advantage on
+    every position of its row, padding included; the loss mask decides what counts)."""
+    advantages_BT = advantages if advantages.dim() == 2 else advantages[:, None]
+    return advantages_BT.expand(mask_BT.shape)
 
 
 def token_rewards(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ data-parallel ranks, which is known once torchrun has started the process: `chec
 rows when a config loads, `check_launch` runs these from the recipe's input checks, so each row is checked
 once on the way to training, and `rlora eval` of a sharded run's folder is not refused for lacking torchrun.
 Each row carries an example (overrides of the command's base config) that triggers it; a test walks the table
-and docs/configuration.md lists it.
+and docs/configuration.md lists it. What a row needs to know about the algorithm it reads from the algorithm's
+traits (rlora/presets.py, the data the registry builds its flags from), never from its name.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from rlora.config.schema import LoraConfig, RLConfig, RMConfig, SFTConfig
 from rlora.errors import UserError
+from rlora.presets import TRAITS, Traits
 
 COMMANDS = {RLConfig: "train", SFTConfig: "sft", RMConfig: "rm"}
 # what the rows' examples override (load_config without a file): the demo for `rlora train`, the defaults and a data
@@ -64,8 +66,12 @@ def _molora_lora_message(cfg) -> str:
     return f"lora.{key} is not supported with molora: remove lora.{key}"
 
 
+def _traits(cfg) -> Traits:
+    return TRAITS[cfg.algo.name]
+
+
 def _batch_statistics(cfg) -> bool:
-    return cfg.algo.adv_scale == "batch" or cfg.algo.name.startswith("reinforce_pp")
+    return cfg.algo.adv_scale == "batch" or _traits(cfg).batch_statistics
 
 
 def _reward_model(cfg) -> bool:
@@ -131,7 +137,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("molora-reward-model", ("train",), lambda cfg: cfg.molora is not None and _reward_model(cfg),
             "rewards fn: reward_model puts a PEFT reward adapter on the base, which a molora policy cannot share yet: "
             "use another reward function or train a LoRA policy", MOLORA + ("rewards=[{fn: reward_model}]",)),
-    Refusal("molora-ppo", ("train",), lambda cfg: cfg.molora is not None and cfg.algo.name == "ppo",
+    Refusal("molora-ppo", ("train",), lambda cfg: cfg.molora is not None and _traits(cfg).critic,
             "algo.name=ppo puts a PEFT value adapter on the base, which a molora policy cannot share yet: use a group "
             "algorithm (e.g. grpo) or train a LoRA policy", MOLORA + ("algo.name=ppo",)),
     Refusal("full-finetune-with-adapter-options", ("sft",),
@@ -192,24 +198,21 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds rollout.max_new_tokens="
                         f"{cfg.rollout.max_new_tokens}: the buffer is the last part of the length limit",
             ("algo.overlong_buffer=1000",)),
-    Refusal("gspo-sequence-loss", ("train",), lambda cfg: cfg.algo.name == "gspo" and cfg.algo.loss_agg != "seq_mean",
+    Refusal("gspo-sequence-loss", ("train",),
+            lambda cfg: _traits(cfg).sequence_ratio and cfg.algo.loss_agg != "seq_mean",
             "gspo clips one ratio per sequence: use algo.loss_agg=seq_mean", ("algo.name=gspo", "algo.loss_agg=token_mean")),
     Refusal("adaptive-all-stats-batch-whitened", ("train",),
-            lambda cfg: cfg.algo.adaptive.adv_stats == "all" and cfg.algo.name.startswith("reinforce_pp"),
+            lambda cfg: cfg.algo.adaptive.adv_stats == "all" and _traits(cfg).batch_statistics,
             "algo.adaptive.adv_stats=all needs group advantages; reinforce_pp whitens over the batch: use "
             "algo.adaptive.adv_stats=kept", ("algo.name=reinforce_pp", "algo.adaptive.adv_stats=all")),
-    Refusal("replay-token-advantages", ("train",),
-            lambda cfg: cfg.algo.replay.enabled and cfg.algo.name.startswith("reinforce_pp"),
-            "algo.replay stores per-completion advantages; reinforce_pp's are per token and batch-whitened: disable "
-            "algo.replay or pick another algorithm", ("algo.name=reinforce_pp", "algo.replay.enabled=true")),
-    Refusal("ppo-section-without-ppo", ("train",), lambda cfg: cfg.algo.name != "ppo" and cfg.ppo is not None,
+    Refusal("ppo-section-without-ppo", ("train",), lambda cfg: not _traits(cfg).critic and cfg.ppo is not None,
             lambda cfg: f"the ppo section applies to algo.name=ppo, not {cfg.algo.name}: remove it or set algo.name=ppo",
             ("ppo={}",)),
     Refusal("one-generation-without-critic", ("train",),
-            lambda cfg: cfg.algo.name != "ppo" and cfg.rollout.num_generations < 2,
+            lambda cfg: not _traits(cfg).critic and cfg.rollout.num_generations < 2,
             lambda cfg: f"rollout.num_generations=1 gives {cfg.algo.name} no group to compare (every advantage 0): use "
                         "at least 2, or algo.name=ppo (its critic is the baseline)", ("rollout.num_generations=1", "train.micro_batch_size=2")),
-    Refusal("ppo-group-options", ("train",), lambda cfg: cfg.algo.name == "ppo" and _ppo_group_option(cfg) is not None,
+    Refusal("ppo-group-options", ("train",), lambda cfg: _traits(cfg).critic and _ppo_group_option(cfg) is not None,
             lambda cfg: f"{_ppo_group_option(cfg)} works on groups of samples and group advantages; algo.name=ppo "
                         f"scores each sample with its critic: disable {_ppo_group_option(cfg)}",
             ("algo.name=ppo", "algo.dynamic_sampling=true")),
@@ -226,7 +229,7 @@ REFUSALS: tuple[Refusal, ...] = (
             ("policies=[{name: a}, {name: a}]",)),
     _policies(lambda cfg: cfg.molora is not None, "a molora section", "remove molora (each policy is a plain LoRA "
               "adapter)", MOLORA, "policies-molora"),
-    _policies(lambda cfg: cfg.algo.name == "ppo", "algo.name=ppo", "use a group algorithm such as grpo",
+    _policies(lambda cfg: _traits(cfg).critic, "algo.name=ppo", "use a group algorithm such as grpo",
               ("algo.name=ppo",), "policies-ppo"),
     _policies(_batch_statistics, lambda cfg: f"batch-wide advantage statistics ({cfg.algo.name}, "
               f"adv_scale={cfg.algo.adv_scale})", "use group statistics (e.g. grpo with algo.adv_scale=group)",
@@ -255,7 +258,7 @@ REFUSALS: tuple[Refusal, ...] = (
     _fsdp("fsdp-replay", lambda cfg: cfg.algo.replay.enabled,
           "train.fsdp does not support algo.replay yet (each rank replays its own number of groups through the base): "
           "set train.fsdp=false (plain data parallel) or disable algo.replay", ("algo.replay.enabled=true",)),
-    _fsdp("fsdp-ppo", lambda cfg: cfg.algo.name == "ppo",
+    _fsdp("fsdp-ppo", lambda cfg: _traits(cfg).critic,
           "train.fsdp does not support algo.name=ppo yet (the critic's passes through the base differ per rank): set "
           "train.fsdp=false (plain data parallel)", ("algo.name=ppo",)),
     _fsdp("fsdp-reward-model", _reward_model,

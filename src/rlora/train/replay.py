@@ -3,7 +3,8 @@
 A replayed group was drawn by an older policy. Its tokens' behaviour log-probs (the sampler's, stored
 with it) give the truncated importance weight min(pi_old / pi_behaviour, cap) that multiplies its
 surrogate, where pi_old is the policy at the start of the step that replays it; its advantages are the
-ones computed when it was sampled (its rewards do not change).
+ones computed when it was sampled (its rewards do not change), one per token as the update takes them (so
+per-token advantages, REINFORCE++'s, replay as per-completion ones do).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rlora.types import Rollout
 @dataclass
 class StoredGroup:
     rollout: Rollout  # G rows, with sampling_logp_BTc (the behaviour log-probs)
-    advantages_G: torch.Tensor
+    advantages_GT: torch.Tensor  # one per token, as the loss mask
     loss_mask_GT: torch.Tensor
     step: int  # 1-based step it was sampled in
     uses: int = 0
@@ -44,7 +45,7 @@ class ReplayBuffer:
         """Store the group if it is informative (some |advantage| above min_adv_abs, some token in the loss); the oldest leave beyond capacity. -> stored?"""
         if group.rollout.sampling_logp_BTc is None:
             raise ValueError("replay needs the sampler's log-probs (rollout.engine=builtin)")
-        if float(group.advantages_G.abs().max()) <= self.cfg.min_adv_abs or not bool(group.loss_mask_GT.any()):
+        if float(group.advantages_GT.abs().max()) <= self.cfg.min_adv_abs or not bool(group.loss_mask_GT.any()):
             return False
         self.groups.append(group)
         while len(self.groups) > self.cfg.capacity:

@@ -24,6 +24,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from rlora.algos.advantages import per_token
 from rlora.config import to_yaml
 from rlora.errors import UserError
 from rlora.models.loading import save_adapter
@@ -59,7 +60,7 @@ def set_rng_state(state: dict) -> None:
 
 def replay_state(buffer: ReplayBuffer) -> list[dict]:
     """A buffer's groups as tensors and plain containers (what torch.load(weights_only=True) reads back)."""
-    return [{"rollout": vars(g.rollout), "advantages_G": g.advantages_G, "loss_mask_GT": g.loss_mask_GT,
+    return [{"rollout": vars(g.rollout), "advantages_GT": g.advantages_GT, "loss_mask_GT": g.loss_mask_GT,
              "step": g.step, "uses": g.uses} for g in buffer.groups]
 
 
@@ -89,7 +90,13 @@ def _load_replay(buffer: ReplayBuffer, saved, world_size: int) -> None:
     for g in groups:
         rollout = Rollout(**g["rollout"])
         buffer.groups.append(StoredGroup(select_rows(rollout, list(range(rollout.num_completions))),
-                                         g["advantages_G"], g["loss_mask_GT"], g["step"], g["uses"]))
+                                         _stored_advantages(g), g["loss_mask_GT"], g["step"], g["uses"]))
+
+
+def _stored_advantages(group: dict) -> torch.Tensor:
+    """A stored group's advantages, one per token (a checkpoint from before held one per completion)."""
+    return per_token(group["advantages_GT"] if "advantages_GT" in group else group["advantages_G"],
+                     group["loss_mask_GT"])
 
 
 def save_training_state(run_path: Path, step: int, cfg, model, optimizer, scheduler, replay: list[list[dict]] | None,

@@ -174,7 +174,7 @@ def loss_mask(s, batch: Batch) -> torch.Tensor:
 
 
 def advantages_of(s, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
-    """Fresh rows' advantages from the algorithm, then the replayed rows' stored ones."""
+    """Fresh rows' advantages from the algorithm, then the replayed rows' stored ones: one per token, [B, T]."""
     cfg, G = s.cfg.algo, s.cfg.rollout.num_generations
     fresh = slice(0, batch.num_fresh)
     kl_BT = None
@@ -182,10 +182,10 @@ def advantages_of(s, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
         kl_BT = old_logp[fresh] - ref_logp[fresh]  # k1 estimate of KL(pi_old || ref) per token
     inputs = AdvantageInputs(batch.stats_rewards_P_S, mask_BT[fresh], cfg.adv_scale, cfg.adv_eps, cfg.beta, G, kl_BT,
                              all_sum=lambda values: all_reduce_sums(s.world, values))  # batch statistics: all ranks
-    advantages = s.algo.advantages(inputs)
-    if not batch.replayed:
-        return advantages
-    return torch.cat([advantages] + [g.advantages_G for g in batch.replayed])
+    advantages_BT = s.algo.advantages_BT(inputs)
+    width = mask_BT.shape[1]
+    stored = [torch.nn.functional.pad(g.advantages_GT, (0, width - g.advantages_GT.shape[1])) for g in batch.replayed]
+    return torch.cat([advantages_BT] + stored) if stored else advantages_BT
 
 
 def behaviour(s, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -319,7 +319,7 @@ def _empty_rank_update(s, step: int, optimizer, scheduler, stats: CollectStats, 
     update = {}
     for _ in range(s.cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
-        update = contribute_nothing(s.world, s.model, has_kl=s.cfg.algo.beta > 0)  # the whole batch's metrics
+        update = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo)  # the whole batch's metrics
         update |= optimizer_step(trainable_parameters(s.model), optimizer, scheduler, s.cfg.train.max_grad_norm,
                                  update["loss"])
     return {"step": step + 1, **update, **_collect_metrics(stats, s.cfg), "lr": lr,
@@ -370,7 +370,7 @@ def _collect_metrics(stats: CollectStats, cfg) -> dict:
 
 def _samples(s, batch: Batch, advantages, step: int) -> list[dict]:
     G, scores, rollout = s.cfg.rollout.num_generations, batch.scores, batch.rollout
-    per_row = advantages if advantages.dim() == 1 else advantages[:, 0]
+    per_row = advantages[:, 0]  # a completion's advantage (per token: its first token's)
     rows = []
     for i in range(batch.num_fresh):
         group = batch.groups[i // G]

@@ -26,7 +26,7 @@ from rlora.types import Rollout
 @dataclass
 class ScoredRollout:
     rollout: Rollout
-    advantages: torch.Tensor  # [B] per completion, or [B, Tc] per token
+    advantages_BTc: torch.Tensor  # one per token, broadcast where they are made (a completion's on all its tokens)
     loss_mask_BTc: torch.Tensor  # completion mask with failed (and, if asked, truncated) samples zeroed
     old_logp_BTc: torch.Tensor | None = None  # None: the rollout is used once, old = current (detached)
     ref_logp_BTc: torch.Tensor | None = None  # None: no KL term
@@ -37,6 +37,12 @@ class ScoredRollout:
     fresh_B: torch.Tensor | None = None  # bool: rows sampled by this step's policy (None: all)
     policy_B: torch.Tensor | None = None  # long: each row's policy, with several policies on one base (None: one)
     betas: list[float] | None = None  # several policies: each one's KL coefficient, by policy (None: cfg.beta)
+
+    def __post_init__(self):
+        if self.advantages_BTc.shape != self.loss_mask_BTc.shape:
+            raise ValueError(f"advantages {tuple(self.advantages_BTc.shape)} are not one per token of the loss mask "
+                             f"{tuple(self.loss_mask_BTc.shape)}: broadcast them where they are made (algos.advantages."
+                             "per_token)")
 
     def row_betas(self, beta: float) -> torch.Tensor:
         """[B] each row's KL coefficient in the loss (`beta` for every row unless the policies have their own)."""
@@ -90,8 +96,7 @@ def rows_to_train(scored: ScoredRollout, beta: float, entropy_coef: float = 0.0,
     row of the batch). Several policies with their own beta: a row's KL term is its policy's."""
     active_B = scored.loss_mask_BTc.sum(-1) > 0
     if entropy_coef == 0 and not every_row:
-        adv = scored.advantages
-        moves_B = (adv != 0) if adv.dim() == 1 else ((adv != 0) & (scored.loss_mask_BTc > 0)).any(-1)
+        moves_B = ((scored.advantages_BTc != 0) & (scored.loss_mask_BTc > 0)).any(-1)
         active_B &= moves_B | (scored.row_betas(beta) > 0)
     return active_B.nonzero().squeeze(-1)
 
@@ -110,18 +115,81 @@ def global_totals(world: World, totals: BatchTotals) -> BatchTotals:
     return BatchTotals(tokens, int(seqs), totals.constant_len, int(rows))
 
 
-def contribute_nothing(world: World, model, has_kl: bool = False) -> dict[str, float]:
+def contribute_nothing(world: World, model, algo: Algorithm, cfg: AlgoConfig) -> dict[str, float]:
     """A data-parallel rank without completions this step still takes part in the update's collectives
     (normalisers, gradients, metric sums), adding zeros. -> the update's metrics over all ranks."""
     global_totals(world, BatchTotals(0.0, 0, 1, 0))
     routing = RolloutRouting(model, [], None, sum_over_ranks=lambda t: all_reduce_tensor(world, t)) \
         if has_molora(model) else None  # the routers' sums, as the ranks that train compute them
     all_reduce_gradients(world, trainable_parameters(model))
-    metrics = _update_metrics(world, dict.fromkeys(METRIC_SUMS, 0.0), 0, 0, has_kl)
+    metrics = UpdateSums(token_metric_sums(algo, cfg, with_ref=cfg.beta > 0)).metrics(world, num_rows=0)
     return metrics if routing is None else metrics | routing.metrics()
 
 
-METRIC_SUMS = ("loss", "kl", "clipped", "entropy", "ratio", "tokens", "gap", "gap_tokens", "is_weight", "weighted_tokens")
+# the update's own metrics, beside the per-token ones: a loss's metric terms take other names
+OWN_METRICS = ("loss", "entropy", "trained_frac", "sampler_logp_gap", "is_weight_mean")
+
+
+def token_metric_sums(algo: Algorithm, cfg: AlgoConfig, with_ref: bool) -> dict[str, float | None]:
+    """The update's per-token metrics, each at sum 0 (None: not measured in this run, logged as null): the loss's
+    terms (TokenLosses.metrics_BT) and the entropy. The loss names its terms on a batch of no rows, so that a step
+    that trains no row, and every data-parallel rank, sums the same names in the same collective."""
+    none_BT = torch.zeros(0, 1)
+    out = algo.token_loss(LossInputs(none_BT, none_BT, none_BT, none_BT, none_BT if with_ref else None),
+                          clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=0.0)
+    clash = sorted(set(out.metrics_BT) & set(OWN_METRICS))
+    if clash:
+        raise ValueError(f"{algo.name}'s loss reports metrics under the update's own names {clash}: rename them")
+    return {name: None if term is None else 0.0 for name, term in out.metrics_BT.items()} | {"entropy": 0.0}
+
+
+@dataclass
+class UpdateSums:
+    """One policy's sums of an update's metrics over its micro-batches; `metrics` adds them over the ranks and
+    divides. Every per-token metric is reduced alike: its sum over the trained tokens / their count."""
+
+    token: dict[str, float | None]  # per-token metric -> its sum (None: not measured; token_metric_sums)
+    loss: float = 0.0
+    tokens: float = 0.0  # trained tokens
+    rows: int = 0  # trained rows
+    gap: float = 0.0  # |old - sampler log-prob| summed over the fresh rows' trained tokens
+    gap_tokens: float = 0.0
+    is_weight: float = 0.0  # importance weights summed over the weighted tokens
+    weighted_tokens: float = 0.0
+
+    def add(self, loss: torch.Tensor, mask_BT: torch.Tensor, terms_BT: dict[str, torch.Tensor], part,
+            fresh_mask_BT: torch.Tensor, gap_BT: torch.Tensor | None, importance) -> None:
+        """One micro-batch's (one policy's rows', `part`) loss share and masked sums of its per-token terms."""
+        self.loss += loss.item()
+        self.tokens += float(mask_BT.sum())
+        self.rows += len(mask_BT)
+        for name, total in self.token.items():
+            if total is not None:
+                self.token[name] = total + float((terms_BT[name][part] * mask_BT).sum())
+        if gap_BT is not None:
+            self.gap += float((gap_BT[part] * fresh_mask_BT).sum())
+            self.gap_tokens += float(fresh_mask_BT.sum())
+        if importance is not None:
+            weight_BT, weighted_BT = importance
+            self.is_weight += float((weight_BT * weighted_BT).sum())
+            self.weighted_tokens += float(weighted_BT.sum())
+
+    def metrics(self, world: World, num_rows: int) -> dict:
+        """The update's metrics over every rank's rows (a collective: the sums and counts are added over ranks)."""
+        scalars = ("loss", "tokens", "rows", "gap", "gap_tokens", "is_weight", "weighted_tokens")
+        measured = sorted(name for name, total in self.token.items() if total is not None)  # the same on every rank
+        reduced = all_reduce_sums(world, [getattr(self, key) for key in scalars] + [num_rows]
+                                  + [self.token[name] for name in measured])
+        sums, num_rows = dict(zip(scalars, reduced)), reduced[len(scalars)]
+        token = dict(zip(measured, reduced[len(scalars) + 1:]))
+        trained = sums["tokens"]
+        return {
+            "loss": sums["loss"],
+            **{name: token[name] / trained if trained and name in token else None for name in self.token},
+            "trained_frac": sums["rows"] / max(num_rows, 1),
+            "sampler_logp_gap": sums["gap"] / sums["gap_tokens"] if sums["gap_tokens"] else None,
+            "is_weight_mean": sums["is_weight"] / sums["weighted_tokens"] if sums["weighted_tokens"] else None,
+        }
 
 
 def policy_totals(world: World, scored: ScoredRollout, constant_len: int, num_policies: int) -> list[BatchTotals]:
@@ -146,7 +214,8 @@ def accumulate_gradient_per_policy(
     chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None,
 ) -> list[dict[str, float]]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch, one dict per policy.
-    Token metrics (clip_frac, entropy, ratio_mean) are means over the tokens that were trained.
+    Token metrics, the loss's terms (TokenLosses.metrics_BT: clip_frac, ratio_mean, kl, or what another loss
+    reports) and the entropy, are means over the tokens that were trained.
     sampler_logp_gap: mean |old log-prob - sampler log-prob| over the fresh rows' trained tokens, where old
     is the trainer's log-prob of the policy that sampled (the two must agree; a gap means the rollout is
     off-policy).
@@ -166,8 +235,10 @@ def accumulate_gradient_per_policy(
         routing = RolloutRouting(model, [micro for _, micro in micros],
                                  lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens),
                                  sum_over_ranks=(lambda t: all_reduce_tensor(world, t)) if world.active else None)
-    sums = [dict.fromkeys(METRIC_SUMS, 0.0) for _ in totals]
-    trained_rows = [0] * len(totals)
+    # a policy's kl only where its own loss has a KL term, as when it runs alone (the others' reference ran)
+    sums = [UpdateSums(token_metric_sums(algo, cfg, scored.ref_logp_BTc is not None
+                                         and (scored.betas is None or scored.betas[k] > 0)))
+            for k in range(len(totals))]
     sampled = rollout.sampling_logp_BTc
     fresh_B = scored.fresh_B if scored.fresh_B is not None else torch.ones(rollout.num_completions, dtype=torch.bool)
     for index, micro in micros:
@@ -186,9 +257,7 @@ def accumulate_gradient_per_policy(
                 behaviour_BT = here(scored.behaviour_logp_BTc[index, :width])
                 is_weight = importance_weight(old, behaviour_BT, here(scored.is_cap_B[index]))
                 weighted_BT = mask_BT * (~torch.isnan(behaviour_BT))
-            advantages = here(scored.advantages[index])
-            inputs = LossInputs(logp_BT, old, advantages if advantages.dim() == 1 else advantages[:, :width], mask_BT,
-                                ref, is_weight)
+            inputs = LossInputs(logp_BT, old, here(scored.advantages_BTc[index, :width]), mask_BT, ref, is_weight)
             # several policies with their own beta: the KL term is added per policy below, as token_loss adds it
             out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                   beta=loss_beta if scored.betas is None else 0.0)
@@ -198,24 +267,18 @@ def accumulate_gradient_per_policy(
                       for k, part in parts]
             loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
             (loss if routing is None else loss + routing.aux_share(micro)).backward()
-        token_terms = {"clipped": out.clipped_BT, "entropy": entropy_BT.detach(), "ratio": out.ratio_BT,
-                       "kl": None if out.kl_BT is None else out.kl_BT.detach()}
-        if sampled is not None:
-            token_terms["gap"] = (old - here(sampled[index, :width])).abs()
+        terms_BT = out.metrics_BT | {"entropy": entropy_BT.detach()}
+        gap_BT = None if sampled is None else (old - here(sampled[index, :width])).abs()
         fresh_mask_BT = mask_BT * here(fresh_B[index, None])
         for (k, part), part_loss in zip(parts, losses):
-            _add_sums(sums[k], part_loss, mask_BT[part], token_terms, part, fresh_mask_BT[part],
-                      None if is_weight is None else (is_weight[part], weighted_BT[part]))
-            trained_rows[k] += len(mask_BT[part])
+            sums[k].add(part_loss, mask_BT[part], terms_BT, part, fresh_mask_BT[part], gap_BT,
+                        None if is_weight is None else (is_weight[part], weighted_BT[part]))
     for _ in range(padding):
         zero_pass(model, rollout, chunk_tokens, prefix, scored.policy_B)
     for params in _gradient_groups(model, num_policies):  # each rank's loss is over global counts: sum
         all_reduce_gradients(world, params)
     rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)
-    results = []
-    for k, policy_sums in enumerate(sums):
-        has_kl = scored.ref_logp_BTc is not None and (scored.betas is None or scored.betas[k] > 0)  # as if alone
-        results.append(_update_metrics(world, policy_sums, trained_rows[k], int((rows_B == k).sum()), has_kl))
+    results = [policy_sums.metrics(world, int((rows_B == k).sum())) for k, policy_sums in enumerate(sums)]
     if routing is not None:
         results[0] |= routing.metrics()
     return results
@@ -242,39 +305,3 @@ def _policy_parts(micro_policy: torch.Tensor | None, num_policies: int) -> list[
     if micro_policy is None:
         return [(0, slice(None))]
     return [(k, (micro_policy == k).nonzero().squeeze(-1)) for k in range(num_policies) if bool((micro_policy == k).any())]
-
-
-def _add_sums(sums: dict, loss: torch.Tensor, mask_BT: torch.Tensor, token_terms: dict, part, fresh_mask_BT,
-              importance) -> None:
-    """Add one micro-batch's (one policy's rows') loss and masked token sums to the policy's running sums."""
-    sums["loss"] += loss.item()
-    sums["tokens"] += float(mask_BT.sum())
-    for key in ("clipped", "entropy", "ratio", "kl"):
-        if token_terms[key] is not None:
-            sums[key] += float((token_terms[key][part] * mask_BT).sum())
-    if "gap" in token_terms:
-        sums["gap"] += float((token_terms["gap"][part] * fresh_mask_BT).sum())
-        sums["gap_tokens"] += float(fresh_mask_BT.sum())
-    if importance is not None:
-        weight_BT, weighted_BT = importance
-        sums["is_weight"] += float((weight_BT * weighted_BT).sum())
-        sums["weighted_tokens"] += float(weighted_BT.sum())
-
-
-def _update_metrics(world: World, sums: dict, trained_rows: int, num_rows: int, has_kl: bool) -> dict:
-    """The update's metrics over every rank's rows (a collective: the sums and counts are added over ranks)."""
-    keys = sorted(sums)
-    *totals, trained_rows, num_rows = all_reduce_sums(world, [sums[k] for k in keys] + [trained_rows, num_rows])
-    sums = dict(zip(keys, totals))
-    trained = sums["tokens"]
-    per_token = (lambda key: sums[key] / trained) if trained else (lambda key: None)
-    return {
-        "loss": sums["loss"],
-        "kl": per_token("kl") if has_kl else None,
-        "clip_frac": per_token("clipped"),
-        "entropy": per_token("entropy"),
-        "ratio_mean": per_token("ratio"),
-        "trained_frac": trained_rows / max(num_rows, 1),
-        "sampler_logp_gap": sums["gap"] / sums["gap_tokens"] if sums["gap_tokens"] else None,
-        "is_weight_mean": sums["is_weight"] / sums["weighted_tokens"] if sums["weighted_tokens"] else None,
-    }

@@ -26,13 +26,14 @@ from rlora.models.molora_runtime import reference_policy
 from rlora.models.value_model import Critic
 from rlora.batching import trim
 from rlora.train.step import (
-    Timings, _collect_metrics, _reward_metrics, _rollout_metrics, _samples, behaviour, collect_batch, loss_mask,
+    Timings, collect_metrics, reward_metrics, rollout_metrics, sample_rows, behaviour, collect_batch, loss_mask,
     step_params,
 )
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.train.optim import optimizer_step
+from rlora.train.session import Session
 from rlora.train.update import (
-    ScoredRollout, _on, accumulate_policy_gradient, batch_totals, batched_logprobs, global_totals,
+    ScoredRollout, on_device, accumulate_policy_gradient, batch_totals, batched_logprobs, global_totals,
 )
 from rlora.tensors import pad_right
 from rlora.types import Rollout
@@ -71,7 +72,7 @@ def accumulate_value_gradient(critic: Critic, rollout: Rollout, returns_BT: torc
             micro = trim(rollout.select(index))
             width = micro.completion_ids_BTc.shape[1]
             values_BT = critic.values(micro, None if prefix is None else prefix.rows(index, micro))
-            here = _on(values_BT.device)
+            here = on_device(values_BT.device)
             mask = here(mask_BT[index, :width]).float()
             old, returns = here(old_values_BT[index, :width]), here(returns_BT[index, :width])
             out = clipped_value_loss(values_BT, old, returns, clip)
@@ -90,7 +91,7 @@ def _masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float | None
     return float((values_BT.double() * mask_BT).sum()) / count if count else None
 
 
-def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, list[dict]]:
+def ppo_step(s: Session, step: int, optimizer, scheduler, replay=None) -> tuple[dict, list[dict]]:
     """grpo_step's counterpart for algo.name=ppo (no replay: the config refuses it)."""
     cfg, ppo, critic = s.cfg, s.cfg.ppo, s.critic
     t_start, timings = time.perf_counter(), Timings()
@@ -133,7 +134,7 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
     t_end = time.perf_counter()
 
     metrics = {
-        "step": step + 1, **_reward_metrics(batch), **update, **_rollout_metrics(batch), **_collect_metrics(stats, cfg),
+        "step": step + 1, **reward_metrics(batch), **update, **rollout_metrics(batch), **collect_metrics(stats, cfg),
         "lr": lr, "value_lr": value_lr, "temperature": step_params(cfg, step).temperature,
         "explained_variance": explained_variance(old_values_BT, targets.returns_BT, mask_BT),
         "value_mean": _masked_mean(old_values_BT, mask_BT), "return_mean": _masked_mean(targets.returns_BT, mask_BT),
@@ -148,7 +149,7 @@ def ppo_step(s, step: int, optimizer, scheduler, replay=None) -> tuple[dict, lis
         metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(policy_params[0].device) / 2**30
     if batch.scores.errors:
         metrics["reward_errors"] = batch.scores.errors[:5]
-    return metrics, _samples(s, batch, targets.advantages_BT, step)
+    return metrics, sample_rows(s, batch, targets.advantages_BT, step)
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

@@ -27,6 +27,7 @@ from rlora.train.distributed import all_reduce_sums
 from rlora.train.policies import row_policies
 from rlora.train.optim import optimizer_step
 from rlora.train.update import ScoredRollout, accumulate_gradient_per_policy, batched_logprobs, contribute_nothing
+from rlora.train.session import Session
 from rlora.types import Example, Rollout, SamplingParams
 
 
@@ -36,13 +37,13 @@ class RewardFailure(UserError):
     run_status = "stopped: reward failures"  # summary.json (train/lifecycle.py)
 
 
-def score_rollout(s, rollout: Rollout, examples: list[Example]) -> Scores:
+def score_rollout(s: Session, rollout: Rollout, examples: list[Example]) -> Scores:
     G = s.cfg.rollout.num_generations
     texts = [prompt_text(ex) for ex in examples for _ in range(G)]
     return score_completions(s.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
 
 
-def check_failures(s, scores: Scores, step: int) -> None:
+def check_failures(s: Session, scores: Scores, step: int) -> None:
     failed = int(scores.failed_B.sum())
     if failed and failed / len(scores.failed_B) > s.cfg.train.max_reward_failure_frac:
         raise RewardFailure(
@@ -84,7 +85,7 @@ def step_seed(cfg, step: int, seed: int | None = None) -> int:
     return (cfg.train.seed if seed is None else seed) * 100_003 + step
 
 
-def _sampling_args(s, step: int, slots: list[Slot], seed: int):
+def _sampling_args(s: Session, step: int, slots: list[Slot], seed: int):
     """(seed or seeds, keys, policies) of the sampler call for these slots. Several policies: each slot draws with
     the key and seed that a run of its policy alone would use."""
     keys = [slot.key(s.cfg.train.prompts_per_step) for slot in slots]
@@ -95,7 +96,7 @@ def _sampling_args(s, step: int, slots: list[Slot], seed: int):
     return seeds, keys, [slot.policy for slot in slots]
 
 
-def _sampler(s, step: int, timings: Timings):
+def _sampler(s: Session, step: int, timings: Timings):
     """SampleFn over the run's model, generator and reward functions; counts time spent in each. It samples
     slots (train/slots.py): each slot's training prompt, with the slot's key."""
     def sample(slots: list[Slot], params: list[SamplingParams], seed: int):
@@ -114,7 +115,7 @@ def _sampler(s, step: int, timings: Timings):
     return sample
 
 
-def collect_batch(s, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
+def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     copies = len(s.policies) if s.policies else 1  # several policies: each samples every prompt of the step
@@ -162,7 +163,7 @@ def replay_count(expected: float, seed: int, step: int, rank: int = 0) -> int:
     return whole + (random.Random(f"replay-{seed}-{step}" + (f"-{rank}" if rank else "")).random() < expected - whole)
 
 
-def loss_mask(s, batch: Batch) -> torch.Tensor:
+def loss_mask(s: Session, batch: Batch) -> torch.Tensor:
     """Completion tokens that enter the loss: failed rewards out, and truncated completions if asked."""
     fresh = batch.rollout.completion_mask_BTc[:batch.num_fresh] * (~batch.scores.failed_B).unsqueeze(-1)
     if s.cfg.algo.mask_truncated:
@@ -173,7 +174,7 @@ def loss_mask(s, batch: Batch) -> torch.Tensor:
     return torch.cat([fresh] + stored) if stored else fresh
 
 
-def advantages_of(s, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
+def advantages_of(s: Session, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
     """Fresh rows' advantages from the algorithm, then the replayed rows' stored ones: one per token, [B, T]."""
     cfg, G = s.cfg.algo, s.cfg.rollout.num_generations
     fresh = slice(0, batch.num_fresh)
@@ -188,7 +189,7 @@ def advantages_of(s, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
     return torch.cat([advantages_BT] + stored) if stored else advantages_BT
 
 
-def behaviour(s, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def behaviour(s: Session, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Behaviour log-probs and per-row caps for the truncated importance weights: the bf16 sampler's
     (algo.sampler_is_cap) on fresh rows, the stored sampler's (algo.replay.is_cap) on replayed rows."""
     cfg, rollout = s.cfg.algo, batch.rollout
@@ -206,7 +207,7 @@ def behaviour(s, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None
     return behaviour_BT, cap_B
 
 
-def store_groups(s, batch: Batch, advantages, mask_BT, replay: ReplayBuffer, step: int) -> int:
+def store_groups(s: Session, batch: Batch, advantages, mask_BT, replay: ReplayBuffer, step: int) -> int:
     G = s.cfg.rollout.num_generations
     stored = 0
     for g in range(len(batch.groups)):
@@ -216,7 +217,7 @@ def store_groups(s, batch: Batch, advantages, mask_BT, replay: ReplayBuffer, ste
     return stored
 
 
-def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = None) -> tuple[dict, list[dict]]:
+def grpo_step(s: Session, step: int, optimizer, scheduler, replay: ReplayBuffer | None = None) -> tuple[dict, list[dict]]:
     cfg = s.cfg
     t_start, timings = time.perf_counter(), Timings()
     batch, stats = collect_batch(s, step, replay, timings)
@@ -230,7 +231,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(cfg.algo.num_iterations):
                 scheduler.step()
-        return {"step": step + 1, "skipped_update": 1, "trained_frac": 0.0, **_collect_metrics(stats, cfg), "lr": lr,
+        return {"step": step + 1, "skipped_update": 1, "trained_frac": 0.0, **collect_metrics(stats, cfg), "lr": lr,
                 "temperature": step_params(cfg, step).temperature, "step_s": t_collected - t_start,
                 "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}, []
     rollout = batch.rollout
@@ -272,16 +273,16 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
     stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
 
     shared = {
-        "step": step + 1, **_collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
+        "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
     }
     if s.policies is None:
-        metrics = {**shared, **_reward_metrics(batch), **updates[0], **_rollout_metrics(batch)}
+        metrics = {**shared, **reward_metrics(batch), **updates[0], **rollout_metrics(batch)}
     else:
         # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares)
         metrics = {**shared, "gen_tokens": int(rollout.completion_mask_BTc.sum()), "policies": {
-            p.name: {**_reward_metrics(part), **update, **_rollout_metrics(part), **_collect_metrics(_first_draws(part), cfg)}
+            p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(_first_draws(part), cfg)}
             for p, update, part in zip(s.policies, updates, _policy_batches(batch, len(s.policies)))
             if part.groups}}
     first_params = trained[0][0]
@@ -291,7 +292,7 @@ def grpo_step(s, step: int, optimizer, scheduler, replay: ReplayBuffer | None = 
         metrics |= {"replay_groups": len(batch.replayed), "replay_stored": stored, "replay_buffer": len(replay)}
     if batch.scores.errors:
         metrics["reward_errors"] = batch.scores.errors[:5]
-    return metrics, _samples(s, batch, advantages, step)
+    return metrics, sample_rows(s, batch, advantages, step)
 
 
 def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
@@ -315,19 +316,19 @@ def _first_draws(part: Batch) -> CollectStats:
     return stats
 
 
-def _empty_rank_update(s, step: int, optimizer, scheduler, stats: CollectStats, timings: Timings, t_start: float) -> dict:
+def _empty_rank_update(s: Session, step: int, optimizer, scheduler, stats: CollectStats, timings: Timings, t_start: float) -> dict:
     update = {}
     for _ in range(s.cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
         update = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo)  # the whole batch's metrics
         update |= optimizer_step(trainable_parameters(s.model), optimizer, scheduler, s.cfg.train.max_grad_norm,
                                  update["loss"])
-    return {"step": step + 1, **update, **_collect_metrics(stats, s.cfg), "lr": lr,
+    return {"step": step + 1, **update, **collect_metrics(stats, s.cfg), "lr": lr,
             "temperature": step_params(s.cfg, step).temperature, "step_s": time.perf_counter() - t_start,
             "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}
 
 
-def _reward_metrics(batch: Batch) -> dict:
+def reward_metrics(batch: Batch) -> dict:
     scores = batch.scores
     valid = ~scores.failed_B
     total = scores.total_B
@@ -340,7 +341,7 @@ def _reward_metrics(batch: Batch) -> dict:
     }
 
 
-def _rollout_metrics(batch: Batch) -> dict:
+def rollout_metrics(batch: Batch) -> dict:
     rollout, n = batch.rollout, batch.num_fresh
     lengths = rollout.completion_mask_BTc[:n].sum(-1).float()
     shaping = torch.cat([g.shaping_G for g in batch.groups])
@@ -355,7 +356,7 @@ def _rollout_metrics(batch: Batch) -> dict:
     }
 
 
-def _collect_metrics(stats: CollectStats, cfg) -> dict:
+def collect_metrics(stats: CollectStats, cfg) -> dict:
     out = {"sampling_rounds": stats.sampling_rounds, "groups_sampled": stats.groups_sampled,
            "reward_mean_sampled": stats.first_reward_sum / stats.first_reward_count if stats.first_reward_count else None,
            "reward_count_sampled": stats.first_reward_count,
@@ -368,7 +369,7 @@ def _collect_metrics(stats: CollectStats, cfg) -> dict:
     return out
 
 
-def _samples(s, batch: Batch, advantages, step: int) -> list[dict]:
+def sample_rows(s: Session, batch: Batch, advantages, step: int) -> list[dict]:
     G, scores, rollout = s.cfg.rollout.num_generations, batch.scores, batch.rollout
     per_row = advantages[:, 0]  # a completion's advantage (per token: its first token's)
     rows = []

@@ -74,7 +74,7 @@ def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_token
     return torch.cat(parts)
 
 
-def _on(device: torch.device):
+def on_device(device: torch.device):
     """tensor -> the same tensor on `device` (a no-op where it is already there)."""
     return lambda tensor: tensor.to(device, non_blocking=True)
 
@@ -248,7 +248,7 @@ def accumulate_gradient_per_policy(
             logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
                                                       entropy_grad=cfg.entropy_coef > 0,
                                                       prefix=None if prefix is None else prefix.rows(index, micro))
-            here = _on(logp_BT.device)  # the scored rollout is on the CPU, the model maybe on a GPU
+            here = on_device(logp_BT.device)  # the scored rollout is on the CPU, the model maybe on a GPU
             mask_BT = here(scored.loss_mask_BTc[index, :width]).float()
             old = here(scored.old_logp_BTc[index, :width]) if scored.old_logp_BTc is not None else logp_BT.detach()
             ref = here(scored.ref_logp_BTc[index, :width]) if scored.ref_logp_BTc is not None else None

@@ -94,6 +94,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
            grpo_token_loss),
 )}
 
+
 def get_algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 

@@ -4,6 +4,7 @@ invariance), `rlora train algo.name=ppo` end to end with resume, and the bad-inp
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -144,6 +145,35 @@ def test_explained_variance_hand_computed():
     # residual [-1, 1, -1, 1]: variance 1; Var(R) = mean of (1.5^2, 0.5^2, 0.5^2, 1.5^2) = 1.25 -> 1 - 1 / 1.25 = 0.2
     assert explained_variance(torch.tensor([[2.0, 1.0, 4.0, 3.0, 0.0]]), returns, mask) == pytest.approx(0.2)
     assert explained_variance(returns, torch.ones_like(returns), mask) is None  # constant returns
+
+
+def test_explained_variance_of_split_ranks_is_the_whole_batchs():
+    """Two ranks (threads with a summing collective) holding rows [0] and [1, 2] of the batch above each get the
+    explained variance of all its real tokens, the hand-computed 0.2; each rank's own is 1 - 1 / 0.25 = -3
+    (residuals -1, 1 around returns one apart), so the mean of the ranks' own values would say -3."""
+    returns = torch.tensor([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]])
+    values = torch.tensor([[2.0, 1.0], [4.0, 3.0], [0.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [0, 0]])
+    ranks = [slice(0, 1), slice(1, 3)]
+    barrier, sent, results = threading.Barrier(2), [None, None], [None, None]
+
+    def run(rank: int) -> None:
+        def all_sum(mine: list[float]) -> list[float]:
+            sent[rank] = list(mine)
+            barrier.wait()
+            total = [a + b for a, b in zip(*sent)]
+            barrier.wait()  # both have read before the next call overwrites
+            return total
+        results[rank] = explained_variance(values[ranks[rank]], returns[ranks[rank]], mask[ranks[rank]], all_sum)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [pytest.approx(0.2, abs=1e-12)] * 2
+    assert explained_variance(values[:1], returns[:1], mask[:1]) == pytest.approx(-3.0)
+    assert explained_variance(values[1:], returns[1:], mask[1:]) == pytest.approx(-3.0)
 
 
 # ---- the value model on the policy's base ----------------------------------------------------------------
@@ -375,7 +405,7 @@ def test_ppo_two_ranks_equal_one_rank(tiny_model_dir, prompts_file, tmp_path):
         assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5, (folder, name)
     rows = {n: [json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2)}
     for a, b in zip(rows[1], rows[2]):
-        for key in ("loss", "value_loss", "grad_norm", "value_grad_norm"):
+        for key in ("loss", "value_loss", "grad_norm", "value_grad_norm", "explained_variance"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     assert all(r["adapter_rank_divergence"] == 0.0 for r in rows[2])
 

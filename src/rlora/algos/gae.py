@@ -72,14 +72,19 @@ def clipped_value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, ret
     return ValueLosses(0.5 * torch.maximum(unclipped_BT, clipped_BT), (clipped_BT > unclipped_BT).detach())
 
 
-def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float | None:
-    """1 - Var(R - V) / Var(R) over the real tokens (population variances): 1 for a perfect critic, 0 for one
-    that predicts the mean return, negative for worse. None with fewer than two tokens or constant returns."""
+def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor,
+                       all_sum: AllSum = in_one_process) -> float | None:
+    """1 - Var(R - V) / Var(R) over the real tokens of the whole batch, all ranks' (population variances, two
+    passes: the means, then the squared deviations): 1 for a perfect critic, 0 for one that predicts the mean
+    return, negative for worse. None with fewer than two tokens or constant returns."""
     mask = mask_BT.double().bool()
     returns, residual = returns_BT.double()[mask], (returns_BT.double() - values_BT.double())[mask]
-    if returns.numel() < 2:
+    count, returns_sum, residual_sum = all_sum([returns.numel(), float(returns.sum()), float(residual.sum())])
+    if count < 2:
         return None
-    var_returns = returns.var(unbiased=False)
-    if var_returns == 0:
+    mean_return, mean_residual = returns_sum / count, residual_sum / count
+    returns_ss, residual_ss = all_sum([float(((returns - mean_return) ** 2).sum()),
+                                       float(((residual - mean_residual) ** 2).sum())])
+    if returns_ss == 0:
         return None
-    return float(1.0 - residual.var(unbiased=False) / var_returns)
+    return 1.0 - residual_ss / returns_ss

@@ -4,9 +4,9 @@ A rank reports statistics of its share of the batch; joining them needs to know 
 up; times take the slowest rank and maxima the largest; a mean over rows (or groups, or valid rewards) is
 weighted by that count, which the rank reports beside it, so ranks holding different numbers of groups
 (dynamic sampling, a rank without groups) join to the mean over the whole batch; a standard deviation is
-pooled from the ranks' counts, means and deviations. The update's metrics are computed from sums all-reduced
-before dividing (train/update.py), so they are already equal on every rank: averaging keeps them. Not exact:
-PPO's explained_variance (each rank's own), averaged over ranks.
+pooled from the ranks' counts, means and deviations. The update's metrics, and PPO's explained_variance, are
+computed from sums all-reduced before dividing (train/update.py, algos/gae.py), so they are already equal on
+every rank: averaging keeps them.
 """
 
 from __future__ import annotations

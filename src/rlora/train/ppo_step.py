@@ -136,7 +136,8 @@ def ppo_step(s: Session, step: int, optimizer, scheduler, replay=None) -> tuple[
     metrics = {
         "step": step + 1, **reward_metrics(batch), **update, **rollout_metrics(batch), **collect_metrics(stats, cfg),
         "lr": lr, "value_lr": value_lr, "temperature": step_params(cfg, step).temperature,
-        "explained_variance": explained_variance(old_values_BT, targets.returns_BT, mask_BT),
+        "explained_variance": explained_variance(old_values_BT, targets.returns_BT, mask_BT,  # all ranks' tokens
+                                                 all_sum=lambda values: all_reduce_sums(s.world, values)),
         "value_mean": _masked_mean(old_values_BT, mask_BT), "return_mean": _masked_mean(targets.returns_BT, mask_BT),
         "advantage_mean": _masked_mean(targets.advantages_BT, mask_BT), "value_tokens": int(mask_BT.sum()),
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,

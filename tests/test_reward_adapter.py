@@ -129,7 +129,7 @@ def test_small_scoring_batches_give_the_same_scores(tiny_model_dir, rm_folder):
 
 
 def test_failing_score_switches_back_to_the_policy(tiny_model_dir, rm_folder, monkeypatch):
-    import rlora.models.reward_model as reward_model
+    import rlora.rewards.reward_adapter as reward_adapter
 
     _, policy, reward = policy_with_reward_adapter(tiny_model_dir, rm_folder)
     grads, modes = requires_grad_by_name(policy), [m.training for m in policy.modules()]
@@ -139,7 +139,7 @@ def test_failing_score_switches_back_to_the_policy(tiny_model_dir, rm_folder, mo
         seen["active"], seen["training"] = model.active_adapter, model.training
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(reward_model, "score", broken)
+    monkeypatch.setattr(reward_adapter, "score", broken)  # the name the reward adapter calls
     with pytest.raises(RuntimeError, match="out of memory"):
         reward.fn(PROMPTS, COMPLETIONS)
     assert seen == {"active": "reward_model", "training": False}  # it did switch, in eval mode

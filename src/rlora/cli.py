@@ -7,12 +7,18 @@ prints the traceback too).
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
 import os
 import sys
+import traceback
+import warnings
 from typing import NamedTuple
 
 from rlora import __version__
 from rlora.errors import UserError
+from rlora.logging.console import info
+from rlora.plot import plot_runs
 
 EXIT_BAD_INPUT = 2
 
@@ -157,9 +163,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from rlora.logging.console import info
-    from rlora.plot import plot_runs
-
     result = plot_runs(args.runs, args.output)
     for key in result.skipped:
         info(f"note: no run has values of {key}: skipped")
@@ -168,8 +171,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from rlora.logging.console import info
-    from rlora.merge import merge_adapter
+    from rlora.merge import merge_adapter  # torch: `rlora --help` and the other commands start without it
 
     target = merge_adapter(args.adapter, args.output, args.base, args.dtype, args.overwrite)
     info(f"rlora merge: {args.adapter} merged into its base -> {target}")
@@ -177,12 +179,13 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from rlora.chat import chat_main
+    from rlora.chat import chat_main  # torch: `rlora --help` and the other commands start without it
 
     return chat_main(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
+    # torch: `rlora --help` and the other commands start without it
     from rlora.evaluation import BASE, Candidate, parse_adapters, resolve_config, run_eval_command
 
     cfg, run_adapters = resolve_config(args.items)
@@ -206,23 +209,21 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlora.config import load_config, to_yaml
+    from rlora.config import load_config, to_yaml  # pydantic: `rlora --help` starts without it
 
     config_path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(config_path, overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from rlora.train.grpo import run_grpo
+    from rlora.train.grpo import run_grpo  # torch: --print-config and config errors come without it
 
     run_grpo(cfg)
     return 0
 
 
 def _supervised(args: argparse.Namespace) -> int:
-    import importlib
-
-    from rlora import config as config_module
+    from rlora import config as config_module  # pydantic: `rlora --help` starts without it
 
     spec = SUPERVISED[args.command]
     config_path, overrides = _split_config_and_overrides(args.items)
@@ -238,28 +239,25 @@ def _supervised(args: argparse.Namespace) -> int:
 
 def _quiet_libraries() -> None:
     """transformers' per-load progress bars and deprecation chatter would bury rlora's own output."""
-    import logging
-    import warnings
-
     # bitsandbytes (the quant extra) warns at import, on CPUs with AVX512-BF16, that an optional kernel
     # package is missing; that package would fetch kernels from a hub at run time, which rlora never does
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # transformers (~2 s): `rlora --help` starts without it
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_libraries()
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "items") and all("=" in item and not item.startswith("-") for item in extra):
         args.items += extra  # overrides given after options (`rlora eval -a A key=value`)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _quiet_libraries()  # after parsing: --help, --version and usage errors exit without importing transformers
     try:
         if args.command not in ("train", *SUPERVISED) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError(f"rlora {args.command} runs in one process (every rank would write the same output): run "
@@ -278,8 +276,6 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args)
     except UserError as err:
         if getattr(args, "debug", False):
-            import traceback
-
             traceback.print_exc()
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

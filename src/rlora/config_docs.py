@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from rlora.algos.registry import ALGORITHMS
 from rlora.config import REFUSALS, RefusedCombination, RLConfig, RMConfig, SFTConfig, check_launch, load_config
 from rlora.config.refusals import EXAMPLE_BASES
 
@@ -204,8 +205,6 @@ def _describe_preset(key: str, value) -> str:
 
 
 def preset_rows() -> list[tuple[str, str, str]]:
-    from rlora.algos.registry import ALGORITHMS  # imports torch: only when the reference is rendered
-
     rows = []
     for name, algo in ALGORITHMS.items():
         if algo.presets:

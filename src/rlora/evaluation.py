@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from rlora.config import RLConfig, load_config, to_yaml
 from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render_prompt
@@ -153,9 +155,6 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
 
 def print_table(results: dict[str, dict], pass_k: list[int]) -> None:
     """Side by side: one row per candidate, accuracy change against the base when it was evaluated."""
-    from rich.console import Console
-    from rich.table import Table
-
     base = results.get(BASE)
     table = Table(title="rlora eval")
     for column in ["model", "accuracy", *(f"pass@{k}" for k in pass_k), "reward mean", "reward failures"]:

@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from peft import PeftModel
+
 from rlora.config import ModelConfig
 from rlora.errors import UserError, first_line
 from rlora.models.loading import check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path
@@ -37,8 +39,6 @@ def refuse_molora(adapter: str) -> None:
 
 def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str = "float32",
                   overwrite: bool = False) -> Path:
-    from peft import PeftModel
-
     refuse_molora(adapter)
     check_adapter_folder(adapter, key="adapter")
     target = Path(output)

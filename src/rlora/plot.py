@@ -107,6 +107,7 @@ def _output_folder(folder: Path) -> Path:
 
 def _figure(keys: list[str], runs: list[RunMetrics]):
     """One axes per metric (a grid of up to 3 columns), every run drawn in its own colour in each."""
+    # matplotlib (~1 s): only a plot imports it (the command line imports this module at start-up)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlora.errors import UserError, first_line
+from rlora.train.outputs import RunDir
 
 HELP = {
     "adapter": ("/adapter [NAME]", "switch to adapter NAME; alone: list the adapters (* = active)"),
@@ -194,8 +195,6 @@ _HANDLERS: dict[str, Callable[[ChatState, str], Outcome]] = {
 
 def save_conversation(state: ChatState, file: str) -> Path:
     """Atomic write (temporary file, fsync, rename) of the conversation JSON."""
-    from rlora.train.outputs import RunDir
-
     path = Path(file).expanduser()
     if path.is_dir():
         raise IsADirectoryError(f"'{file}' is a folder")

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
+
+from rich.console import Console
+from rich.markup import escape
 
 from rlora.chat.conversation import (
     ChatState,
@@ -22,6 +26,7 @@ from rlora.chat.model import (
     load_chat_model,
 )
 from rlora.errors import first_line
+from rlora.logging.console import console, info
 from rlora.models.named_adapters import parse_named_adapters
 
 
@@ -61,8 +66,6 @@ def _label(adapter: str | None) -> str:
 
 def run_chat(bot: ChatModel, state: ChatState, out, read: Callable[[str], str] = input) -> int:
     """The loop: read a line, run a command or answer it; until /quit or end of input. -> exit code 0."""
-    from rich.markup import escape
-
     out.print(f"chatting with {escape(state.model)} as [bold]{_label(state.active)}[/bold]; /help lists the commands",
               highlight=False, soft_wrap=True)
     while True:
@@ -137,21 +140,15 @@ def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
 
 def _enable_line_editing() -> None:
     """Arrow keys and in-session history for input() on a terminal."""
-    import sys
-
     if sys.stdin.isatty():
         try:
-            import readline  # noqa: F401 - importing it is what turns line editing on
+            import readline  # noqa: F401 - importing it turns line editing on: only on a terminal, not on every OS
         except ImportError:
             pass
 
 
 def chat_main(args) -> int:
     """`rlora chat` from its argparse namespace: check the input, load the model and adapters, chat."""
-    from rich.console import Console
-
-    from rlora.logging.console import console, info
-
     settings = Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     settings.check()
     adapters = parse_named_adapters(args.adapter or [])

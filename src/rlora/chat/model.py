@@ -8,8 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlora.chat.conversation import ChatState, fit_context
+from rlora.config import ModelConfig, RolloutConfig
 from rlora.errors import UserError
+from rlora.models.loading import add_model_eos_ids, causal_lm, load_base_model, load_tokenizer, resolve_model_path
 from rlora.models.named_adapters import activated, attach_named, recorded_base
+from rlora.rollout.backends import build_generator
+from rlora.types import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -19,8 +23,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 def choose_model(model: str | None, adapters: dict[str, str]) -> str:
     """--model, else the first adapter's recorded base, else the built-in alias -> a loadable path."""
-    from rlora.models.loading import resolve_model_path
-
     if model is not None:
         return resolve_model_path(model)
     first = next(iter(adapters.values()), None)
@@ -59,8 +61,6 @@ class ChatModel:
     def reply(self, state: ChatState, on_token: Callable[[int], None] | None = None) -> Reply:
         """Sample the assistant's answer to the conversation (whose last turn is the user's). on_token(token):
         each token as it is drawn (only where `streams`)."""
-        from rlora.types import SamplingParams
-
         s = state.settings
         ids, dropped = fit_context(state.conv, self.render, self.max_length - s.max_new_tokens)
         params = (SamplingParams(max_new_tokens=s.max_new_tokens, greedy=True) if s.temperature == 0 else
@@ -72,8 +72,6 @@ class ChatModel:
 
 
 def model_max_length(model, tokenizer) -> int:
-    from rlora.models.loading import causal_lm
-
     limit = getattr(causal_lm(model).config, "max_position_embeddings", None)
     if not limit:
         limit = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 2048
@@ -81,10 +79,6 @@ def model_max_length(model, tokenizer) -> int:
 
 
 def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_new_tokens: int) -> ChatModel:
-    from rlora.config import ModelConfig, RolloutConfig
-    from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer
-    from rlora.rollout.backends import build_generator
-
     tokenizer, tok = load_tokenizer(model_path)
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"the tokenizer of '{model_path}' has no chat template: rlora chat needs a chat (instruct) model")

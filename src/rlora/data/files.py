@@ -33,7 +33,7 @@ def read_table(path: str):
             raise UserError(f"data file {path} is not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
         if not text.strip():
             raise UserError(f"data file {path} has no rows")
-    import datasets
+    import datasets  # ~1 s: only runs that read a data file import it
 
     datasets.disable_progress_bars()
     try:

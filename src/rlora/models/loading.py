@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerBase
 
 from rlora.config import LoraConfig, ModelConfig
 from rlora.errors import UserError, first_line
@@ -67,8 +70,7 @@ def quantization_config(cfg: ModelConfig):
     if cfg.quantization == "none":
         return None
     try:
-        import bitsandbytes  # noqa: F401
-        from transformers import BitsAndBytesConfig
+        import bitsandbytes  # noqa: F401 - optional extra [quant]
     except ImportError:
         raise UserError(f"model.quantization={cfg.quantization} needs bitsandbytes: pip install bitsandbytes "
                         "(GPU machines), or set model.quantization=none") from None
@@ -126,8 +128,6 @@ def linear_module_names(base: torch.nn.Module) -> list[str]:
 
 
 def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):
-    from peft import LoraConfig as PeftLoraConfig
-
     layers, targets = cfg.layers, cfg.target_modules
     if cfg.top_layers is not None:
         num_layers = causal_lm(base).config.num_hidden_layers
@@ -152,8 +152,6 @@ def check_adapter_folder(folder: str, key: str = "lora.init_from") -> None:
         raise UserError(f"{folder}/adapter_config.json is not valid JSON") from None
     weights = path / "adapter_model.safetensors"
     if weights.is_file():
-        from safetensors import safe_open
-
         try:
             with safe_open(str(weights), framework="pt") as handle:
                 for key in handle.keys():  # reading every tensor catches a file cut short
@@ -180,8 +178,6 @@ def read_format_file(folder: str | Path, filename: str, fmt: str, what: str, hin
 
 def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
     """Wrap the frozen base with a trainable LoRA adapter named 'default' (new, or loaded from a folder)."""
-    from peft import PeftModel, get_peft_model
-
     if cfg.init_from:
         check_adapter_folder(cfg.init_from)
         try:

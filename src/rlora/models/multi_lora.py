@@ -17,10 +17,13 @@ adapter for every row. With the adapters disabled (the reference policy) they ru
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
 from torch import nn
 
 from rlora.config import LoraConfig
@@ -154,8 +157,6 @@ def policy_state(model: nn.Module) -> PolicyState | None:
 def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds: list[int]):
     """K trainable LoRA adapters for the named policies on the frozen base (peft named adapters), each initialised
     with its seed (or each loaded from lora.init_from), and the batched forward installed on every adapted layer."""
-    from peft import PeftModel, get_peft_model
-
     names = [PEFT_NAME.format(p) for p in policies]
 
     try:
@@ -244,11 +245,6 @@ def save_policy(model: nn.Module, policy: str, folder) -> None:
     """One policy's adapter as a plain PEFT folder (adapter_config.json + adapter_model.safetensors) that
     `PeftModel.from_pretrained(base, folder)` loads as its default adapter (peft's own save_pretrained would put a
     non-default adapter into a subfolder)."""
-    import copy
-
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
     name = PEFT_NAME.format(policy)
     Path(folder).mkdir(parents=True, exist_ok=True)
     weights = get_peft_model_state_dict(model, adapter_name=name)

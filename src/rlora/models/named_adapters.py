@@ -9,6 +9,9 @@ import re
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+
 from rlora.errors import UserError, first_line
 from rlora.models import molora as ml
 from rlora.models.loading import check_adapter_folder
@@ -83,8 +86,6 @@ def _attach_molora(base, adapters: dict[str, str], model_label: str):
 def attach_named(base, adapters: dict[str, str], model_label: str):
     """Every adapter onto the one base (peft named adapters), in eval mode; the base itself when there are
     none. An adapter that does not fit (another base: shapes or module names differ) -> UserError."""
-    from peft import PeftModel
-
     if any(is_molora_folder(folder) for folder in adapters.values()):
         return _attach_molora(base, adapters, model_label)
     model = base
@@ -152,6 +153,4 @@ def adapter_switched(model, name: str, trainable: bool = False):
 
 def adapters_disabled(model) -> bool:
     """Whether peft's adapter layers are switched off (disable_adapter())."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     return any(m.disable_adapters for m in model.modules() if isinstance(m, BaseTunerLayer))

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
 
 from rlora.errors import UserError, first_line
 from rlora.models.loading import causal_lm, check_adapter_folder, read_format_file
@@ -70,8 +72,6 @@ def save_adapter_and_head(folder: Path, model, head: torch.nn.Linear, adapter_na
     """The named adapter's PEFT files at the top of `folder`, the fp32 head as `head_file` (weight, bias) and
     `meta_file`: `description` (format, version, how the head is read) plus the base's hidden size, name and
     type and the head's shapes."""
-    from safetensors.torch import save_file
-
     model.save_pretrained(str(folder), safe_serialization=True, selected_adapters=[adapter_name])
     if adapter_name != "default":  # peft writes named adapters into a subfolder
         for child in (folder / adapter_name).iterdir():
@@ -113,8 +113,6 @@ def read_reward_meta(folder: str) -> dict:
 def load_score_head(folder: str, size: int, device: torch.device | str = "cpu",
                     head_file: str = HEAD_FILE) -> torch.nn.Linear:
     """The fp32 Linear(size, 1) saved as `head_file` in `folder`, frozen (one-line UserError if damaged)."""
-    from safetensors.torch import load_file
-
     try:
         tensors = load_file(str(Path(folder) / head_file))
     except Exception as err:  # noqa: BLE001 - truncated or not safetensors
@@ -136,8 +134,6 @@ def load_reward_model(folder: str, base_model, adapter_name: str = "reward"):
     `base_model` is a plain transformers causal LM (-> a new PeftModel whose active adapter is the reward one)
     or an existing peft model, e.g. the policy (-> `load_adapter` adds it beside the others; call
     `model.set_adapter(adapter_name)` before `score`). A folder built for another base: one-line UserError."""
-    from peft import PeftModel
-
     size = check_hidden_size(read_reward_meta(folder), base_model, folder, "reward model")
     try:
         if isinstance(base_model, PeftModel):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -21,9 +23,6 @@ _CORPUS = [
 
 def build_tokenizer(vocab_size: int = 512):
     """Byte-level BPE trained on a small built-in corpus, with a ChatML-style template; EOS = <|im_end|>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -41,8 +40,6 @@ def build_random_model(folder: str | Path, family: str = "llama", hidden: int = 
                        seed: int = 0, tokenizer=None, **config_extra) -> Path:
     """Save a random-initialised Llama, Qwen2 or Mistral causal LM and a tokenizer to `folder`; returns the
     folder. config_extra: further config keys (e.g. sliding_window)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
-
     tokenizer = tokenizer or build_tokenizer()
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
     config = config_cls(

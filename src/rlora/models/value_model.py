@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from rlora.errors import UserError, first_line
 from rlora.models.frozen_prefix import PrefixSlice
@@ -73,9 +75,6 @@ class Critic:
 
     def restore(self, folder: Path | str) -> None:
         """Put a saved value model's adapter and head weights into this critic (checkpoint resume)."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
         read_value_meta(folder)
         weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
         result = set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter_name)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from math_verify import parse, verify
+
+from rlora.rewards.code import code_reward as run_code
+
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _NUMBER = re.compile(r"[-+−]?\d[\d,]*(?:\.\d+)?")
 
@@ -35,7 +39,7 @@ def extract_answer(text: str, mode: str = "auto") -> str:
 
 @lru_cache(maxsize=None)
 def _gym_scorer(task: str):
-    import reasoning_gym
+    import reasoning_gym  # ~2 s: only runs with a gym task import it
 
     return reasoning_gym.get_score_answer_fn(task)
 
@@ -55,8 +59,6 @@ def format_reward(prompts, completions, pattern: str = r"<answer>.*?</answer>", 
 
 def math_reward(prompts, completions, answer, **_columns) -> list[float]:
     """1.0 where math-verify finds the completion's final answer equal to the reference `answer`."""
-    from math_verify import parse, verify
-
     scores = []
     for completion, gold in zip(completions, answer):
         gold_parsed = parse(str(gold))
@@ -68,9 +70,7 @@ def math_reward(prompts, completions, answer, **_columns) -> list[float]:
 
 def code_reward(prompts, completions, **columns) -> list[float]:
     """Runs the completion's program against its unit tests in a sandboxed process (rewards/code.py)."""
-    from rlora.rewards.code import code_reward as run
-
-    return run(prompts, completions, **columns)
+    return run_code(prompts, completions, **columns)
 
 
 BUILTIN_REWARDS = {"gym": gym_reward, "format": format_reward, "math": math_reward, "code": code_reward}

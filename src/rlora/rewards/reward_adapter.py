@@ -26,9 +26,12 @@ from typing import Any
 import torch
 import yaml
 
+from rlora.data.pref_data import encode_parts
+from rlora.data.prompts import prompt_text
 from rlora.errors import UserError
+from rlora.models.loading import resolve_model_path
 from rlora.models.named_adapters import adapter_switched, kept_flags
-from rlora.models.reward_model import META_FILE, load_score_head, read_reward_meta
+from rlora.models.reward_model import META_FILE, load_reward_model, load_score_head, read_reward_meta, score
 from rlora.tensors import right_padded
 
 REWARD_MODEL = "reward_model"  # the `fn` of a reward adapter in rewards[]
@@ -119,9 +122,6 @@ class RewardAdapter:
         """Load the reward adapter beside the policy's on `model` (frozen; the policy's trainable parameters,
         the modules' training flags and the random stream are left as they were) -> the peft model that holds
         it: `model` itself, or a new one around a plain transformers model (`rlora eval` of the base alone)."""
-        from rlora.data.prompts import prompt_text
-        from rlora.models.reward_model import load_reward_model
-
         device = next(model.parameters()).device
         with kept_flags(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, self.head = load_reward_model(self.folder, model, adapter_name=self.adapter_name)
@@ -140,8 +140,6 @@ class RewardAdapter:
 
     def sequences(self, prompts: list[str], completions: list[str]) -> list[list[int]]:
         """Token ids of prompt + completion, as `rlora rm` built prompt + response."""
-        from rlora.data.pref_data import encode_parts
-
         out = []
         for prompt, completion in zip(prompts, completions):
             prompt_ids, response_ids = encode_parts(self.tokenizer, self.raw_prompts.get(prompt, prompt), completion,
@@ -151,8 +149,6 @@ class RewardAdapter:
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **_columns) -> list[float]:
-        from rlora.models.reward_model import score
-
         if self.model is None:
             raise UserError(f"reward fn '{REWARD_MODEL}' scores with a reward adapter on the policy's model: "
                             "only `rlora train` and `rlora eval` load it")
@@ -177,8 +173,6 @@ def _pick(explicit, trained, policy):
 
 
 def _same_model(recorded: str, model_path: str) -> bool:
-    from rlora.models.loading import resolve_model_path
-
     def identity(name: str) -> str:
         path = Path(name).expanduser()
         return str(path.resolve()) if path.exists() else name

@@ -24,6 +24,7 @@ import torch
 from rlora.config import RewardSpec
 from rlora.errors import UserError
 from rlora.rewards.builtin import BUILTIN_REWARDS
+from rlora.rewards.reward_adapter import REWARD_MODEL, RewardAdapter
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,6 @@ def _from_file(spec: str) -> Callable:
 def resolve_rewards(specs: list[RewardSpec], has_task: bool) -> list[RewardFn]:
     """`fn: reward_model` becomes a RewardAdapter (rewards/reward_adapter.py): checked here, loaded onto the
     policy's model by `rlora train` (attach_reward_adapters); its args are its own, not call arguments."""
-    from rlora.rewards.reward_adapter import REWARD_MODEL, RewardAdapter
-
     resolved, seen = [], {}
     for index, spec in enumerate(specs):
         base = spec.fn.replace(":", ".").rpartition(".")[2]

@@ -21,6 +21,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from rlora.errors import UserError
+from rlora.logging.console import console
+
 
 @dataclass(frozen=True)
 class World:
@@ -47,8 +50,6 @@ T = TypeVar("T")
 def on_every_rank(run: Callable[[World], T]) -> T:
     """run(world) in this process: under torchrun on every rank, rank 0 alone printing; then the process group
     is shut down (also when run raises)."""
-    from rlora.logging.console import console
-
     world = init_world()
     console.quiet = not world.is_main
     try:
@@ -61,8 +62,6 @@ def on_rank_zero(world: World, check: Callable[[], None]) -> None:
     """check() on rank 0 (e.g. that the output folder may be written); if it raised, every rank raises the same
     error, so no rank goes on to load the model alone. Every rank carries rank 0's message because torchrun
     stops the others as soon as one rank exits: whichever rank gets to print must say why. A collective."""
-    from rlora.errors import UserError
-
     error = None
     if world.is_main:
         try:

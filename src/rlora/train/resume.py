@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from rlora.algos.advantages import per_token
@@ -186,8 +187,6 @@ def _first_difference(a, b, path: str) -> str:
 
 
 def _restore_adapter(model, path: Path, adapter_name: str = "default") -> None:
-    from peft import set_peft_model_state_dict
-
     result = set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")), adapter_name=adapter_name)
     missing = [k for k in getattr(result, "unexpected_keys", [])]
     if missing:

@@ -22,6 +22,9 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from rlora.errors import UserError, first_line
 from rlora.logging.console import info
 from rlora.train.outputs import RunDir
@@ -100,7 +103,7 @@ class TensorBoardSink:
     name = "TensorBoard"
 
     def __init__(self, folder: Path, first_step: int):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional extra [track]
 
         # on resume, purge_step hides what an interrupted attempt logged after the checkpoint
         self.writer = SummaryWriter(str(folder), purge_step=first_step + 1 if first_step else None)
@@ -118,7 +121,7 @@ class WandbSink:
     name = "W&B"
 
     def __init__(self, cfg: RLConfig, run_path: Path, first_step: int):
-        import wandb
+        import wandb  # optional extra [track]
 
         log = cfg.log
         try:
@@ -174,8 +177,6 @@ class ParquetCompletions:
                 path.unlink()
 
     def log(self, step: int, rows: list[dict]) -> None:
-        import pyarrow.parquet as pq
-
         target = self.folder / f"step-{step:06d}.parquet"
         tmp = self.folder / f".{target.name}.tmp"  # a leading dot: parquet readers skip it
         with open(tmp, "wb") as handle:
@@ -197,16 +198,12 @@ INT_COLUMNS, TEXT_COLUMNS = ("step", "retries"), ("prompt", "completion")
 
 def completions_table(rows: list[dict]):
     """Rows -> a pyarrow table whose column types do not depend on the values of one step."""
-    import pyarrow as pa
-
     table = pa.Table.from_pylist(rows)
     fields = [pa.field(name, _column_type(name, kind)) for name, kind in zip(table.column_names, table.schema.types)]
     return table.cast(pa.schema(fields))
 
 
 def _column_type(name: str, inferred):
-    import pyarrow as pa
-
     if name in INT_COLUMNS:
         return pa.int64()
     if name in TEXT_COLUMNS:

@@ -27,7 +27,7 @@ from rlora.config import AlgoConfig, LoraConfig, ModelConfig
 from rlora.data.prompts import render_prompt
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer
 from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, trainable_parameters
-from rlora.models.molora_runtime import reference_policy
+from rlora.models.adapters import reference_policy
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
 from rlora.types import Example, SamplingParams

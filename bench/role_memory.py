@@ -226,7 +226,7 @@ def ppo_work(roles: Roles, cfg, rollout) -> dict:
     layouts (the reference log-probs and the reward scores come from the same weights and tokens)."""
     from rlora.algos.gae import ppo_advantages
     from rlora.algos.registry import get_algorithm
-    from rlora.models.molora_runtime import reference_policy
+    from rlora.models.adapters import reference_policy
     from rlora.train.ppo_step import accumulate_value_gradient, batched_values
     from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
 

@@ -8,7 +8,7 @@ from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer
 from rlora.models.loading import trainable_parameters
-from rlora.models.molora_runtime import reference_policy
+from rlora.models.adapters import reference_policy
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.tiny import build_random_model
 from rlora.batching import trim

@@ -18,7 +18,7 @@ from rlora.cli import main
 from rlora.config import AlgoConfig, LoraConfig, TrainConfig
 from rlora.models import multi_lora as mlr
 from rlora.models.loading import load_tokenizer, peft_lora_config, trainable_parameters
-from rlora.models.molora_runtime import reference_policy
+from rlora.models.adapters import reference_policy
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.train.optim import build_optimizer, optimizer_step
 from rlora.train.update import (

@@ -9,7 +9,7 @@ from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig, TrainConfig
 from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, save_adapter, trainable_parameters
-from rlora.models.molora_runtime import reference_policy
+from rlora.models.adapters import reference_policy
 from rlora.models.logprobs import completion_logprobs
 from rlora.rollout.generator import HFGenerator
 from rlora.train.optim import build_optimizer

@@ -1,9 +1,8 @@
-"""MoLoRA where rlora runs a model: the routing context of a forward (training log-prob passes, the samplers),
-the reference policy (the mixture off, or a LoRA policy's adapters off), and the batch-wide auxiliary loss of
-an RL update (RolloutRouting: models/molora BatchAuxLoss over the update's rollout micro-batches).
+"""MoLoRA where rlora runs a model: the routing context of a forward (training log-prob passes, the samplers)
+and the batch-wide auxiliary loss of an RL update (RolloutRouting: models/molora BatchAuxLoss over the update's
+rollout micro-batches). The reference policy (the mixture off) is models/adapters.py MoLoRA.disabled().
 
-It stays outside the models/molora package because it is not MoLoRA-only: it reads rollout slices and the
-samplers' row layout, and reference_policy also covers several LoRA policies and a peft adapter.
+It stays outside the models/molora package because it reads rollout slices and the samplers' row layout.
 
 Sequence routers are decided by the prompt alone: every forward over rows of known prompts runs inside
 `prompt_routing(model, prompt_ids_BT, prompt_mask_BT)`, which sets the prompts' summaries (the same bits for a
@@ -19,7 +18,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from rlora.models import molora as ml
-from rlora.models.multi_lora import policies_disabled, policy_state
 from rlora.types import RolloutSlice
 
 
@@ -63,21 +61,6 @@ def sampler_routing(model, prompts: list[list[int]], G: int):
         return
     with ml.sequence_routing(model, routing.summary_PD):
         yield routing
-
-
-@contextmanager
-def reference_policy(model):
-    """The base alone: the MoLoRA mixture off (a MoLoRA model), every policy adapter off (several policies), else
-    the peft adapter off."""
-    if ml.has_molora(model):
-        with ml.molora_disabled(model):
-            yield model
-    elif policy_state(model) is not None:
-        with policies_disabled(model):
-            yield model
-    else:
-        with model.disable_adapter():
-            yield model
 
 
 def rollout_unit_mask(micro: RolloutSlice) -> torch.Tensor:

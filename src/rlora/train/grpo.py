@@ -12,8 +12,7 @@ from rlora.data.prompts import prompt_text
 from rlora.errors import UserError
 from rlora.logging.console import info, metrics_line, print_summary, progress_bar
 from rlora.train.sinks import Sinks
-from rlora.models import molora as ml
-from rlora.models.loading import save_adapter, trainable_parameters
+from rlora.models.loading import trainable_parameters
 from rlora.plot import plot_after_run
 from rlora.system import return_freed_memory
 from rlora.train import policies as pol
@@ -85,19 +84,18 @@ def _jsonl(obj) -> str:
 
 
 def save_final(s: Session, name: str = "adapter") -> None:
-    """The policy: a PEFT adapter folder, a MoLoRA folder (docs/molora.md), or one PEFT folder per policy."""
-    if s.policies is not None:
-        pol.save_adapters(s.model, s.policies, name)
-        return
-    save = save_adapter if s.cfg.molora is None else ml.save_molora
-    s.run_dir.write_folder(name, lambda folder: save(s.model, folder))
+    """The policy: a PEFT adapter folder, a MoLoRA folder (docs/molora.md), or one PEFT folder per policy (each in
+    its own OUTPUT/policies/NAME)."""
+    folders = [s.run_dir] if s.policies is None else [p.run_dir for p in s.policies]
+    for index, run_dir in enumerate(folders):
+        run_dir.write_folder(name, lambda folder, k=index: s.adapter.save(folder, k))
     if s.critic is not None:  # adapter -> value_model, adapter-stepN -> value_model-stepN
         s.run_dir.write_folder(name.replace("adapter", "value_model"), s.critic.save)
 
 
 def optimizer_groups(s: Session) -> list[dict]:
     """The policy's adapter parameters; with a critic, its adapter and head as a second group (ppo.value_lr)."""
-    groups = [{"params": trainable_parameters(s.model)}]
+    groups = [{"params": s.adapter.parameters_per_policy()[0]}]
     if s.critic is not None:
         groups.append({"params": s.critic.parameters(), "lr": s.cfg.ppo.value_lr or s.cfg.train.lr})
     return groups

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from rlora.config import RLConfig
-from rlora.models.multi_lora import policy_parameters, save_policy
+from rlora.models.adapters import PolicyAdapter
 from rlora.train.optim import build_optimizer
 from rlora.train.outputs import RunDir
 from rlora.train.slots import Slot
@@ -39,12 +39,13 @@ def names_and_seeds(cfg: RLConfig) -> tuple[list[str], list[int]]:
     return [p.name for p in cfg.policies], [cfg.train.seed if p.seed is None else p.seed for p in cfg.policies]
 
 
-def build_policies(cfg: RLConfig, model, run_path: Path, writer: bool) -> list[Policy]:
+def build_policies(cfg: RLConfig, adapter: PolicyAdapter, run_path: Path, writer: bool) -> list[Policy]:
     """One optimizer and schedule per policy, over its adapter's parameters only."""
     policies = []
     total_updates = cfg.train.steps * cfg.algo.num_iterations
+    params_per_policy = adapter.parameters_per_policy()
     for index, (spec, seed) in enumerate(zip(cfg.policies, names_and_seeds(cfg)[1])):
-        params = policy_parameters(model, spec.name)
+        params = params_per_policy[index]
         train = cfg.train.model_copy(update={"lr": spec.lr or cfg.train.lr})
         optimizer, scheduler = build_optimizer(params, train, total_updates)
         folder = RunDir(str(run_path / POLICIES_FOLDER / spec.name), overwrite=True, writer=writer)
@@ -57,12 +58,6 @@ def create_folders(policies: list[Policy]) -> None:
     for policy in policies:
         if policy.run_dir.writer:
             policy.run_dir.path.mkdir(parents=True, exist_ok=True)
-
-
-def save_adapters(model, policies: list[Policy], name: str = "adapter") -> None:
-    """Each policy's adapter as a plain PEFT folder: OUTPUT/policies/NAME/<name>."""
-    for policy in policies:
-        policy.run_dir.write_folder(name, lambda folder, p=policy: save_policy(model, p.name, folder))
 
 
 def row_policies(slots: list[Slot], G: int) -> torch.Tensor:

@@ -21,8 +21,6 @@ import torch
 from rlora.algos.gae import clipped_value_loss, explained_variance, ppo_advantages
 from rlora.algos.losses import aggregate
 from rlora.models.frozen_prefix import FrozenPrefix
-from rlora.models.loading import trainable_parameters
-from rlora.models.molora_runtime import reference_policy
 from rlora.models.value_model import Critic
 from rlora.batching import trim
 from rlora.train.step import (
@@ -106,7 +104,7 @@ def ppo_step(s: Session, step: int, optimizer, scheduler, replay=None) -> tuple[
     prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
     ref_logp = None
     if beta > 0:
-        with reference_policy(s.model):
+        with s.adapter.disabled():
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix) if need_old else None
     old_values_BT = batched_values(critic, rollout, mb, prefix) * mask_BT
@@ -118,11 +116,11 @@ def ppo_step(s: Session, step: int, optimizer, scheduler, replay=None) -> tuple[
                              cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
     behaviour_BT, cap_B = behaviour(s, batch)
     scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
-    policy_params, value_params = trainable_parameters(s.model), critic.parameters()
+    policy_params, value_params = s.adapter.parameters_per_policy()[0], critic.parameters()
     for _ in range(cfg.algo.num_iterations):
         lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
         update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
-                                            prefix)
+                                            prefix, s.adapter)
         update |= accumulate_value_gradient(critic, rollout, targets.returns_BT, old_values_BT, mask_BT, mb,
                                             ppo.value_clip, prefix, s.world)
         value_grad_norm = _clip(value_params, cfg.train.max_grad_norm)

@@ -23,6 +23,7 @@ from rlora.logging.console import info
 from rlora.train.sinks import check_sinks
 from rlora.machine import native_half
 from rlora.models import molora as ml
+from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model, load_tokenizer,
@@ -51,6 +52,7 @@ class Session:
     tokenizer: object
     tok: TokenizerInfo
     model: torch.nn.Module
+    adapter: PolicyAdapter  # the trainable policy (or policies) on the model: the steps ask it, not the kind
     algo: Algorithm
     generator: Generator  # training rollouts
     eval_generator: Generator  # held-out evaluation: always in the model's own dtype, so accuracy is exact
@@ -182,8 +184,9 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
                         f"run samples with '{generator.name}'): set algo.replay.enabled=false")
     # algo.sampler_is_cap there has nothing to correct: generate samples in the model's dtype, as the trainer
     # computes (step.behaviour gives no weights without sampler log-probs); build_generator's notice says so
-    policies = None if cfg.policies is None else pol.build_policies(cfg, model, run_dir.path, world.is_main)
-    return Session(cfg, run_dir, tokenizer, tok, model, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
+    adapter = adapter_of(model)  # of the model that holds everything (reward adapters may wrap a MoLoRA base)
+    policies = None if cfg.policies is None else pol.build_policies(cfg, adapter, run_dir.path, world.is_main)
+    return Session(cfg, run_dir, tokenizer, tok, model, adapter, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
                    prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, policies, sharded)
 
 
@@ -203,7 +206,7 @@ def frozen_layers_to_share(cfg: RLConfig, model) -> int:
 
 def attach_molora_policy(base, cfg: RLConfig):
     """The policy as a mixture of LoRA experts on the base (in place); the reference is the base with the mixture
-    off (molora_runtime.reference_policy)."""
+    off (models/adapters.py MoLoRA.disabled)."""
     ml.attach_molora(base, cfg.molora)
     info(f"molora policy: {cfg.molora.num_experts} experts, top {cfg.molora.top_k}, {cfg.molora.router} router, "
          f"{len(ml.molora_modules(base))} modules")

@@ -12,8 +12,6 @@ import torch
 
 from rlora.algos.registry import AdvantageInputs
 from rlora.data.prompts import PromptOrder, prompt_text
-from rlora.models.loading import trainable_parameters
-from rlora.models.molora_runtime import reference_policy
 from rlora.errors import UserError
 from rlora.rewards.scoring import Scores, score_completions
 from rlora.models.frozen_prefix import FrozenPrefix
@@ -246,7 +244,7 @@ def grpo_step(s: Session, step: int, optimizer, scheduler, replay: ReplayBuffer 
     t_prefix = time.perf_counter()
     ref_logp = None
     if need_ref:
-        with reference_policy(s.model):
+        with s.adapter.disabled():
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     t_ref = time.perf_counter()
     policy_B = None if s.policies is None else row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations)
@@ -258,13 +256,13 @@ def grpo_step(s: Session, step: int, optimizer, scheduler, replay: ReplayBuffer 
     fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
     scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B, betas)
     # (parameters, optimizer, scheduler) of each policy: one unless the run trains several (train/policies.py)
-    trained = [(trainable_parameters(s.model), optimizer, scheduler)] if s.policies is None else \
+    trained = [(s.adapter.parameters_per_policy()[0], optimizer, scheduler)] if s.policies is None else \
         [(p.params, p.optimizer, p.scheduler) for p in s.policies]
     optim_s = 0.0
     for _ in range(cfg.algo.num_iterations):
         lrs = [sched.get_last_lr()[0] for _, _, sched in trained]
         updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
-                                                 s.world, prefix)
+                                                 s.world, prefix, s.adapter)
         t_optim = time.perf_counter()
         for update, (params, opt, sched), lr in zip(updates, trained, lrs):
             update |= optimizer_step(params, opt, sched, cfg.train.max_grad_norm, update["loss"]) | {"lr": lr}
@@ -320,8 +318,8 @@ def _empty_rank_update(s: Session, step: int, optimizer, scheduler, stats: Colle
     update = {}
     for _ in range(s.cfg.algo.num_iterations):
         lr = scheduler.get_last_lr()[0]
-        update = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo)  # the whole batch's metrics
-        update |= optimizer_step(trainable_parameters(s.model), optimizer, scheduler, s.cfg.train.max_grad_norm,
+        update = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo, s.adapter)  # the whole batch's metrics
+        update |= optimizer_step(s.adapter.parameters_per_policy()[0], optimizer, scheduler, s.cfg.train.max_grad_norm,
                                  update["loss"])
     return {"step": step + 1, **update, **collect_metrics(stats, s.cfg), "lr": lr,
             "temperature": step_params(s.cfg, step).temperature, "step_s": time.perf_counter() - t_start,

@@ -13,9 +13,8 @@ from rlora.config import AlgoConfig
 from rlora.models.loading import trainable_parameters
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
-from rlora.models.molora import aux_losses_on, has_molora
-from rlora.models.molora_runtime import RolloutRouting
-from rlora.models.multi_lora import parameters_per_policy, policy_rows, policy_state
+from rlora.models.adapters import PolicyAdapter, adapter_of
+from rlora.models.multi_lora import policy_rows
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor
 from rlora.train.fsdp import passes_to_add, zero_pass
 from rlora.batching import trim
@@ -115,12 +114,15 @@ def global_totals(world: World, totals: BatchTotals) -> BatchTotals:
     return BatchTotals(tokens, int(seqs), totals.constant_len, int(rows))
 
 
-def contribute_nothing(world: World, model, algo: Algorithm, cfg: AlgoConfig) -> dict[str, float]:
+def contribute_nothing(world: World, model, algo: Algorithm, cfg: AlgoConfig,
+                       adapter: PolicyAdapter | None = None) -> dict[str, float]:
     """A data-parallel rank without completions this step still takes part in the update's collectives
-    (normalisers, gradients, metric sums), adding zeros. -> the update's metrics over all ranks."""
+    (normalisers, gradients, metric sums), adding zeros. -> the update's metrics over all ranks.
+    adapter: the model's policy adapter (None: models/adapters.py adapter_of the model)."""
     global_totals(world, BatchTotals(0.0, 0, 1, 0))
-    routing = RolloutRouting(model, [], None, sum_over_ranks=lambda t: all_reduce_tensor(world, t)) \
-        if has_molora(model) else None  # the routers' sums, as the ranks that train compute them
+    adapter = adapter or adapter_of(model)
+    # the auxiliary loss's sums (a MoLoRA router's), as the ranks that train compute them
+    routing = adapter.aux_loss([], None, sum_over_ranks=lambda t: all_reduce_tensor(world, t))
     all_reduce_gradients(world, trainable_parameters(model))
     metrics = UpdateSums(token_metric_sums(algo, cfg, with_ref=cfg.beta > 0)).metrics(world, num_rows=0)
     return metrics if routing is None else metrics | routing.metrics()
@@ -203,15 +205,17 @@ def policy_totals(world: World, scored: ScoredRollout, constant_len: int, num_po
 def accumulate_policy_gradient(
     model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
     chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None,
+    adapter: PolicyAdapter | None = None,
 ) -> dict[str, float]:
     """accumulate_gradient_per_policy for a model with one policy -> its metrics."""
     return accumulate_gradient_per_policy(model, algo, cfg, scored, micro_batch_size, constant_len, chunk_tokens, world,
-                                          prefix)[0]
+                                          prefix, adapter)[0]
 
 
 def accumulate_gradient_per_policy(
     model, algo: Algorithm, cfg: AlgoConfig, scored: ScoredRollout, micro_batch_size: int, constant_len: int,
     chunk_tokens: int = 256, world: World = World(), prefix: FrozenPrefix | None = None,
+    adapter: PolicyAdapter | None = None,
 ) -> list[dict[str, float]]:
     """Backward over all micro-batches; returns the summed loss and token metrics of the batch, one dict per policy.
     Token metrics, the loss's terms (TokenLosses.metrics_BT: clip_frac, ratio_mean, kl, or what another loss
@@ -221,20 +225,21 @@ def accumulate_gradient_per_policy(
     off-policy).
     Several policies (scored.policy_B): each micro-batch is one forward of all its rows, each through its own
     adapter; each policy's loss is normalised by its own rows' counts, so the gradient each adapter receives is
-    the one a run of that policy alone computes on the same rows."""
+    the one a run of that policy alone computes on the same rows.
+    adapter: the model's policy adapter (None: models/adapters.py adapter_of the model)."""
     rollout = scored.rollout
-    num_policies = 1 if scored.policy_B is None else len(policy_state(model).names)
+    adapter = adapter or adapter_of(model)
+    num_policies = 1 if scored.policy_B is None else len(adapter.names)
     totals = policy_totals(world, scored, constant_len, num_policies)
     loss_beta = 0.0 if algo.kl_in_reward else cfg.beta  # REINFORCE++ puts the KL into the reward instead
-    rows = rows_to_train(scored, loss_beta, cfg.entropy_coef, every_row=aux_losses_on(model))
+    rows = rows_to_train(scored, loss_beta, cfg.entropy_coef, every_row=adapter.aux_loss_every_row)
     micros = [(rows[lo:lo + micro_batch_size], trim(rollout.select(rows[lo:lo + micro_batch_size])))
               for lo in range(0, len(rows), micro_batch_size)]
     padding = passes_to_add(world, model, len(micros))  # train.fsdp: as many layer passes as the busiest rank
-    routing = None  # MoLoRA: the routers' auxiliary loss over the whole batch, and their metrics
-    if has_molora(model):
-        routing = RolloutRouting(model, [micro for _, micro in micros],
-                                 lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens),
-                                 sum_over_ranks=(lambda t: all_reduce_tensor(world, t)) if world.active else None)
+    # the auxiliary loss over the whole batch and its metrics (a MoLoRA router's; None: the policy has none)
+    routing = adapter.aux_loss([micro for _, micro in micros],
+                               lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens),
+                               sum_over_ranks=(lambda t: all_reduce_tensor(world, t)) if world.active else None)
     # a policy's kl only where its own loss has a KL term, as when it runs alone (the others' reference ran)
     sums = [UpdateSums(token_metric_sums(algo, cfg, scored.ref_logp_BTc is not None
                                          and (scored.betas is None or scored.betas[k] > 0)))
@@ -244,7 +249,7 @@ def accumulate_gradient_per_policy(
     for index, micro in micros:
         width = micro.completion_ids_BTc.shape[1]
         micro_policy = None if scored.policy_B is None else scored.policy_B[index]
-        with policy_rows(model, micro_policy):
+        with adapter.rows(micro_policy):
             logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
                                                       entropy_grad=cfg.entropy_coef > 0,
                                                       prefix=None if prefix is None else prefix.rows(index, micro))
@@ -275,21 +280,15 @@ def accumulate_gradient_per_policy(
                         None if is_weight is None else (is_weight[part], weighted_BT[part]))
     for _ in range(padding):
         zero_pass(model, rollout, chunk_tokens, prefix, scored.policy_B)
-    for params in _gradient_groups(model, num_policies):  # each rank's loss is over global counts: sum
+    # each rank's loss is over global counts: sum; each policy's apart (a policy that trained no row on any rank
+    # keeps no gradient and skips its optimizer step, as in one process)
+    for params in adapter.parameters_per_policy():
         all_reduce_gradients(world, params)
     rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)
     results = [policy_sums.metrics(world, int((rows_B == k).sum())) for k, policy_sums in enumerate(sums)]
     if routing is not None:
         results[0] |= routing.metrics()
     return results
-
-
-def _gradient_groups(model, num_policies: int) -> list[list[torch.nn.Parameter]]:
-    """The parameters whose gradients are summed over ranks together: all trainable ones, or each policy's apart
-    (a policy that trained no row on any rank keeps no gradient and skips its optimizer step, as in one process)."""
-    if num_policies == 1:
-        return [trainable_parameters(model)]
-    return parameters_per_policy(model)
 
 
 def _policy_loss_BT(out, entropy_BT: torch.Tensor, part, beta: float, entropy_coef: float) -> torch.Tensor:

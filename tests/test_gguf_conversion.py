@@ -4,6 +4,7 @@ one: q/k rows permuted, tied embeddings as no output.weight, a byte-level BPE vo
 converted. The slow tests convert the real embedded SmolLM2 file; this one checks the result tensor by tensor."""
 
 import json
+from pathlib import Path
 
 import gguf  # a dependency of rlora (pyproject.toml): transformers reads GGUF files with it
 import numpy as np
@@ -169,3 +170,24 @@ def test_a_tiny_llama_gguf_converts_to_the_model_and_tokenizer_it_holds(tmp_path
                                          tokenize=False)  # the control tokens stay whole
     assert converted(chat, add_special_tokens=False)["input_ids"] == \
         tokenizer(chat, add_special_tokens=False)["input_ids"]
+
+
+def test_converting_the_alias_leaves_the_seeded_random_stream_alone(tmp_path, monkeypatch):
+    """The first run on a machine converts the embedded model after the run has seeded torch: the conversion must
+    not draw from torch's generator, or that run's adapter would start from other random numbers than every later
+    run with the same seed (found comparing a first and a second demo run: LoRA A 0.08 apart)."""
+    from rlora.models import embedded
+
+    def convert_drawing_numbers(gguf_path, folder):  # building a model initialises its weights at random
+        torch.randn(1000)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+
+    monkeypatch.setenv("RLORA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded, "convert_gguf_to_hf", convert_drawing_numbers)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    folder = embedded.resolve_alias(embedded.SMOLLM2_ALIAS)  # converts: the cache is empty
+    assert (tmp_path / "cache") in Path(folder).parents
+    assert torch.equal(torch.rand(3), expected)

@@ -55,7 +55,10 @@ def resolve_alias(name: str) -> str | None:
     version = importlib.metadata.version(_SMOLLM2_DIST)
     folder = cache_root() / "models" / f"{SMOLLM2_ALIAS}-{version}"
     if not (folder / "config.json").is_file():
-        convert_gguf_to_hf(gguf_path, folder)
+        # the conversion builds a model (random init before the weights are copied): on torch's own generator, the
+        # first run on a machine would start from other random numbers than every later run with the same seed
+        with torch.random.fork_rng(devices=[]):
+            convert_gguf_to_hf(gguf_path, folder)
     return str(folder)
 
 

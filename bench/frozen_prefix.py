@@ -21,6 +21,7 @@ import time
 import torch
 
 from bench_common import model_folder, task_rows
+from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.cli import _quiet_libraries
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig
@@ -52,7 +53,8 @@ def logprob_phases(model, rollout, micro_batch: int, shared: int) -> tuple[float
         ref = batched_logprobs(model, rollout, micro_batch, prefix=prefix)
     old = batched_logprobs(model, rollout, micro_batch, prefix=prefix)
     advantages_B = torch.linspace(-1, 1, rollout.num_completions)  # every row trained
-    scored = ScoredRollout(rollout, advantages_B, rollout.completion_mask_BTc.float(), old, ref)
+    mask_BT = rollout.completion_mask_BTc.float()
+    scored = ScoredRollout(rollout, per_token(advantages_B, mask_BT), mask_BT, old, ref)
     for _ in range(UPDATES):
         accumulate_policy_gradient(model, algo, cfg, scored, micro_batch, rollout.completion_ids_BTc.shape[1],
                                    prefix=prefix)

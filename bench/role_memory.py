@@ -67,9 +67,9 @@ def pss_mb() -> float | None:
 
 def role_config(model_path: str, reward_folder: str, args):
     """The settings of both layouts: `rlora train` with algo.name=ppo and the reward adapter as its reward."""
-    from rlora.config import RLConfig
+    from rlora.config import RLConfig, apply_presets, check_config
 
-    return RLConfig(
+    cfg = RLConfig(
         model={"path": model_path, "dtype": "float32", "device": args.device},
         lora={"rank": args.rank, "alpha": 2 * args.rank, "target_modules": "all-linear"},
         data={"path": "unused.jsonl"}, rewards=[{"fn": "reward_model", "args": {"path": reward_folder}}],
@@ -77,6 +77,9 @@ def role_config(model_path: str, reward_folder: str, args):
         train={"micro_batch_size": args.rows, "threads": args.threads,
                "gradient_checkpointing": args.gradient_checkpointing, "release_memory": args.release_memory},
     )
+    apply_presets(cfg)  # as load_config does: ppo's critic section and beta
+    check_config(cfg)
+    return cfg
 
 
 def checkpoint_if_asked(cfg, model) -> None:

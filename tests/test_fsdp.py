@@ -114,8 +114,8 @@ def test_fsdp_in_one_process_is_one_line(tiny_model_dir, prompts_file, tmp_path,
     ("algo.replay.enabled=true", "does not support algo.replay yet"),
 ])
 def test_unsupported_combinations_are_refused(override, message):
-    with pytest.raises(UserError, match=message):  # refused as the config loads, before any launch
-        load_config(None, ["train.fsdp=true", override])
+    with pytest.raises(UserError, match=message):  # refused when the ranks start, before the model loads
+        check_launch(load_config(None, ["train.fsdp=true", override]), 2)
     check_launch(load_config(None, ["train.fsdp=true"]), 2)  # the switch alone is fine under torchrun
 
 

@@ -13,7 +13,7 @@ from conftest import tiny_overrides
 from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.cli import main
-from rlora.config import AlgoConfig, ModelConfig, load_config
+from rlora.config import AlgoConfig, ModelConfig, check_launch, load_config
 from rlora.errors import UserError
 from rlora.models import molora as ml
 from rlora.models.loading import load_base_model, load_tokenizer
@@ -268,7 +268,8 @@ def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, pro
         for key in ("loss", "aux_loss", "grad_norm", "molora/balance", "molora/util_0"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     with pytest.raises(UserError, match="train.fsdp does not support a molora policy yet"):
-        load_config(None, molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", router, **{"train.fsdp": "true"}))
+        check_launch(load_config(None, molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", router,
+                                                        **{"train.fsdp": "true"})), 2)
 
 
 @pytest.mark.parametrize("router", ["sequence", pytest.param("token", marks=pytest.mark.slow)])

@@ -409,11 +409,11 @@ def test_ppo_two_ranks_equal_one_rank(tiny_model_dir, prompts_file, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     assert all(r["adapter_rank_divergence"] == 0.0 for r in rows[2])
 
-    from rlora.config import load_config
+    from rlora.config import check_launch, load_config
     from rlora.errors import UserError
 
     with pytest.raises(UserError, match="train.fsdp does not support algo.name=ppo yet"):
-        load_config(None, ["algo.name=ppo", "train.fsdp=true"])
+        check_launch(load_config(None, ["algo.name=ppo", "train.fsdp=true"]), 2)
 
 
 def test_not_a_value_model_is_one_line(tiny_model_dir, tmp_path):

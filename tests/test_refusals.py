@@ -45,3 +45,20 @@ def test_each_row_refuses_its_example(row, command):
     named = keys + [key.rpartition(".")[0] for key in keys if key.count(".") > 1]  # algo.replay.enabled: algo.replay
     assert any(key in message for key in named), message  # it names a key it is about
 
+
+
+def test_a_config_built_in_python_gets_the_presets_and_the_table_when_its_run_starts(tmp_path):
+    """RLConfig(...) skips load_config: `rlora train`'s input checks apply the algorithm's presets and the table."""
+    from rlora.config import RLConfig
+    from rlora.train.session import check_inputs
+
+    base = {"data": {"task": "chain_sum"}, "rewards": [{"fn": "gym"}]}
+    cfg = RLConfig(**base, algo={"name": "dapo"}, train={"output_dir": str(tmp_path / "dapo")})
+    assert cfg.algo.clip_high == 0.2 and not cfg.algo.dynamic_sampling  # the schema's defaults, before the run
+    check_inputs(cfg)
+    assert cfg.algo.clip_high == 0.28 and cfg.algo.dynamic_sampling  # DAPO's presets
+    refused = RLConfig(**base, algo={"name": "gspo", "loss_agg": "token_mean"}, train={"output_dir": str(tmp_path / "g")})
+    with pytest.raises(RefusedCombination) as error:
+        check_inputs(refused)
+    assert error.value.row == "gspo-sequence-loss"
+    assert not (tmp_path / "g").exists()

@@ -60,6 +60,7 @@ TRAITS: dict[str, Traits] = {
     "reinforce_pp_baseline": Traits(kl_in_reward=True, batch_statistics=True),  # the group mean, then the batch std
     # ppo.kl_mode decides where ppo's KL goes (the reward by default; train/ppo_step.py), and ppo.whiten_advantages
     # whether its advantages take batch statistics: the rows that refuse ppo's combinations read `critic`
+    # kl_in_reward: the default ppo.kl_mode=reward; ppo_step sets it from ppo.kl_mode for the run (loss: False)
     "ppo": Traits(critic=True, kl_in_reward=True),
     "adaptive_grpo": Traits(),
 }

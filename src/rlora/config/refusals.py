@@ -102,7 +102,10 @@ def _policies(refused: Callable[[Any], bool], what: str | Callable[[Any], str], 
 
 
 def _fsdp(name: str, refused: Callable[[Any], bool], message: str, example: tuple[str, ...]) -> Refusal:
-    return Refusal(name, ("train",), lambda cfg: cfg.train.fsdp and refused(cfg), message, ("train.fsdp=true", *example))
+    """What a sharded base does not support: a launch row (checked when `rlora train` starts under torchrun), so
+    that `rlora eval RUN` of a sharded run, which never shards, is not refused for an override it accepts."""
+    return Refusal(name, ("train",), lambda cfg, _ranks: cfg.train.fsdp and refused(cfg), message,
+                   ("train.fsdp=true", *example), launch=True)
 
 
 HF = ("rollout.engine=hf", "rollout.sampler_dtype=model", "algo.sampler_is_cap=null")

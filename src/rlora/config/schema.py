@@ -48,7 +48,6 @@ class LoraConfig(_Section):
     init_from: str | None = Field(None, description="Start from an existing PEFT adapter folder")
 
 
-
 class MoLoRAConfig(_Section):
     """A mixture of LoRA experts instead of one LoRA adapter (docs/molora.md): N experts per adapted linear layer,
     mixed by a router; `lora.*` keys then do not apply."""
@@ -157,7 +156,6 @@ class RolloutConfig(_Section):
     think: ThinkConfig | None = Field(
         None, description="builtin engine: sample the thinking span (start..end) with its own temperature/top_p; the "
         "training log-probs use each token's own temperature (null: one setting for the whole completion)")
-
 
     def think_phase(self) -> ThinkPhase | None:
         """The think section as the sampler's ThinkPhase (None when off)."""
@@ -421,7 +419,6 @@ class SFTConfig(_SupervisedRoot):
     molora: MoLoRAConfig | None = Field(
         None, description="Train a mixture of LoRA experts (docs/molora.md) instead of the lora adapter; every "
         "lora.* key must then keep its default (null: plain LoRA)")
-
 
 
 class RMDataConfig(_Section):

@@ -26,7 +26,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from rlora.algos.advantages import per_token
-from rlora.config import to_yaml
+from rlora.config import RLConfig, apply_presets, to_yaml
 from rlora.errors import UserError
 from rlora.models.loading import save_adapter
 from rlora.models.multi_lora import PEFT_NAME, save_policy
@@ -173,9 +173,12 @@ def _with_current_defaults(saved: dict, config_cls) -> dict:
     """The saved config as this version writes it (keys added since, e.g. a policy's beta, at their defaults);
     as saved when it no longer validates (the comparison then names what differs)."""
     try:
-        return yaml.safe_load(to_yaml(config_cls.model_validate(saved)))
+        config = config_cls.model_validate(saved)
     except ValueError:
         return saved
+    if isinstance(config, RLConfig):
+        apply_presets(config)  # as load_config does for the current config: a key added since takes its preset
+    return yaml.safe_load(to_yaml(config))
 
 
 def _first_difference(a, b, path: str) -> str:

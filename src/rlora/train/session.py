@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from rlora.algos.registry import Algorithm, get_algorithm
-from rlora.config import RLConfig, check_launch
+from rlora.config import RLConfig, apply_presets, check_config, check_launch
 from rlora.data.prompts import PromptSets, load_prompt_sets, render_prompt
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
@@ -76,6 +76,9 @@ def seed_everything(seed: int) -> None:
 
 def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None]:
     """Everything that can be checked without loading the model, so bad input fails in a second."""
+    # load_config did the first two; a config built in Python (RLConfig(...)) gets them here (both are idempotent)
+    apply_presets(cfg)
+    check_config(cfg)
     check_launch(cfg, world.size)  # the refusal table's rows that read the number of ranks
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")

@@ -22,9 +22,6 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from rlora.errors import UserError, first_line
 from rlora.logging.console import info
 from rlora.train.outputs import RunDir
@@ -180,6 +177,8 @@ class ParquetCompletions:
         target = self.folder / f"step-{step:06d}.parquet"
         tmp = self.folder / f".{target.name}.tmp"  # a leading dot: parquet readers skip it
         with open(tmp, "wb") as handle:
+            import pyarrow.parquet as pq  # only with log.completions_format=parquet (check_sinks said if it is missing)
+
             pq.write_table(completions_table(rows), handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -198,12 +197,16 @@ INT_COLUMNS, TEXT_COLUMNS = ("step", "retries"), ("prompt", "completion")
 
 def completions_table(rows: list[dict]):
     """Rows -> a pyarrow table whose column types do not depend on the values of one step."""
+    import pyarrow as pa  # only with log.completions_format=parquet (check_sinks said if it is missing)
+
     table = pa.Table.from_pylist(rows)
     fields = [pa.field(name, _column_type(name, kind)) for name, kind in zip(table.column_names, table.schema.types)]
     return table.cast(pa.schema(fields))
 
 
 def _column_type(name: str, inferred):
+    import pyarrow as pa  # only with log.completions_format=parquet (check_sinks said if it is missing)
+
     if name in INT_COLUMNS:
         return pa.int64()
     if name in TEXT_COLUMNS:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlora.config import check_launch
+from rlora.config import check_config, check_launch
 from rlora.errors import UserError
 from rlora.logging.console import progress_bar
 from rlora.models.loading import check_adapter_folder, quantization_config, resolve_device
@@ -18,6 +18,7 @@ from rlora.train.outputs import RunDir, default_output_dir
 
 def check_inputs(cfg, command: str = "sft", world: World = World()) -> RunDir:
     """What can be checked before the tokenizer and model load (`rlora sft` and `rlora rm` configs)."""
+    check_config(cfg)  # load_config did it; a config built in Python gets it here
     check_launch(cfg, world.size)  # the refusal table's rows that read the number of ranks
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir(command)

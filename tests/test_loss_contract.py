@@ -74,6 +74,13 @@ def test_a_loss_may_not_report_under_the_updates_own_names(tiny_model_dir):
     with pytest.raises(ValueError, match="entropy"):
         accumulate_policy_gradient(model, dataclasses.replace(TOY, token_loss=clashing), AlgoConfig(), scored, 4, 6)
 
+    def counted(inp, **kwargs):  # "rows" is a count the ranks' metrics add up: a term is the batch's already
+        out = grpo_token_loss(inp, **kwargs)
+        return dataclasses.replace(out, metrics_BT=out.metrics_BT | {"rows": out.loss_BT.detach()})
+
+    with pytest.raises(ValueError, match=r"join as counts, times or weighted means \['rows'\]"):
+        accumulate_policy_gradient(model, dataclasses.replace(TOY, token_loss=counted), AlgoConfig(), scored, 4, 6)
+
 
 def test_scored_advantages_are_one_per_token(tiny_model_dir):
     tokenizer, tok, model = make_policy(tiny_model_dir)

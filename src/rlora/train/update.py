@@ -16,6 +16,7 @@ from rlora.models.logprobs import completion_logprobs
 from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.multi_lora import policy_rows
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor
+from rlora.train.metrics import reduction_of
 from rlora.train.fsdp import passes_to_add, zero_pass
 from rlora.batching import trim
 from rlora.tensors import pad_right
@@ -142,6 +143,12 @@ def token_metric_sums(algo: Algorithm, cfg: AlgoConfig, with_ref: bool) -> dict[
     clash = sorted(set(out.metrics_BT) & set(OWN_METRICS))
     if clash:
         raise ValueError(f"{algo.name}'s loss reports metrics under the update's own names {clash}: rename them")
+    # a term is already the whole batch's on every rank; under a name that train/metrics.py joins otherwise (a
+    # count: summed, a time: the largest), torchrun would log it multiplied by the world size or wrongly weighted
+    joined = sorted(name for name in out.metrics_BT if reduction_of(name) is not None)
+    if joined:
+        raise ValueError(f"{algo.name}'s loss reports metrics under names the ranks' metrics join as counts, times "
+                         f"or weighted means {joined}: rename them")
     return {name: None if term is None else 0.0 for name, term in out.metrics_BT.items()} | {"entropy": 0.0}
 
 

@@ -30,16 +30,18 @@ from rlora.config.schema import (
     ReplayConfig,
     RewardSpec,
     RLConfig,
+    RolloutConfig,
+    SamplingSetting,
+    ThinkConfig,
+    TrainConfig,
+)
+from rlora.config.supervised import (
     RMConfig,
     RMDataConfig,
     RMTrainConfig,
-    RolloutConfig,
-    SamplingSetting,
     SFTConfig,
     SFTDataConfig,
     SFTTrainConfig,
-    ThinkConfig,
-    TrainConfig,
 )
 
 __all__ = [

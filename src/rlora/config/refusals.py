@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlora.config.schema import LoraConfig, RLConfig, RMConfig, SFTConfig
+from rlora.config.schema import LoraConfig, RLConfig
+from rlora.config.supervised import RMConfig, SFTConfig
 from rlora.errors import UserError
 from rlora.presets import TRAITS, Traits
 

@@ -3,7 +3,7 @@
 A section validates its own values (ranges, choices, and the few rules that hold wherever the section is
 built alone: `rlora eval` builds an EvalConfig, a MoLoRA folder a MoLoRAConfig). Rules that combine sections
 or depend on the launch are rows of one table, config/refusals.py; YAML, overrides and algorithm presets are
-config/loading.py.
+config/loading.py; the sections of `rlora sft` and `rlora rm` are config/supervised.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ if TYPE_CHECKING:
     from rlora.types import ThinkPhase
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field("smollm2-135m-instruct", description="Local folder, hub id, or built-in alias")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = Field(False, description="Run model code shipped with a hub model (off unless asked)")
@@ -35,7 +35,7 @@ class ModelConfig(_Section):
         "torchrun each rank uses its LOCAL_RANK GPU")
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(16, gt=0)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -48,7 +48,7 @@ class LoraConfig(_Section):
     init_from: str | None = Field(None, description="Start from an existing PEFT adapter folder")
 
 
-class MoLoRAConfig(_Section):
+class MoLoRAConfig(Section):
     """A mixture of LoRA experts instead of one LoRA adapter (docs/molora.md): N experts per adapted linear layer,
     mixed by a router; `lora.*` keys then do not apply."""
 
@@ -88,7 +88,7 @@ class MoLoRAConfig(_Section):
         return self.alpha / self.rank
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     task: str | None = Field(None, description="Built-in reasoning-gym task name (e.g. chain_sum)")
     task_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the task generator")
     path: str | None = Field(None, description="Local json/jsonl/parquet/csv file of prompts")
@@ -104,7 +104,7 @@ class DataConfig(_Section):
     eval_seed: int = Field(1_000_003, description="Seed of the held-out task split; must differ from seed")
 
 
-class RewardSpec(_Section):
+class RewardSpec(Section):
     fn: str = Field(description="Built-in name (gym, format, math, code), reward_model (a reward adapter of `rlora "
                     "rm` on the policy's base: args.path, docs/reward_models.md), a file FILE.py:function (relative "
                     "to the config file; my_reward.function also finds my_reward.py there) or an importable "
@@ -116,7 +116,7 @@ class RewardSpec(_Section):
         300.0, gt=0, description="A call (one batch) that runs longer stops the run with an error (None: no limit)")
 
 
-class ThinkConfig(_Section):
+class ThinkConfig(Section):
     """Phase-aware sampling: other settings while a completion is inside a thinking span."""
 
     start: str = Field("<think>", min_length=1, description="Text that opens the thinking span")
@@ -127,7 +127,7 @@ class ThinkConfig(_Section):
         False, description="Completions begin inside the span (the prompt, e.g. the chat template, already opened it)")
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     num_generations: int = Field(8, ge=1, description="G: completions sampled per prompt (1 only with algo.name=ppo)")
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (at the first step, with a schedule)")
@@ -164,12 +164,12 @@ class RolloutConfig(_Section):
         return None if self.think is None else ThinkPhase(**self.think.model_dump())
 
 
-class SamplingSetting(_Section):
+class SamplingSetting(Section):
     temperature: float = Field(gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
 
 
-class AdaptiveConfig(_Section):
+class AdaptiveConfig(Section):
     """Adaptive GRPO: resample groups that fail a condition with escalating sampling settings."""
 
     enabled: bool = Field(False, description="Resample failing groups (on by default for algo.name=adaptive_grpo)")
@@ -185,7 +185,7 @@ class AdaptiveConfig(_Section):
         "kept", description="Advantage baseline/std from the kept attempt only, or from all attempts of the prompt")
 
 
-class ReplayConfig(_Section):
+class ReplayConfig(Section):
     """Experience replay of informative groups, corrected by truncated importance weights."""
 
     enabled: bool = False
@@ -196,7 +196,7 @@ class ReplayConfig(_Section):
     is_cap: float = Field(2.0, ge=1, description="Cap of the importance weight pi_old / pi_behaviour of replayed tokens")
 
 
-class AlgoConfig(_Section):
+class AlgoConfig(Section):
     name: str = Field("grpo", description="Algorithm (see docs/algorithms.md): grpo, dr_grpo, dapo, gspo, cispo, "
                       "rloo, reinforce_pp, reinforce_pp_baseline, adaptive_grpo, ppo; each presets the keys its paper uses")
     beta: float = Field(0.0, ge=0, description="Weight of the KL to the reference (adapter off): k3 in the loss, or "
@@ -230,7 +230,7 @@ class AlgoConfig(_Section):
         return name
 
 
-class PPOConfig(_Section):
+class PPOConfig(Section):
     """PPO with a critic on the policy's base (algo.name=ppo, docs/algorithms.md#ppo): a value adapter beside the
     policy's plus an fp32 value head, GAE advantages, clipped value loss."""
 
@@ -250,7 +250,7 @@ class PPOConfig(_Section):
     value_head_init_std: float = Field(0.0, ge=0, description="Normal std of the value head's initial weight (0: zeros)")
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     """The keys `rlora train` and `rlora sft` share: optimizer, schedule, seed, output folder."""
 
     steps: int = Field(20, gt=0)
@@ -298,7 +298,7 @@ class TrainConfig(OptimizerConfig):
         "than one device; an all-gather per layer per token)")
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     before: bool = Field(True, description="Evaluate the held-out set before training")
     after: bool = Field(True, description="Evaluate the held-out set after training")
     max_new_tokens: int | None = Field(None, gt=0, description="Default: rollout.max_new_tokens")
@@ -319,7 +319,7 @@ class EvalConfig(_Section):
         return self
 
 
-class LogConfig(_Section):
+class LogConfig(Section):
     """Where a run's numbers go besides metrics.jsonl and the console (docs/logging.md)."""
 
     tensorboard: bool = Field(False, description="Write TensorBoard event files to OUTPUT/tensorboard (extra: track)")
@@ -333,7 +333,7 @@ class LogConfig(_Section):
     plot: bool = Field(True, description="Write PNG figures of the metrics to OUTPUT/plots at the end of a run")
 
 
-class PolicySpec(_Section):
+class PolicySpec(Section):
     """One of several policy adapters trained together on one base (docs/policies.md)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Names the policy's folder OUTPUT/policies/NAME and "
@@ -343,7 +343,7 @@ class PolicySpec(_Section):
     beta: float | None = Field(None, ge=0, description="Its KL coefficient in the loss (null: algo.beta)")
 
 
-class RLConfig(_Section):
+class RLConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -365,94 +365,3 @@ class RLConfig(_Section):
     def constant_norm(self) -> int:
         """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit."""
         return self.algo.constant_norm or self.rollout.max_new_tokens
-
-
-# ---- rlora sft -----------------------------------------------------------------------------------------
-
-class SFTDataConfig(_Section):
-    """Supervised rows: prompt/completion columns, or a column of chat messages (docs/sft.md)."""
-
-    path: str = Field(description="Local json/jsonl/parquet/csv file of training rows")
-    eval_path: str | None = Field(None, description="Local held-out file (same columns as path)")
-    prompt_column: str = Field("prompt", description="Prompt text (or a list of chat messages) of a row")
-    completion_column: str = Field("completion", description="Target text; the loss covers its tokens only")
-    messages_column: str | None = Field(
-        None, description="Chat rows instead of prompt/completion: a list of {role, content}; the loss covers every "
-        "assistant turn (needs a tokenizer with a chat template)")
-    system_prompt: str | None = Field(None, description="Added as the first message where a row has none")
-    use_chat_template: bool = Field(True, description="Wrap prompt/completion rows with the tokenizer's chat template")
-    eval_size: int = Field(0, ge=0, description="Without eval_path: rows held out from path, drawn with seed (0: no "
-                           "eval); with eval_path: the first eval_size rows of it (0: all)")
-    seed: int = Field(0, description="Seed of the held-out draw")
-
-
-class SFTTrainConfig(OptimizerConfig):
-    steps: int | None = Field(None, gt=0, description="Optimizer steps (null: train.epochs, or 20 without it)")
-    epochs: float | None = Field(
-        None, gt=0, description="Train this many passes over the rows instead of train.steps (leave steps unset)")
-    batch_size: int = Field(8, gt=0, description="Rows per optimizer step")
-    micro_batch_size: int = Field(8, gt=0, description="Rows per forward/backward pass (divides batch_size)")
-    max_length: int = Field(
-        1024, gt=1, description="Tokens per row: longer rows are cut at the end (counted in summary.json "
-        "truncated_rows); a row left with no completion token is dropped (dropped_rows)")
-    group_window: int = Field(
-        16, ge=1, description="Length grouping: after each epoch's seeded shuffle, every window of this many batches "
-        "is sorted by length (1: batches of similar length only by chance)")
-    eval_every: int = Field(0, ge=0, description="eval_loss every N steps (0: only at the end)")
-    full_finetune: bool = Field(
-        False, description="Train every parameter instead of a LoRA adapter (models up to 1B parameters); saves "
-        "OUTPUT/model, a transformers folder with the tokenizer")
-
-
-class _SupervisedRoot(_Section):
-    """The sections `rlora sft` and `rlora rm` configs share with `rlora train`'s."""
-
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-
-
-class SFTConfig(_SupervisedRoot):
-    """Root of a `rlora sft` config."""
-
-    data: SFTDataConfig
-    train: SFTTrainConfig = Field(default_factory=SFTTrainConfig)
-    molora: MoLoRAConfig | None = Field(
-        None, description="Train a mixture of LoRA experts (docs/molora.md) instead of the lora adapter; every "
-        "lora.* key must then keep its default (null: plain LoRA)")
-
-
-class RMDataConfig(_Section):
-    """Preference pairs: a prompt, a chosen and a rejected response per row (docs/reward_models.md)."""
-
-    path: str = Field(description="Local json/jsonl/parquet/csv file of preference rows")
-    eval_path: str | None = Field(None, description="Local held-out file (same columns as path)")
-    prompt_column: str = Field("prompt", description="Prompt text (or a list of chat messages) of a row")
-    chosen_column: str = Field("chosen", description="The preferred response (text)")
-    rejected_column: str = Field("rejected", description="The other response (text)")
-    margin_column: str | None = Field(
-        None, description="Optional per-pair margin m (a number): loss -log sigmoid(r_chosen - r_rejected - m)")
-    system_prompt: str | None = Field(None, description="Added as the first message where a row has none")
-    use_chat_template: bool = Field(True, description="Render prompt + response as a conversation whose last turn "
-                                    "is the assistant's (else plain text: the prompt's tokens, then the response's and EOS)")
-    eval_size: int = Field(0, ge=0, description="Without eval_path: pairs held out from path, drawn with seed (0: no "
-                           "eval); with eval_path: the first eval_size pairs of it (0: all)")
-    seed: int = Field(0, description="Seed of the held-out draw")
-
-
-class RMTrainConfig(OptimizerConfig):
-    batch_size: int = Field(8, gt=0, description="Preference pairs per optimizer step")
-    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward pass (divides batch_size)")
-    max_length: int = Field(
-        1024, gt=1, description="Tokens per sequence (prompt + response): the prompt is cut from its start (left) "
-        "to fit (truncated_pairs in summary.json); a pair whose response alone does not fit is dropped "
-        "(dropped_pairs)")
-    margin: float = Field(0.0, description="Margin m of every pair, added to data.margin_column's: -log sigmoid(r_c - r_r - m)")
-    eval_every: int = Field(0, ge=0, description="eval_loss / eval_accuracy every N steps (0: only at the end)")
-    head_init_std: float = Field(0.0, ge=0, description="Normal std of the score head's initial weight (0: zeros)")
-
-
-class RMConfig(_SupervisedRoot):
-    """Root of a `rlora rm` config."""
-
-    data: RMDataConfig
-    train: RMTrainConfig = Field(default_factory=RMTrainConfig)

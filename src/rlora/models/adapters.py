@@ -63,7 +63,18 @@ class PolicyAdapter(Protocol):
         """One policy's weights from a folder `save` wrote, into the live parameters."""
 
 
-class PeftLora:
+class _WithoutAuxLoss:
+    """A plain LoRA adapter (one or several) adds no auxiliary loss to the update, and trains only rows that move."""
+
+    def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> None:
+        return None
+
+    @property
+    def aux_loss_every_row(self) -> bool:
+        return False
+
+
+class PeftLora(_WithoutAuxLoss):
     """One peft LoRA adapter ('default') on the base."""
 
     def __init__(self, model: nn.Module):
@@ -80,13 +91,6 @@ class PeftLora:
     def rows(self, policy_B: torch.Tensor | None) -> AbstractContextManager:
         return nullcontext()
 
-    def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> None:
-        return None
-
-    @property
-    def aux_loss_every_row(self) -> bool:
-        return False
-
     def save(self, folder: Path | str, policy: int = 0) -> None:
         save_adapter(self.model, Path(folder))
 
@@ -94,7 +98,7 @@ class PeftLora:
         _load_peft(self.model, folder, "default")
 
 
-class MultiLora:
+class MultiLora(_WithoutAuxLoss):
     """Several named LoRA policies on one base, batched in one pass (models/multi_lora.py)."""
 
     def __init__(self, model: nn.Module):
@@ -109,13 +113,6 @@ class MultiLora:
 
     def rows(self, policy_B: torch.Tensor | None) -> AbstractContextManager:
         return policy_rows(self.model, policy_B)
-
-    def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> None:
-        return None
-
-    @property
-    def aux_loss_every_row(self) -> bool:
-        return False
 
     def save(self, folder: Path | str, policy: int = 0) -> None:
         save_policy(self.model, self.names[policy], folder)

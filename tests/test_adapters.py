@@ -85,3 +85,17 @@ def test_save_then_load_puts_each_policys_weights_back(kind, tiny_model_dir, tmp
         adapter.load(tmp_path / str(k), k)
     for want, params in zip(saved, adapter.parameters_per_policy()):
         assert all(torch.equal(w, p) for w, p in zip(want, params))
+
+
+@pytest.mark.parametrize("kind", ["peft", "multi", "molora"])
+def test_sampler_policies_route_only_where_the_model_serves_several(kind, tiny_model_dir):
+    """What the step and the evaluation pass the sampler: an adapter of one policy takes the sampler's plain path
+    (None: one seed, no policies, as transformers generate takes) and refuses a policy it does not have; several
+    policies are passed on as they are."""
+    _, adapter, _ = build(kind, tiny_model_dir)
+    if kind == "multi":
+        assert adapter.sampler_policies([1, 0, 1]) == [1, 0, 1]
+        return
+    assert adapter.sampler_policies([0, 0, 0]) is None and adapter.sampler_policies([]) is None
+    with pytest.raises(ValueError, match="policy 1 asked of an adapter that serves one policy"):
+        adapter.sampler_policies([0, 1])

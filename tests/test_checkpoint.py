@@ -1,9 +1,11 @@
 """Checkpoints: atomic folders that survive SIGKILL at any moment, exact resume, and bad resumes."""
 
+import hashlib
 import json
 import os
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,9 +129,23 @@ def _adapter(out):
     return load_file(str(out / "adapter" / "adapter_model.safetensors"))
 
 
-def test_resume_continues_exactly(tiny_model_dir, prompts_file, tmp_path, capsys):
+def _as_before_the_policies_list(checkpoint: Path) -> None:
+    """trainer.pt as a run of one policy wrote it before every run had a list of policies (one optimizer and one
+    scheduler state, under their own keys), with the manifest to match."""
+    trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
+    [optimizer], [scheduler] = trainer.pop("optimizers"), trainer.pop("schedulers")
+    torch.save(trainer | {"optimizer": optimizer, "scheduler": scheduler}, checkpoint / "trainer.pt")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"]["trainer.pt"] = {"bytes": (checkpoint / "trainer.pt").stat().st_size,
+                                       "sha256": hashlib.sha256((checkpoint / "trainer.pt").read_bytes()).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("written_by", ["now", "before the policies list"])
+def test_resume_continues_exactly(written_by, tiny_model_dir, prompts_file, tmp_path, capsys):
     """4 steps straight == 3 steps (checkpoints at 2 and 3), the step-3 checkpoint lost, resume from 2, on to 4:
-    same adapter (<= 1e-6) and the same sampled completions; step 3's log lines appear once."""
+    same adapter (<= 1e-6) and the same sampled completions; step 3's log lines appear once. Also from a
+    checkpoint in the format of one policy from before (its trainer.pt keys)."""
     common = {"train.checkpoint_every": 2, "train.sample_every": 1, "train.lr": 0.01, "algo.beta": 0.04,
               "eval.after": "false", "algo.name": "dapo"}
     straight = tmp_path / "straight"
@@ -139,6 +155,8 @@ def test_resume_continues_exactly(tiny_model_dir, prompts_file, tmp_path, capsys
     assert [p.name for p in checkpoints(resumed / "checkpoints")] == ["step-0000002", "step-0000003"]
     import shutil
     shutil.rmtree(resumed / "checkpoints" / "step-0000003")  # as if killed after step 3 was logged
+    if written_by != "now":
+        _as_before_the_policies_list(resumed / "checkpoints" / "step-0000002")
     assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
         "train.steps": 4, "train.resume": "auto"})]) == 0
     assert "resuming from" in capsys.readouterr().err
@@ -196,18 +214,19 @@ class _Evil:
 
 def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tiny_model_dir, prompts_file, tmp_path, capsys,
                                                                        monkeypatch):
-    import rlora.train.resume as resume
+    from rlora.models.adapters import PeftLora
 
     calls = []
 
-    def save_then_fill_the_disk(model, folder):
-        calls.append(folder)
-        if len(calls) > 1:
-            raise OSError(28, "No space left on device")
-        real_save(model, folder)
+    def save_then_fill_the_disk(adapter, folder, policy=0):  # the disk fills while the second checkpoint is written
+        if "checkpoints" in Path(folder).parts:
+            calls.append(folder)
+            if len(calls) > 1:
+                raise OSError(28, "No space left on device")
+        real_save(adapter, folder, policy)
 
-    real_save = resume.save_adapter
-    monkeypatch.setattr(resume, "save_adapter", save_then_fill_the_disk)
+    real_save = PeftLora.save
+    monkeypatch.setattr(PeftLora, "save", save_then_fill_the_disk)
     run = tmp_path / "run"
     code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(run), **{
         "train.checkpoint_every": 1, "train.steps": 3, "eval.before": "false", "eval.after": "false"})])

@@ -296,9 +296,10 @@ def test_typed_slots_give_the_int_slots_keys_seeds_and_policies():
     P, step, train_seed, policy_seeds = 3, 5, 7, [4, 9]
     step_seed = train_seed * 100_003 + step
 
-    def run(policies):
+    def run(policies):  # None: a run of one policy (an adapter that serves one: the sampler's plain path)
         return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(seed=train_seed, prompts_per_step=P)),
-                               policies=policies and [SimpleNamespace(seed=seed) for seed in policies])
+                               policies=[SimpleNamespace(seed=seed) for seed in policies or [train_seed]],
+                               adapter=SimpleNamespace(sampler_policies=lambda rows: policies and list(rows)))
 
     # hand-computed keys: r x P + position, whatever the policy
     assert Slot(0, 0, 2, prompt=6).key(P) == 2 and Slot(0, 2, 1, prompt=0).key(P) == 7

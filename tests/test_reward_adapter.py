@@ -24,7 +24,7 @@ from rlora.models.reward_model import load_reward_model, new_score_head, save_re
 from rlora.rewards.reward_adapter import RewardAdapter, attach_reward_adapters
 from rlora.rewards.scoring import resolve_rewards, score_completions
 from rlora.train.session import prepare
-from rlora.train.optim import build_optimizer
+from rlora.train.policies import split_metrics
 from rlora.tensors import right_padded
 from rlora.train.step import grpo_step
 from rlora.types import Example
@@ -257,12 +257,13 @@ def test_reward_adapter_is_not_in_the_optimizer_and_stays_frozen(tiny_model_dir,
         f"[{{fn: reward_model, args: {{path: {rm_folder}}}, weight: 0.5}}, {{fn: rewards_for_tests.count_a}}]"),
         **{"eval.before": "false"})
     s = prepare(load_config(None, args))
-    optimizer, scheduler = build_optimizer(trainable_parameters(s.model), s.cfg.train, 1)
-    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    [policy] = s.policies  # the run's optimizer, as prepare built it
+    in_optimizer = {id(p) for group in policy.optimizer.param_groups for p in group["params"]}
     reward_params = [p for n, p in s.model.named_parameters() if ".reward_model." in n]
     assert reward_params and not any(id(p) in in_optimizer for p in reward_params)
     before = [p.detach().clone() for p in reward_params]
-    metrics, _ = grpo_step(s, 0, optimizer, scheduler)
+    metrics, _ = grpo_step(s, 0)
+    metrics, _ = split_metrics(metrics, s.policies)
     assert metrics["reward/reward_model"] is not None and metrics["reward/count_a"] is not None
     assert s.model.active_adapter == "default" and s.model.training
     assert not any(p.requires_grad for p in reward_params)

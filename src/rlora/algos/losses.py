@@ -46,7 +46,8 @@ class TokenLosses:
     # this run (logged as null). The names depend on which inputs a loss gets, never on their values: the update
     # asks the loss for them once, on a batch of no rows, so that every rank and a step without rows log the same.
     metrics_BT: dict[str, torch.Tensor | None]
-    kl_BT: torch.Tensor | None = None  # k3 KL to the reference, if one was given (several policies: own beta x KL)
+    # the KL to the reference per token, if one was given: the update adds each policy's beta x kl_BT to its rows
+    kl_BT: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ Policies are numbered 0..K-1 (one policy: 0); `names` holds their names in that 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +48,10 @@ class PolicyAdapter(Protocol):
     def rows(self, policy_B: torch.Tensor | None) -> AbstractContextManager:
         """Forwards inside send row b through policy policy_B[b] (None, or one policy: a no-op)."""
 
+    def sampler_policies(self, policy_N: Sequence[int]) -> list[int] | None:
+        """The sampler's `policies` argument for prompts of these policies: the list where the model serves
+        several; None where it serves one (the sampler's plain path, transformers generate's too)."""
+
     def aux_loss(self, micro_batches: list[RolloutSlice], forward,
                  sum_over_ranks: ml.SumOverRanks | None = None) -> RolloutRouting | None:
         """The auxiliary loss of one update over these micro-batches as one batch (aux_share(micro) after each
@@ -63,6 +68,18 @@ class PolicyAdapter(Protocol):
         """One policy's weights from a folder `save` wrote, into the live parameters."""
 
 
+class _OnePolicy:
+    """An adapter that serves one policy (number 0): its rows need no routing."""
+
+    def rows(self, policy_B: torch.Tensor | None) -> AbstractContextManager:
+        return nullcontext()
+
+    def sampler_policies(self, policy_N: Sequence[int]) -> None:
+        if any(policy_N):
+            raise ValueError(f"policy {max(policy_N)} asked of an adapter that serves one policy")
+        return None
+
+
 class _WithoutAuxLoss:
     """A plain LoRA adapter (one or several) adds no auxiliary loss to the update, and trains only rows that move."""
 
@@ -74,7 +91,7 @@ class _WithoutAuxLoss:
         return False
 
 
-class PeftLora(_WithoutAuxLoss):
+class PeftLora(_OnePolicy, _WithoutAuxLoss):
     """One peft LoRA adapter ('default') on the base."""
 
     def __init__(self, model: nn.Module):
@@ -87,9 +104,6 @@ class PeftLora(_WithoutAuxLoss):
 
     def disabled(self) -> AbstractContextManager:
         return self.model.disable_adapter()
-
-    def rows(self, policy_B: torch.Tensor | None) -> AbstractContextManager:
-        return nullcontext()
 
     def save(self, folder: Path | str, policy: int = 0) -> None:
         save_adapter(self.model, Path(folder))
@@ -114,6 +128,9 @@ class MultiLora(_WithoutAuxLoss):
     def rows(self, policy_B: torch.Tensor | None) -> AbstractContextManager:
         return policy_rows(self.model, policy_B)
 
+    def sampler_policies(self, policy_N: Sequence[int]) -> list[int]:
+        return list(policy_N)
+
     def save(self, folder: Path | str, policy: int = 0) -> None:
         save_policy(self.model, self.names[policy], folder)
 
@@ -121,7 +138,7 @@ class MultiLora(_WithoutAuxLoss):
         _load_peft(self.model, folder, PEFT_NAME.format(self.names[policy]))
 
 
-class MoLoRA:
+class MoLoRA(_OnePolicy):
     """A mixture of LoRA experts on the base (models/molora): the reference is the mixture off, the routers add
     a batch-wide auxiliary loss."""
 
@@ -133,9 +150,6 @@ class MoLoRA:
 
     def disabled(self) -> AbstractContextManager:
         return ml.molora_disabled(self.model)
-
-    def rows(self, policy_B: torch.Tensor | None) -> AbstractContextManager:
-        return nullcontext()
 
     def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> RolloutRouting:
         return RolloutRouting(self.model, micro_batches, forward, sum_over_ranks)

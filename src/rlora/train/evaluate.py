@@ -61,12 +61,13 @@ def evaluate(model, generator, examples: list[Example], prompt_ids: list[list[in
 
 @torch.no_grad()
 def evaluate_policies(model, generator, examples: list[Example], prompt_ids: list[list[int]], prompt_texts: list[str],
-                      rewards: list[RewardFn], params: SamplingParams, batch_size: int, policies: list[int],
+                      rewards: list[RewardFn], params: SamplingParams, batch_size: int, policies: list[int] | None,
                       num_samples: int = 1, pass_k: tuple[int, ...] = (), seed: int = 0, progress=None,
                       ) -> list[tuple[dict, list[dict]]]:
     """evaluate() of each of several policy adapters (models/multi_lora.py), sampled together: every sampler
     call decodes each policy's rows of the same prompts in one batch, with the draws each policy gets when it is
-    evaluated alone (same seed, same key per prompt). -> [(metrics, rows)] in the order of `policies`."""
+    evaluated alone (same seed, same key per prompt). -> [(metrics, rows)] in the order of `policies` (None: a model
+    with one policy adapter, evaluated as evaluate() does: one result)."""
     per_policy = sample_completions(model, generator, prompt_ids, params, batch_size, num_samples, seed, progress,
                                     policies)
     return [score_evaluation(examples, prompt_texts, rewards, completions, num_samples, pass_k)

@@ -18,9 +18,8 @@ from rlora.system import return_freed_memory
 from rlora.train import policies as pol
 from rlora.train.checkpoint import set_aside_after
 from rlora.train.distributed import World, all_reduce_sums, barrier, gather_objects, on_every_rank, rank_divergence
-from rlora.train.evaluate import eval_sampling, evaluate, evaluate_policies
+from rlora.train.evaluate import eval_sampling, evaluate_policies
 from rlora.train.metrics import merge_metrics
-from rlora.train.optim import build_optimizer
 from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir, to_json
 from rlora.train.ppo_step import ppo_step
@@ -30,19 +29,23 @@ from rlora.train.session import Session, prepare
 from rlora.train.step import grpo_step
 
 
-def run_eval(s: Session, label: str) -> dict | None:
-    """Held-out evaluation of the policy (with several policies, before training: every policy is the same
-    function, so the first one stands for all)."""
+def eval_before(s: Session) -> dict | None:
+    """Held-out evaluation before training (of the first policy: before training every policy is the same
+    function, so it stands for all)."""
     if not s.prompts.eval:
         return None
+    [(result, samples)] = _evaluate(s, "before", s.policies[:1])
+    return record_eval(s.run_dir, "before", "", result, samples)
+
+
+def _evaluate(s: Session, label: str, policies: list[pol.Policy]) -> list[tuple[dict, list[dict]]]:
+    """These policies' held-out evaluations, sampled together -> [(metrics, rows)] in their order."""
     ev = s.cfg.eval
-    policy = None if s.policies is None else s.policies[0]
     texts = [prompt_text(ex) for ex in s.prompts.eval]
-    with progress_bar(f"eval ({label})", len(texts)) as update:
-        result, samples = evaluate(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
-                                   eval_sampling(s.cfg), ev.batch_size, ev.num_samples, tuple(ev.pass_k), ev.seed,
-                                   progress=update, policy=None if policy is None else policy.index)
-    return record_eval(s.run_dir, label, "", result, samples)
+    with progress_bar(f"eval ({label})", len(texts) * len(policies)) as update:
+        return evaluate_policies(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
+                                 eval_sampling(s.cfg), ev.batch_size, s.adapter.sampler_policies([p.index for p in policies]),
+                                 ev.num_samples, tuple(ev.pass_k), ev.seed, progress=update)
 
 
 def record_eval(run_dir: RunDir, label: str, name: str, result: dict, samples: list[dict]) -> dict:
@@ -55,21 +58,17 @@ def record_eval(run_dir: RunDir, label: str, name: str, result: dict, samples: l
 
 
 def eval_after(s: Session) -> dict | None:
-    """The evaluation after training: of the policy, or {name: result} of every policy, sampled together (each
-    also in its folder: eval_after.jsonl, eval.json)."""
-    if s.policies is None or not s.prompts.eval:
-        return run_eval(s, "after")
-    ev = s.cfg.eval
-    texts = [prompt_text(ex) for ex in s.prompts.eval]
-    with progress_bar("eval (after, every policy)", len(texts) * len(s.policies)) as update:
-        outcomes = evaluate_policies(s.model, s.eval_generator, s.prompts.eval, s.eval_ids, texts, s.rewards,
-                                     eval_sampling(s.cfg), ev.batch_size, [p.index for p in s.policies], ev.num_samples,
-                                     tuple(ev.pass_k), ev.seed, progress=update)
+    """The evaluation after training of every policy, sampled together: the policy's result, or {name: result}
+    beside other policies (each then also in its folder: eval_after.jsonl, eval.json)."""
+    if not s.prompts.eval:
+        return None
     results = {}
-    for policy, (result, samples) in zip(s.policies, outcomes):
-        results[policy.name] = record_eval(policy.run_dir, "after", f" {policy.name}", result, samples)
-        policy.run_dir.write_json("eval.json", {"after": result})
-    return results
+    for policy, (result, samples) in zip(s.policies, _evaluate(s, "after", s.policies)):
+        name = f" {policy.name}" if policy.own_folder else ""
+        results[policy.name] = record_eval(policy.run_dir, "after", name, result, samples)
+    for policy in pol.own_folders(s.policies):
+        policy.run_dir.write_json("eval.json", {"after": results[policy.name]})
+    return pol.per_run(s.policies, results)
 
 
 def main_eval(s: Session, run: Callable[[], dict | None]) -> dict | None:
@@ -84,40 +83,30 @@ def _jsonl(obj) -> str:
 
 
 def save_final(s: Session, name: str = "adapter") -> None:
-    """The policy: a PEFT adapter folder, a MoLoRA folder (docs/molora.md), or one PEFT folder per policy (each in
-    its own OUTPUT/policies/NAME)."""
-    folders = [s.run_dir] if s.policies is None else [p.run_dir for p in s.policies]
-    for index, run_dir in enumerate(folders):
-        run_dir.write_folder(name, lambda folder, k=index: s.adapter.save(folder, k))
+    """Each policy in its folder: a PEFT adapter folder, a MoLoRA folder (docs/molora.md); beside other policies,
+    each in its own OUTPUT/policies/NAME."""
+    for policy in s.policies:
+        policy.run_dir.write_folder(name, lambda folder, k=policy.index: s.adapter.save(folder, k))
     if s.critic is not None:  # adapter -> value_model, adapter-stepN -> value_model-stepN
         s.run_dir.write_folder(name.replace("adapter", "value_model"), s.critic.save)
 
 
-def optimizer_groups(s: Session) -> list[dict]:
-    """The policy's adapter parameters; with a critic, its adapter and head as a second group (ppo.value_lr)."""
-    groups = [{"params": s.adapter.parameters_per_policy()[0]}]
-    if s.critic is not None:
-        groups.append({"params": s.critic.parameters(), "lr": s.cfg.ppo.value_lr or s.cfg.train.lr})
-    return groups
-
-
-def start(s: Session, optimizer, scheduler, replay) -> tuple[int, float, dict]:
+def start(s: Session, replay) -> tuple[int, float, dict]:
     """A fresh run: create the folder and evaluate before training. A resumed one: put the checkpoint's
     state back and drop log lines of steps after it. -> (first step, training time so far, evaluations)."""
     cfg = s.cfg
     if s.resume_from is None or not s.run_dir.holds_checkpoint(s.resume_from):
         s.run_dir.create()
-    if s.policies is not None:
-        pol.create_folders(s.policies)
+    pol.create_folders(s.policies)
     s.run_dir.write_text("config.yaml", to_yaml(cfg))
     if s.resume_from is None:
-        before = main_eval(s, lambda: run_eval(s, "before")) if cfg.eval.before else None
+        before = main_eval(s, lambda: eval_before(s)) if cfg.eval.before else None
         barrier(s.world)
         return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
-    restore_training_state(s.resume_from, s.model, optimizer, scheduler, replay, s.critic, s.policies, s.world.size)
+    restore_training_state(s.resume_from, s.adapter, s.policies, replay, s.critic, s.world.size)
     for run_dir, names in [(s.run_dir, ("metrics.jsonl", "samples.jsonl"))] + [(p.run_dir, ("metrics.jsonl",))
-                                                                                for p in s.policies or []]:
+                                                                                for p in pol.own_folders(s.policies)]:
         run_dir.drop_steps_after(state["step"], names)
     if s.world.is_main and s.run_dir.holds_checkpoint(s.resume_from):
         for folder in set_aside_after(s.resume_from.parent, state["step"]):
@@ -139,11 +128,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
     critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
     info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
          f"-> {cfg.train.output_dir}")
-    optimizer = scheduler = None  # several policies: one of each per policy (s.policies, built by prepare)
-    if cfg.policies is None:
-        optimizer, scheduler = build_optimizer(optimizer_groups(s), cfg.train, cfg.train.steps * cfg.algo.num_iterations)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed, world.rank) if cfg.algo.replay.enabled else None
-    first_step, train_s_before, evals = start(s, optimizer, scheduler, replay)
+    first_step, train_s_before, evals = start(s, replay)
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
     t0, last = time.perf_counter() - train_s_before, {}
     summary = {"status": "completed", "last_metrics": last, "eval": evals}  # what summary.json holds if a step fails
@@ -153,8 +139,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
         cause = None
         if world.is_main:
             try:
-                save_training_state(s.run_dir.path, done, cfg, s.model, optimizer, scheduler, buffers,
-                                    time.perf_counter() - t0, evals["before"], s.critic, s.policies)
+                save_training_state(s.run_dir.path, done, cfg, s.adapter, s.policies, buffers,
+                                    time.perf_counter() - t0, evals["before"], s.critic)
             except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
                 cause = err.strerror or str(err)
         if all_reduce_sums(world, [float(cause is not None)])[0]:  # every rank stops with the same line
@@ -165,15 +151,14 @@ def _run(cfg: RLConfig, world: World) -> dict:
         with progress_bar("train", cfg.train.steps) as update:
             update(first_step, "")
             for step in range(first_step, cfg.train.steps):
-                last, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, optimizer, scheduler, replay)
+                last, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, replay)
                 if world.active:
                     last, samples = gather_step(world, last, samples, trainable_parameters(s.model) +
                                                 ([] if s.critic is None else s.critic.parameters()))
-                if s.policies is not None:
-                    last, per_policy = pol.split_metrics(last, s.policies)
-                    for policy in s.policies:
-                        policy.run_dir.append_jsonl("metrics.jsonl", per_policy[policy.name])
-                line = metrics_line(last) if s.policies is None else policies_line(last, s.policies)
+                last, per_policy = pol.split_metrics(last, s.policies)
+                for policy in pol.own_folders(s.policies):
+                    policy.run_dir.append_jsonl("metrics.jsonl", per_policy[policy.name])
+                line = progress_line(last, s.policies)
                 s.run_dir.append_jsonl("metrics.jsonl", last)
                 summary["last_metrics"] = last
                 sinks.log_metrics(step + 1, last)
@@ -201,7 +186,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
     summary |= {"steps": done, "train_s": train_s, "adapter_params": n_trainable}
     s.run_dir.write_json("summary.json", summary)
     if cfg.log.plot and world.is_main:  # several policies: their curves overlaid
-        plot_after_run(s.run_dir.path, None if s.policies is None else [p.run_dir.path for p in s.policies])
+        plot_after_run(s.run_dir.path, [p.run_dir.path for p in pol.own_folders(s.policies)] or None)
     _print_final(s, summary)
     return summary
 
@@ -215,8 +200,11 @@ def gather_step(world: World, metrics: dict, samples: list[dict], params) -> tup
     return merged, [row for _, rows in gathered for row in rows]
 
 
-def policies_line(flat: dict, policies: list[pol.Policy]) -> str:
-    """The progress line of a step of several policies (flat metrics): each one's mean reward, the step time."""
+def progress_line(flat: dict, policies: list[pol.Policy]) -> str:
+    """The progress line of a step (the run's metrics): the metrics' line of one policy; beside other policies,
+    each one's mean reward and the step time."""
+    if not pol.own_folders(policies):
+        return metrics_line(flat)
     rewards = "  ".join(f"{p.name} {'-' if flat.get(f'{p.name}/reward_mean') is None else format(flat[f'{p.name}/reward_mean'], '.3f')}"
                         for p in policies)
     return f"reward {rewards}  {flat['step_s']:.1f}s/step"
@@ -227,10 +215,10 @@ def _print_final(s: Session, summary: dict) -> None:
             ("train time", f"{summary['train_s']:.1f} s")]
     last = summary["last_metrics"]
     if last:
-        rows.append(("last step", metrics_line(last) if s.policies is None else policies_line(last, s.policies)))
+        rows.append(("last step", progress_line(last, s.policies)))
     for label in ("before", "after"):
         result = summary["eval"].get(label)
-        per_policy = result if s.policies is not None and label == "after" and result else {"": result}
+        per_policy = result if pol.own_folders(s.policies) and label == "after" and result else {"": result}
         for name, one in per_policy.items():
             if one:
                 rows.append((f"held-out accuracy {label}{' ' + name if name else ''}", f"{one['accuracy']:.3f} (n={one['n']})"))

@@ -1,10 +1,13 @@
-"""Several policies trained in one run on one base (the `policies:` section, docs/policies.md).
+"""The policies a run trains on one base: one (the `default` policy of a plain run) or several (the `policies:`
+section, docs/policies.md). Every run has K >= 1 of them and the step, update, checkpoint, resume and evaluation
+code loop over them; only where their files go differs (`Policy.own_folder`).
 
-Each policy is a named LoRA adapter (models/multi_lora.py) with its own AdamW, schedule, learning rate, seed,
-metrics and folder OUTPUT/policies/NAME. A step gives every policy the step's prompts: a slot of each
-(train/slots.py), drawn with the key and seed that a run of that policy alone would use, so its samples are
-those of that run. All policies' rows are sampled in one batched decode, share one reference pass (the base:
-every adapter off) and train in shared forward/backward passes.
+Each policy is a LoRA adapter (one: models/loading.py attach_lora; several: models/multi_lora.py) with its own
+AdamW, schedule, learning rate, seed and metrics. With several, each also has a folder OUTPUT/policies/NAME,
+and a step gives every policy the step's prompts: a slot of each (train/slots.py), drawn with the key and seed
+that a run of that policy alone would use, so its samples are those of that run. All policies' rows are sampled
+in one batched decode, share one reference pass (the base: every adapter off) and train in shared
+forward/backward passes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from rlora.train.outputs import RunDir
 from rlora.train.slots import Slot
 
 POLICIES_FOLDER = "policies"
+LONE_POLICY = "default"  # the name of a run's only policy (the peft adapter's name)
 
 
 @dataclass
@@ -29,33 +33,54 @@ class Policy:
     index: int
     seed: int
     beta: float  # its KL coefficient (algo.beta unless it sets its own)
-    params: list[torch.nn.Parameter]
+    params: list[torch.nn.Parameter]  # what its optimizer steps and clips (a critic's head is stepped apart)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    run_dir: RunDir  # OUTPUT/policies/NAME
+    run_dir: RunDir  # OUTPUT/policies/NAME; a run's only policy: the run's folder (OUTPUT/adapter, plain PEFT)
+    own_folder: bool  # False: the run's only policy, whose files and metrics are the run's own
+
+    def adapter_in(self, checkpoint: Path) -> Path:
+        """Its adapter's folder in a checkpoint (train/resume.py)."""
+        return checkpoint / "adapter" if not self.own_folder else checkpoint / POLICIES_FOLDER / self.name / "adapter"
+
+    def metric_name(self, key: str) -> str:
+        """Its metric `key` among the run's (metrics.jsonl, the sinks): 'NAME/key' beside other policies'."""
+        return f"{self.name}/{key}" if self.own_folder else key
 
 
 def names_and_seeds(cfg: RLConfig) -> tuple[list[str], list[int]]:
     return [p.name for p in cfg.policies], [cfg.train.seed if p.seed is None else p.seed for p in cfg.policies]
 
 
-def build_policies(cfg: RLConfig, adapter: PolicyAdapter, run_path: Path, writer: bool) -> list[Policy]:
-    """One optimizer and schedule per policy, over its adapter's parameters only."""
-    policies = []
+def build_policies(cfg: RLConfig, adapter: PolicyAdapter, run_dir: RunDir, critic_group: dict | None = None
+                   ) -> list[Policy]:
+    """One optimizer and schedule per policy, over its adapter's parameters; critic_group (PPO's value adapter and
+    head, with its own lr) joins the only policy's optimizer as a second parameter group."""
     total_updates = cfg.train.steps * cfg.algo.num_iterations
     params_per_policy = adapter.parameters_per_policy()
+    if cfg.policies is None:
+        params = params_per_policy[0]
+        groups = [{"params": params}] + ([critic_group] if critic_group is not None else [])
+        optimizer, scheduler = build_optimizer(groups, cfg.train, total_updates)
+        return [Policy(LONE_POLICY, 0, cfg.train.seed, cfg.algo.beta, params, optimizer, scheduler, run_dir, False)]
+    policies = []
     for index, (spec, seed) in enumerate(zip(cfg.policies, names_and_seeds(cfg)[1])):
         params = params_per_policy[index]
         train = cfg.train.model_copy(update={"lr": spec.lr or cfg.train.lr})
         optimizer, scheduler = build_optimizer(params, train, total_updates)
-        folder = RunDir(str(run_path / POLICIES_FOLDER / spec.name), overwrite=True, writer=writer)
+        folder = RunDir(str(run_dir.path / POLICIES_FOLDER / spec.name), overwrite=True, writer=run_dir.writer)
         beta = cfg.algo.beta if spec.beta is None else spec.beta
-        policies.append(Policy(spec.name, index, seed, beta, params, optimizer, scheduler, folder))
+        policies.append(Policy(spec.name, index, seed, beta, params, optimizer, scheduler, folder, True))
     return policies
 
 
+def own_folders(policies: list[Policy]) -> list[Policy]:
+    """The policies with a folder of their own (none in a run of one policy)."""
+    return [p for p in policies if p.own_folder]
+
+
 def create_folders(policies: list[Policy]) -> None:
-    for policy in policies:
+    for policy in own_folders(policies):
         if policy.run_dir.writer:
             policy.run_dir.path.mkdir(parents=True, exist_ok=True)
 
@@ -66,10 +91,16 @@ def row_policies(slots: list[Slot], G: int) -> torch.Tensor:
 
 
 def split_metrics(metrics: dict, policies: list[Policy]) -> tuple[dict, dict[str, dict]]:
-    """A step's metrics -> (shared metrics plus every policy's under 'NAME/key': for metrics.jsonl and the sinks,
-    {policy: its metrics with the shared ones}: for OUTPUT/policies/NAME/metrics.jsonl)."""
+    """A step's metrics (the shared ones, and each policy's under 'policies') -> (the run's metrics: the shared
+    ones and every policy's under its metric_name, for metrics.jsonl and the sinks; {policy: its metrics with the
+    shared ones}, for the policies with a folder of their own: OUTPUT/policies/NAME/metrics.jsonl)."""
     per_policy = metrics.pop("policies")
     flat = dict(metrics)
-    for name, values in per_policy.items():
-        flat |= {f"{name}/{key}": value for key, value in values.items()}
-    return flat, {p.name: {**metrics, **per_policy[p.name]} for p in policies}
+    for policy in policies:
+        flat |= {policy.metric_name(key): value for key, value in per_policy.get(policy.name, {}).items()}
+    return flat, {p.name: {**metrics, **per_policy.get(p.name, {})} for p in own_folders(policies)}
+
+
+def per_run(policies: list[Policy], per_policy: dict[str, dict]):
+    """A result per policy as the run reports it: {name: result} beside other policies, the only policy's as is."""
+    return per_policy if own_folders(policies) else per_policy[policies[0].name]

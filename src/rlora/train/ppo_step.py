@@ -89,9 +89,12 @@ def _masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float | None
     return float((values_BT.double() * mask_BT).sum()) / count if count else None
 
 
-def ppo_step(s: Session, step: int, optimizer, scheduler, replay=None) -> tuple[dict, list[dict]]:
-    """grpo_step's counterpart for algo.name=ppo (no replay: the config refuses it)."""
+def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
+    """grpo_step's counterpart for algo.name=ppo (one policy, no replay: the config refuses both). Its metrics are
+    grpo_step's: the shared ones, and the policy's (with the critic's) under 'policies'."""
     cfg, ppo, critic = s.cfg, s.cfg.ppo, s.critic
+    [policy] = s.policies
+    optimizer, scheduler = policy.optimizer, policy.scheduler
     t_start, timings = time.perf_counter(), Timings()
     batch, stats = collect_batch(s, step, None, timings)
     if batch is None:  # only dynamic sampling drops groups, and the config refuses it with ppo
@@ -116,7 +119,7 @@ def ppo_step(s: Session, step: int, optimizer, scheduler, replay=None) -> tuple[
                              cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
     behaviour_BT, cap_B = behaviour(s, batch)
     scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
-    policy_params, value_params = s.adapter.parameters_per_policy()[0], critic.parameters()
+    policy_params, value_params = policy.params, critic.parameters()
     for _ in range(cfg.algo.num_iterations):
         lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
         update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
@@ -148,7 +151,8 @@ def ppo_step(s: Session, step: int, optimizer, scheduler, replay=None) -> tuple[
         metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(policy_params[0].device) / 2**30
     if batch.scores.errors:
         metrics["reward_errors"] = batch.scores.errors[:5]
-    return metrics, sample_rows(s, batch, targets.advantages_BT, step)
+    # one policy: every metric is its own (train/policies.py split_metrics gives them their plain names)
+    return {"step": metrics.pop("step"), "policies": {policy.name: metrics}}, sample_rows(s, batch, targets.advantages_BT, step)
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

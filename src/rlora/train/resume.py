@@ -6,8 +6,8 @@
     replay.pt         the experience-replay buffer, when the run uses one
     value_model/      PPO's critic (value adapter + head, models/value_model.py), when the run has one; its
                       optimizer state is the second param group of trainer.pt's optimizer
-    policies/NAME/adapter/   with several policies (docs/policies.md), each one's adapter instead of adapter/;
-                      trainer.pt then holds one optimizer and one scheduler state per policy, in order
+    policies/NAME/adapter/   with several policies (docs/policies.md), each one's adapter instead of adapter/
+    trainer.pt        (also) one optimizer and one scheduler state per policy, in policy order
     state.json        step, training time so far, the evaluation before training, the run's config
 
 Data order and sampling seeds are pure functions of (seed, step), so the step number is the data position.
@@ -22,16 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
 
 from rlora.algos.advantages import per_token
 from rlora.config import RLConfig, apply_presets, to_yaml
 from rlora.errors import UserError
-from rlora.models.loading import save_adapter
-from rlora.models.multi_lora import PEFT_NAME, save_policy
+from rlora.models.adapters import PolicyAdapter
 from rlora.batching import select_rows
 from rlora.train.checkpoint import latest_valid, verify, write_checkpoint
+from rlora.train.policies import Policy
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.types import Rollout
 
@@ -100,20 +98,16 @@ def _stored_advantages(group: dict) -> torch.Tensor:
                      group["loss_mask_GT"])
 
 
-def save_training_state(run_path: Path, step: int, cfg, model, optimizer, scheduler, replay: list[list[dict]] | None,
-                        train_s: float, eval_before: dict | None, critic=None, policies=None) -> Path:
-    """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints). policies: several policies'
-    (train/policies.py Policy list; optimizer and scheduler are then None). replay: every rank's replay_state."""
+def save_training_state(run_path: Path, step: int, cfg, adapter: PolicyAdapter, policies: list[Policy],
+                        replay: list[list[dict]] | None, train_s: float, eval_before: dict | None, critic=None) -> Path:
+    """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints): every policy's adapter
+    (train/policies.py), optimizer and schedule. replay: every rank's replay_state."""
 
     def fill(folder: Path) -> None:
-        if policies is None:
-            save_adapter(model, folder / "adapter")
-            trainer = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-        else:
-            for policy in policies:
-                save_policy(model, policy.name, folder / "policies" / policy.name / "adapter")
-            trainer = {"optimizers": [p.optimizer.state_dict() for p in policies],
-                       "schedulers": [p.scheduler.state_dict() for p in policies]}
+        for policy in policies:
+            adapter.save(policy.adapter_in(folder), policy.index)
+        trainer = {"optimizers": [p.optimizer.state_dict() for p in policies],
+                   "schedulers": [p.scheduler.state_dict() for p in policies]}
         torch.save(trainer | {"rng": rng_state()}, folder / "trainer.pt")
         if replay is not None:
             torch.save({"ranks": replay}, folder / "replay.pt")
@@ -189,25 +183,19 @@ def _first_difference(a, b, path: str) -> str:
     return f"{path} ({a!r} there, {b!r} now)"
 
 
-def _restore_adapter(model, path: Path, adapter_name: str = "default") -> None:
-    result = set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")), adapter_name=adapter_name)
-    missing = [k for k in getattr(result, "unexpected_keys", [])]
-    if missing:
-        raise UserError(f"train.resume: the checkpoint's adapter does not fit this model ({missing[0]})")
-
-
-def restore_training_state(folder: Path, model, optimizer, scheduler, replay: ReplayBuffer | None,
-                           critic=None, policies=None, world_size: int = 1) -> None:
+def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[Policy], replay: ReplayBuffer | None,
+                           critic=None, world_size: int = 1) -> None:
     trainer = _safe_load(folder / "trainer.pt")
-    if policies is None:
-        _restore_adapter(model, folder / "adapter")
-        optimizer.load_state_dict(trainer["optimizer"])
-        scheduler.load_state_dict(trainer["scheduler"])
-    else:
-        for policy, opt_state, sched_state in zip(policies, trainer["optimizers"], trainer["schedulers"]):
-            _restore_adapter(model, folder / "policies" / policy.name / "adapter", PEFT_NAME.format(policy.name))
-            policy.optimizer.load_state_dict(opt_state)
-            policy.scheduler.load_state_dict(sched_state)
+    # a checkpoint of one policy from before every run had a list of policies holds its states under these keys
+    optimizers = trainer["optimizers"] if "optimizers" in trainer else [trainer["optimizer"]]
+    schedulers = trainer["schedulers"] if "schedulers" in trainer else [trainer["scheduler"]]
+    for policy, opt_state, sched_state in zip(policies, optimizers, schedulers, strict=True):
+        try:
+            adapter.load(policy.adapter_in(folder), policy.index)
+        except UserError as err:
+            raise UserError(f"train.resume: {err}") from None
+        policy.optimizer.load_state_dict(opt_state)
+        policy.scheduler.load_state_dict(sched_state)
     if critic is not None:
         critic.restore(folder / "value_model")
     set_rng_state(trainer["rng"])

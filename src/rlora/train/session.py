@@ -53,6 +53,7 @@ class Session:
     tok: TokenizerInfo
     model: torch.nn.Module
     adapter: PolicyAdapter  # the trainable policy (or policies) on the model: the steps ask it, not the kind
+    policies: list[pol.Policy]  # K >= 1, each with its optimizer (a plain run: one, 'default'; train/policies.py)
     algo: Algorithm
     generator: Generator  # training rollouts
     eval_generator: Generator  # held-out evaluation: always in the model's own dtype, so accuracy is exact
@@ -64,7 +65,6 @@ class Session:
     world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
     critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
-    policies: list[pol.Policy] | None = None  # several policies on the base (cfg.policies): each one's optimizer
     sharded: ShardedBase | None = None  # train.fsdp: the base's decoder layers split across the ranks
 
 
@@ -188,9 +188,11 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     # algo.sampler_is_cap there has nothing to correct: generate samples in the model's dtype, as the trainer
     # computes (step.behaviour gives no weights without sampler log-probs); build_generator's notice says so
     adapter = adapter_of(model)  # of the model that holds everything (reward adapters may wrap a MoLoRA base)
-    policies = None if cfg.policies is None else pol.build_policies(cfg, adapter, run_dir.path, world.is_main)
-    return Session(cfg, run_dir, tokenizer, tok, model, adapter, get_algorithm(cfg.algo.name), generator, eval_generator, rewards,
-                   prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, policies, sharded)
+    # PPO's critic trains with the policy's optimizer, as a second parameter group with its own learning rate
+    critic_group = None if critic is None else {"params": critic.parameters(), "lr": cfg.ppo.value_lr or cfg.train.lr}
+    policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
+    return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
+                   eval_generator, rewards, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded)
 
 
 def frozen_layers_to_share(cfg: RLConfig, model) -> int:

@@ -84,14 +84,17 @@ def step_seed(cfg, step: int, seed: int | None = None) -> int:
 
 
 def _sampling_args(s: Session, step: int, slots: list[Slot], seed: int):
-    """(seed or seeds, keys, policies) of the sampler call for these slots. Several policies: each slot draws with
-    the key and seed that a run of its policy alone would use."""
+    """(seed or seeds, keys, policies) of the sampler call for these slots: each slot draws with the key and seed
+    that a run of its policy alone would use. An adapter that serves one policy samples on the sampler's plain
+    path: one seed for all prompts, no policies (what transformers generate takes too)."""
     keys = [slot.key(s.cfg.train.prompts_per_step) for slot in slots]
-    if s.policies is None:
-        return seed, keys, None
     offset = seed - step_seed(s.cfg, step)  # the Collector's addition for a later round or a retry
     seeds = [step_seed(s.cfg, step, s.policies[slot.policy].seed) + offset for slot in slots]
-    return seeds, keys, [slot.policy for slot in slots]
+    policies = s.adapter.sampler_policies([slot.policy for slot in slots])
+    if policies is None:
+        [seed] = set(seeds) or {seed}  # one policy: one seed
+        return seed, keys, None
+    return seeds, keys, policies
 
 
 def _sampler(s: Session, step: int, timings: Timings):
@@ -116,7 +119,7 @@ def _sampler(s: Session, step: int, timings: Timings):
 def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
-    copies = len(s.policies) if s.policies else 1  # several policies: each samples every prompt of the step
+    copies = len(s.policies)  # each policy samples every prompt of the step
     # this rank's share of the step's prompts, for every policy: each rank holds as many groups of each policy
     my_slots = first_round(step_prompts, s.world.share(list(range(P))), copies)
     extra = ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, step_prompts)
@@ -215,29 +218,27 @@ def store_groups(s: Session, batch: Batch, advantages, mask_BT, replay: ReplayBu
     return stored
 
 
-def grpo_step(s: Session, step: int, optimizer, scheduler, replay: ReplayBuffer | None = None) -> tuple[dict, list[dict]]:
+def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tuple[dict, list[dict]]:
+    """Sample, score and train every policy of the run once -> (metrics: the shared ones and each policy's under
+    'policies' (train/policies.py split_metrics); the sampled rows, for samples.jsonl)."""
     cfg = s.cfg
     t_start, timings = time.perf_counter(), Timings()
     batch, stats = collect_batch(s, step, replay, timings)
     t_collected = time.perf_counter()
     ranks_with_groups = all_reduce_sums(s.world, [float(batch is not None)])[0]
     if batch is None and ranks_with_groups:  # data parallel: other ranks train, this one adds zeros
-        return _empty_rank_update(s, step, optimizer, scheduler, stats, timings, t_start), []
+        return _empty_rank_update(s, step, stats, timings, t_start), []
     if batch is None:  # dynamic sampling kept no group: nothing to learn from this step (replay waits too)
-        lr = scheduler.get_last_lr()[0]
-        with warnings.catch_warnings():  # the schedule advances as if the update had run; torch warns about that
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(cfg.algo.num_iterations):
-                scheduler.step()
-        return {"step": step + 1, "skipped_update": 1, "trained_frac": 0.0, **collect_metrics(stats, cfg), "lr": lr,
-                "temperature": step_params(cfg, step).temperature, "step_s": t_collected - t_start,
-                "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}, []
+        return {"step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
+                "step_s": t_collected - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
+                "policies": {p.name: {"skipped_update": 1, "trained_frac": 0.0, "lr": _skip_update(s, p)}
+                             for p in s.policies}}, []
     rollout = batch.rollout
     mask_BT = loss_mask(s, batch)
 
     mb, chunk = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens
-    betas = None if s.policies is None else [p.beta for p in s.policies]  # several policies: each its own
-    need_ref = max(betas or [cfg.algo.beta]) > 0
+    betas = [p.beta for p in s.policies]  # each policy's own
+    need_ref = max(betas) > 0
     need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and cfg.algo.beta > 0)
     # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
     prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
@@ -247,7 +248,9 @@ def grpo_step(s: Session, step: int, optimizer, scheduler, replay: ReplayBuffer 
         with s.adapter.disabled():
             ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
     t_ref = time.perf_counter()
-    policy_B = None if s.policies is None else row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations)
+    # each row's policy; replayed rows are the run's only policy's (the config refuses replay with several)
+    policy_B = torch.cat([row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations),
+                          torch.zeros(rollout.num_completions - batch.num_fresh, dtype=torch.long)])
     old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix, policy_B) if need_old else None
     t_old = time.perf_counter()
 
@@ -255,35 +258,32 @@ def grpo_step(s: Session, step: int, optimizer, scheduler, replay: ReplayBuffer 
     behaviour_BT, cap_B = behaviour(s, batch)
     fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
     scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B, betas)
-    # (parameters, optimizer, scheduler) of each policy: one unless the run trains several (train/policies.py)
-    trained = [(s.adapter.parameters_per_policy()[0], optimizer, scheduler)] if s.policies is None else \
-        [(p.params, p.optimizer, p.scheduler) for p in s.policies]
     optim_s = 0.0
     for _ in range(cfg.algo.num_iterations):
-        lrs = [sched.get_last_lr()[0] for _, _, sched in trained]
+        lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]
         updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
                                                  s.world, prefix, s.adapter)
         t_optim = time.perf_counter()
-        for update, (params, opt, sched), lr in zip(updates, trained, lrs):
-            update |= optimizer_step(params, opt, sched, cfg.train.max_grad_norm, update["loss"]) | {"lr": lr}
+        for update, p, lr in zip(updates, s.policies, lrs):
+            update |= optimizer_step(p.params, p.optimizer, p.scheduler, cfg.train.max_grad_norm, update["loss"]) | {"lr": lr}
         optim_s += time.perf_counter() - t_optim
     t_end = time.perf_counter()
     stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
 
-    shared = {
+    parts = _policy_batches(batch, len(s.policies))
+    # several policies draw each group once (the config refuses resampling and dynamic sampling with them), so
+    # each one's sampling statistics are its groups'; a run's only policy has the collector's
+    draws = [stats] if len(s.policies) == 1 else [_first_draws(part) for part in parts]
+    # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares)
+    metrics = {
         "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
+        "gen_tokens": int(rollout.completion_mask_BTc[:batch.num_fresh].sum()),
+        "policies": {p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(draw, cfg)}
+                     for p, update, part, draw in zip(s.policies, updates, parts, draws) if part.groups},
     }
-    if s.policies is None:
-        metrics = {**shared, **reward_metrics(batch), **updates[0], **rollout_metrics(batch)}
-    else:
-        # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares)
-        metrics = {**shared, "gen_tokens": int(rollout.completion_mask_BTc.sum()), "policies": {
-            p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(_first_draws(part), cfg)}
-            for p, update, part in zip(s.policies, updates, _policy_batches(batch, len(s.policies)))
-            if part.groups}}
-    first_params = trained[0][0]
+    first_params = s.policies[0].params
     if first_params and first_params[0].is_cuda:
         metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(first_params[0].device) / 2**30
     if replay is not None:
@@ -294,7 +294,10 @@ def grpo_step(s: Session, step: int, optimizer, scheduler, replay: ReplayBuffer 
 
 
 def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
-    """Each policy's part of a step's batch (fresh groups only: several policies do not replay)."""
+    """Each policy's part of a step's batch: its fresh groups (several policies do not replay; a run's only
+    policy's part is the batch, whose metrics are over its fresh groups too)."""
+    if num_policies == 1:
+        return [batch]
     G = batch.num_fresh // len(batch.groups)
     parts = []
     for k in range(num_policies):
@@ -314,16 +317,28 @@ def _first_draws(part: Batch) -> CollectStats:
     return stats
 
 
-def _empty_rank_update(s: Session, step: int, optimizer, scheduler, stats: CollectStats, timings: Timings, t_start: float) -> dict:
-    update = {}
+def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timings, t_start: float) -> dict:
+    """A rank without groups this step takes part in every policy's update, adding nothing."""
+    updates = [{} for _ in s.policies]
     for _ in range(s.cfg.algo.num_iterations):
-        lr = scheduler.get_last_lr()[0]
-        update = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo, s.adapter)  # the whole batch's metrics
-        update |= optimizer_step(s.adapter.parameters_per_policy()[0], optimizer, scheduler, s.cfg.train.max_grad_norm,
-                                 update["loss"])
-    return {"step": step + 1, **update, **collect_metrics(stats, s.cfg), "lr": lr,
-            "temperature": step_params(s.cfg, step).temperature, "step_s": time.perf_counter() - t_start,
-            "rollout_s": timings.rollout_s, "reward_s": timings.reward_s}
+        lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]
+        updates = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo, s.adapter, [p.beta for p in s.policies])
+        for update, p, lr in zip(updates, s.policies, lrs):  # the whole batch's metrics
+            update |= optimizer_step(p.params, p.optimizer, p.scheduler, s.cfg.train.max_grad_norm, update["loss"])
+            update["lr"] = lr
+    return {"step": step + 1, **collect_metrics(stats, s.cfg), "temperature": step_params(s.cfg, step).temperature,
+            "step_s": time.perf_counter() - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
+            "policies": {p.name: {**collect_metrics(stats, s.cfg), **update} for p, update in zip(s.policies, updates)}}
+
+
+def _skip_update(s: Session, policy) -> float:
+    """A step without an update still advances the policy's schedule, as if it had run -> its lr at the step."""
+    lr = policy.scheduler.get_last_lr()[0]
+    with warnings.catch_warnings():  # torch warns about a schedule stepped without an optimizer step
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(s.cfg.algo.num_iterations):
+            policy.scheduler.step()
+    return lr
 
 
 def reward_metrics(batch: Batch) -> dict:
@@ -373,8 +388,9 @@ def sample_rows(s: Session, batch: Batch, advantages, step: int) -> list[dict]:
     rows = []
     for i in range(batch.num_fresh):
         group = batch.groups[i // G]
-        policy = {} if s.policies is None else {"policy": s.policies[group.slot.policy].name}
-        rows.append({"step": step + 1, **policy, "prompt": prompt_text(s.prompts.train[group.slot.prompt]), "completion": rollout.completions[i],
+        policy = s.policies[group.slot.policy]
+        named = {"policy": policy.name} if policy.own_folder else {}
+        rows.append({"step": step + 1, **named, "prompt": prompt_text(s.prompts.train[group.slot.prompt]), "completion": rollout.completions[i],
                      "reward": _num(scores.total_B[i]), "advantage": float(per_row[i]),
                      "temperature": float(rollout.temperature_B[i]), "retries": group.retries,
                      **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}})

@@ -35,8 +35,8 @@ class ScoredRollout:
     behaviour_logp_BTc: torch.Tensor | None = None
     is_cap_B: torch.Tensor | None = None
     fresh_B: torch.Tensor | None = None  # bool: rows sampled by this step's policy (None: all)
-    policy_B: torch.Tensor | None = None  # long: each row's policy, with several policies on one base (None: one)
-    betas: list[float] | None = None  # several policies: each one's KL coefficient, by policy (None: cfg.beta)
+    policy_B: torch.Tensor | None = None  # long: each row's policy, numbered as the adapter's (None: all policy 0)
+    betas: list[float] | None = None  # each policy's KL coefficient, by policy (None: cfg.beta for each)
 
     def __post_init__(self):
         if self.advantages_BTc.shape != self.loss_mask_BTc.shape:
@@ -44,11 +44,16 @@ class ScoredRollout:
                              f"{tuple(self.loss_mask_BTc.shape)}: broadcast them where they are made (algos.advantages."
                              "per_token)")
 
-    def row_betas(self, beta: float) -> torch.Tensor:
-        """[B] each row's KL coefficient in the loss (`beta` for every row unless the policies have their own)."""
-        if self.betas is None:
-            return torch.full((self.rollout.num_completions,), beta)
-        return torch.tensor(self.betas)[self.policy_B]
+    @property
+    def rows_policy_B(self) -> torch.Tensor:
+        """[B] each row's policy."""
+        if self.policy_B is None:
+            return torch.zeros(self.rollout.num_completions, dtype=torch.long)
+        return self.policy_B
+
+    def policy_betas(self, beta: float, num_policies: int) -> list[float]:
+        """Each policy's KL coefficient (`beta` for every policy, where the rollout names none)."""
+        return [beta] * num_policies if self.betas is None else self.betas
 
 
 @torch.no_grad()
@@ -88,16 +93,17 @@ def batch_totals(loss_mask_BTc: torch.Tensor, constant_len: int) -> BatchTotals:
     )
 
 
-def rows_to_train(scored: ScoredRollout, beta: float, entropy_coef: float = 0.0, every_row: bool = False) -> torch.Tensor:
+def rows_to_train(scored: ScoredRollout, loss_betas: list[float], entropy_coef: float = 0.0, every_row: bool = False
+                  ) -> torch.Tensor:
     """Indices of completions whose loss can be non-zero. Without a KL term or entropy bonus, a completion
     with advantage 0 has loss exactly 0 (every algorithm's surrogate is proportional to A), so skipping its
     forward/backward changes no gradient; the normalisers still count it (BatchTotals), so the result is
     identical to training on every row. every_row: keep them (a MoLoRA router's auxiliary loss covers every
-    row of the batch). Several policies with their own beta: a row's KL term is its policy's."""
+    row of the batch). loss_betas: each policy's coefficient of its KL term in the loss (a row's is its policy's)."""
     active_B = scored.loss_mask_BTc.sum(-1) > 0
     if entropy_coef == 0 and not every_row:
         moves_B = ((scored.advantages_BTc != 0) & (scored.loss_mask_BTc > 0)).any(-1)
-        active_B &= moves_B | (scored.row_betas(beta) > 0)
+        active_B &= moves_B | (torch.tensor(loss_betas)[scored.rows_policy_B] > 0)
     return active_B.nonzero().squeeze(-1)
 
 
@@ -115,18 +121,26 @@ def global_totals(world: World, totals: BatchTotals) -> BatchTotals:
     return BatchTotals(tokens, int(seqs), totals.constant_len, int(rows))
 
 
-def contribute_nothing(world: World, model, algo: Algorithm, cfg: AlgoConfig,
-                       adapter: PolicyAdapter | None = None) -> dict[str, float]:
+def contribute_nothing(world: World, model, algo: Algorithm, cfg: AlgoConfig, adapter: PolicyAdapter | None = None,
+                       betas: list[float] | None = None) -> list[dict[str, float]]:
     """A data-parallel rank without completions this step still takes part in the update's collectives
-    (normalisers, gradients, metric sums), adding zeros. -> the update's metrics over all ranks.
-    adapter: the model's policy adapter (None: models/adapters.py adapter_of the model)."""
-    global_totals(world, BatchTotals(0.0, 0, 1, 0))
+    (normalisers, gradients, metric sums: those of accumulate_gradient_per_policy), adding zeros. -> each
+    policy's update metrics over all ranks. adapter: the model's policy adapter (None: models/adapters.py
+    adapter_of the model); betas: each policy's KL coefficient (None: cfg.beta for each)."""
     adapter = adapter or adapter_of(model)
+    betas = [cfg.beta] * len(adapter.names) if betas is None else betas
+    for _ in adapter.names:
+        global_totals(world, BatchTotals(0.0, 0, 1, 0))
     # the auxiliary loss's sums (a MoLoRA router's), as the ranks that train compute them
     routing = adapter.aux_loss([], None, sum_over_ranks=lambda t: all_reduce_tensor(world, t))
-    all_reduce_gradients(world, trainable_parameters(model))
-    metrics = UpdateSums(token_metric_sums(algo, cfg, with_ref=cfg.beta > 0)).metrics(world, num_rows=0)
-    return metrics if routing is None else metrics | routing.metrics()
+    for params in adapter.parameters_per_policy():
+        all_reduce_gradients(world, params)
+    with_ref = max(betas) > 0  # the step passes the reference log-probs where any policy has a KL term
+    results = [UpdateSums(token_metric_sums(algo, cfg, with_ref=with_ref and beta > 0)).metrics(world, num_rows=0)
+               for beta in betas]
+    if routing is not None:
+        results[0] |= routing.metrics()
+    return results
 
 
 # the update's own metrics, beside the per-token ones: a loss's metric terms take other names
@@ -202,10 +216,9 @@ class UpdateSums:
 
 
 def policy_totals(world: World, scored: ScoredRollout, constant_len: int, num_policies: int) -> list[BatchTotals]:
-    """The loss normalisers of each policy's rows (one policy: the whole batch's), summed over ranks."""
-    if scored.policy_B is None:
-        return [global_totals(world, batch_totals(scored.loss_mask_BTc, constant_len))]
-    return [global_totals(world, batch_totals(scored.loss_mask_BTc[scored.policy_B == k], constant_len))
+    """The loss normalisers of each policy's rows, summed over ranks."""
+    policy_B = scored.rows_policy_B
+    return [global_totals(world, batch_totals(scored.loss_mask_BTc[policy_B == k], constant_len))
             for k in range(num_policies)]
 
 
@@ -236,10 +249,10 @@ def accumulate_gradient_per_policy(
     adapter: the model's policy adapter (None: models/adapters.py adapter_of the model)."""
     rollout = scored.rollout
     adapter = adapter or adapter_of(model)
-    num_policies = 1 if scored.policy_B is None else len(adapter.names)
-    totals = policy_totals(world, scored, constant_len, num_policies)
-    loss_beta = 0.0 if algo.kl_in_reward else cfg.beta  # REINFORCE++ puts the KL into the reward instead
-    rows = rows_to_train(scored, loss_beta, cfg.entropy_coef, every_row=adapter.aux_loss_every_row)
+    totals = policy_totals(world, scored, constant_len, len(adapter.names))
+    betas = scored.policy_betas(cfg.beta, len(adapter.names))
+    loss_betas = [0.0 if algo.kl_in_reward else beta for beta in betas]  # REINFORCE++ puts the KL into the reward
+    rows = rows_to_train(scored, loss_betas, cfg.entropy_coef, every_row=adapter.aux_loss_every_row)
     micros = [(rows[lo:lo + micro_batch_size], trim(rollout.select(rows[lo:lo + micro_batch_size])))
               for lo in range(0, len(rows), micro_batch_size)]
     padding = passes_to_add(world, model, len(micros))  # train.fsdp: as many layer passes as the busiest rank
@@ -248,14 +261,13 @@ def accumulate_gradient_per_policy(
                                lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens),
                                sum_over_ranks=(lambda t: all_reduce_tensor(world, t)) if world.active else None)
     # a policy's kl only where its own loss has a KL term, as when it runs alone (the others' reference ran)
-    sums = [UpdateSums(token_metric_sums(algo, cfg, scored.ref_logp_BTc is not None
-                                         and (scored.betas is None or scored.betas[k] > 0)))
-            for k in range(len(totals))]
+    sums = [UpdateSums(token_metric_sums(algo, cfg, scored.ref_logp_BTc is not None and beta > 0)) for beta in betas]
     sampled = rollout.sampling_logp_BTc
     fresh_B = scored.fresh_B if scored.fresh_B is not None else torch.ones(rollout.num_completions, dtype=torch.bool)
+    policy_B = scored.rows_policy_B
     for index, micro in micros:
         width = micro.completion_ids_BTc.shape[1]
-        micro_policy = None if scored.policy_B is None else scored.policy_B[index]
+        micro_policy = policy_B[index]
         with adapter.rows(micro_policy):
             logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
                                                       entropy_grad=cfg.entropy_coef > 0,
@@ -270,12 +282,11 @@ def accumulate_gradient_per_policy(
                 is_weight = importance_weight(old, behaviour_BT, here(scored.is_cap_B[index]))
                 weighted_BT = mask_BT * (~torch.isnan(behaviour_BT))
             inputs = LossInputs(logp_BT, old, here(scored.advantages_BTc[index, :width]), mask_BT, ref, is_weight)
-            # several policies with their own beta: the KL term is added per policy below, as token_loss adds it
-            out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  beta=loss_beta if scored.betas is None else 0.0)
+            # each policy's own beta: its KL term is added per policy below, as token_loss adds it
+            out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=0.0)
             parts = _policy_parts(micro_policy, len(totals))
-            losses = [aggregate(_policy_loss_BT(out, entropy_BT, part, 0.0 if scored.betas is None else scored.betas[k],
-                                                cfg.entropy_coef), mask_BT[part], cfg.loss_agg, totals[k])
+            losses = [aggregate(_policy_loss_BT(out, entropy_BT, part, loss_betas[k], cfg.entropy_coef), mask_BT[part],
+                                cfg.loss_agg, totals[k])
                       for k, part in parts]
             loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
             (loss if routing is None else loss + routing.aux_share(micro)).backward()
@@ -291,8 +302,7 @@ def accumulate_gradient_per_policy(
     # keeps no gradient and skips its optimizer step, as in one process)
     for params in adapter.parameters_per_policy():
         all_reduce_gradients(world, params)
-    rows_B = scored.policy_B if scored.policy_B is not None else torch.zeros(rollout.num_completions, dtype=torch.long)
-    results = [policy_sums.metrics(world, int((rows_B == k).sum())) for k, policy_sums in enumerate(sums)]
+    results = [policy_sums.metrics(world, int((policy_B == k).sum())) for k, policy_sums in enumerate(sums)]
     if routing is not None:
         results[0] |= routing.metrics()
     return results
@@ -306,8 +316,8 @@ def _policy_loss_BT(out, entropy_BT: torch.Tensor, part, beta: float, entropy_co
     return loss_BT - entropy_coef * entropy_BT[part] if entropy_coef else loss_BT
 
 
-def _policy_parts(micro_policy: torch.Tensor | None, num_policies: int) -> list[tuple[int, slice | torch.Tensor]]:
-    """(policy, its rows of the micro-batch) for each policy present; one policy: all rows."""
-    if micro_policy is None:
-        return [(0, slice(None))]
+def _policy_parts(micro_policy: torch.Tensor, num_policies: int) -> list[tuple[int, slice | torch.Tensor]]:
+    """(policy, its rows of the micro-batch) for each policy present; rows of one policy: all rows, no copy."""
+    if bool((micro_policy == micro_policy[0]).all()):
+        return [(int(micro_policy[0]), slice(None))]
     return [(k, (micro_policy == k).nonzero().squeeze(-1)) for k in range(num_policies) if bool((micro_policy == k).any())]

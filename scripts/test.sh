@@ -13,4 +13,5 @@ case "${1:-}" in
 esac
 bash scripts/setup.sh
 .venv/bin/lint-imports --no-cache >/dev/null || { .venv/bin/lint-imports --no-cache; exit 1; }  # .importlinter
-exec .venv/bin/python -m pytest "${marker[@]}" "$@"
+# one worker per core (pytest-xdist, tests/conftest.py); `-n 0` among the arguments runs in this process
+exec .venv/bin/python -m pytest -n auto "${marker[@]}" "$@"

@@ -12,6 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # then means the CPU. RLORA_TEST_GPU=1 leaves the GPU visible for tests/test_gpu.py (bench/gpu_suite.sh).
 if os.environ.get("RLORA_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# scripts/test.sh runs the suite on one pytest-xdist worker per core: one thread each, so the workers do not
+# fight over the cores (tests of tiny models gain nothing from a second thread)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,243 @@
+"""Several policies trained in one run (`policies:`, train/policies.py), end to end: a `policies:` run against
+separate runs, bad input, resume (exactly, and across a new policy key), 2 ranks against one, and a reward adapter
+beside several policies. The model-level checks (batched forward, sampler, update) are in tests/test_policies.py."""
+
+import json
+
+import pytest
+import torch
+from peft import get_peft_model
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+from test_policies import base_model
+from test_reward_adapter import rm_folder  # noqa: F401 - the reward model fixture
+from rlora.cli import main
+from rlora.config import LoraConfig
+from rlora.models import multi_lora as mlr
+from rlora.models.loading import load_tokenizer, peft_lora_config
+
+def _policies_arg(specs):
+    return "policies=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs) + "]"
+
+
+def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys):
+    """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
+    from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0) and (up to
+    float32 summation order) the same adapters."""
+    start = tmp_path / "start"
+    base = base_model(tiny_model_dir, torch.float32)
+    init = get_peft_model(base, peft_lora_config(LoraConfig(rank=4), base))
+    with torch.no_grad():
+        for name, p in init.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    init.save_pretrained(str(start))
+    # float32 sampling on both sides (the demo config samples in bf16, where the batched and the plain adapter
+    # arithmetic round differently enough to flip a token)
+    common = dict(**{"lora.init_from": str(start), "algo.beta": 0.04, "algo.num_iterations": 2,
+                     "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.merge_adapter": "false",
+                     "train.micro_batch_size": 3, "rollout.num_generations": 3})
+    # their own KL coefficients: none, and more than algo.beta (each separate run gets it as algo.beta)
+    specs = [{"name": "slow", "lr": 1e-3, "seed": 4, "beta": 0.0}, {"name": "fast", "lr": 1e-2, "seed": 9, "beta": 0.1}]
+    out = tmp_path / "both"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **common), _policies_arg(specs)]) == 0
+    err = capsys.readouterr().err
+    assert "2 policies on one base: slow, fast" in err and "held-out after fast" in err
+    shared = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"slow/reward_mean", "fast/reward_mean", "slow/lr", "step_s"} <= set(shared[0])
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for spec in specs:
+        alone = tmp_path / spec["name"]
+        args = tiny_overrides(tiny_model_dir, prompts_file, str(alone), **{**common, "train.lr": spec["lr"],
+                                                                           "train.seed": spec["seed"], "algo.beta": spec["beta"]})
+        assert main(["train", *args]) == 0
+        capsys.readouterr()
+        mine = out / "policies" / spec["name"]
+        theirs = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
+        ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
+        assert len(ours) == len(theirs) == 2 and (ours[0]["kl"] is None) == (spec["beta"] == 0)
+        for a, b in zip(ours, theirs):  # every metric a run of the policy alone writes, but the timings
+            assert a["lr"] == spec["lr"] and set(a) == set(b)
+            for key in (k for k in b if not k.endswith("_s")):
+                if isinstance(b[key], float):  # float32 sums in another order
+                    assert a[key] == pytest.approx(b[key], abs=1e-5), key
+                else:
+                    assert a[key] == b[key], key
+        # Token for token: the batched and the plain adapter arithmetic differ by float32 rounding (~1e-6 of a
+        # logit), and a draw flips only if its uniform lands that close to a boundary of the cumulative
+        # distribution: ~1e-6 per token, ~1e-4 for the ~100 tokens here, on any CPU.
+        their_samples = [json.loads(line) for line in (alone / "samples.jsonl").read_text().splitlines()]
+        assert [s["completion"] for s in samples if s["policy"] == spec["name"]] == [s["completion"] for s in their_samples]
+        a = load_file(str(mine / "adapter" / "adapter_model.safetensors"))
+        b = load_file(str(alone / "adapter" / "adapter_model.safetensors"))
+        assert a.keys() == b.keys()
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+        assert json.loads((mine / "eval.json").read_text())["after"] == json.loads((alone / "eval.json").read_text())["after"]
+    moved = [load_file(str(out / "policies" / s["name"] / "adapter" / "adapter_model.safetensors")) for s in specs]
+    assert any(not torch.equal(moved[0][k], moved[1][k]) for k in moved[0])
+    # `rlora eval RUN` of a run of several policies evaluates the base and every policy's adapter
+    assert main(["eval", str(out), "--output", str(tmp_path / "eval")]) == 0
+    results = json.loads((tmp_path / "eval" / "eval.json").read_text())["results"]
+    assert list(results) == ["base", "fast", "slow"]
+    assert results["slow"]["adapter"] == str(out / "policies" / "slow" / "adapter")
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({}, "policies: the name 'a' is given twice"),
+    ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
+    ({"algo.dynamic_sampling": "true"}, "do not support algo.dynamic_sampling yet"),
+    ({"algo.adv_scale": "batch"}, "do not support batch-wide advantage statistics"),
+    ({"algo.name": "reinforce_pp"}, "do not support batch-wide advantage statistics"),
+    ({"algo.name": "adaptive_grpo"}, "do not support adaptive resampling yet"),
+    ({"algo.replay.enabled": "true"}, "do not support algo.replay yet"),
+    ({"molora.num_experts": 2, "lora.rank": 16}, "do not support a molora section yet"),
+    ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},
+     "do not support rollout.engine=hf yet"),
+])
+def test_bad_policies_input_is_one_line_exit_2(tiny_model_dir, prompts_file, tmp_path, capsys, extra, message):
+    specs = [{"name": "a"}, {"name": "a" if not extra else "b"}]
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"), **extra)
+    assert main(["train", *args, _policies_arg(specs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_from_before_a_new_policy_key_still_resumes(tmp_path):
+    """A checkpoint written before policies had `beta` records no beta: the comparison fills this version's
+    defaults, so the same policies resume; other policies are still refused."""
+    import yaml
+
+    from rlora.config import load_config, to_yaml
+    from rlora.errors import UserError
+    from rlora.train.resume import check_same_run
+
+    cfg = load_config(None, [_policies_arg([{"name": "a"}, {"name": "b", "lr": 0.001}])])
+    saved = yaml.safe_load(to_yaml(cfg))
+    for policy in saved["policies"]:
+        del policy["beta"]
+    (tmp_path / "state.json").write_text(json.dumps({"step": 1, "config": yaml.safe_dump(saved)}))
+    assert check_same_run(cfg, tmp_path)["step"] == 1
+    other = load_config(None, [_policies_arg([{"name": "a"}, {"name": "b", "lr": 0.002}])])
+    with pytest.raises(UserError, match="different policies"):
+        check_same_run(other, tmp_path)
+
+
+def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"))
+    assert main(["train", *args, _policies_arg([{"name": "base"}, {"name": "b"}])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the name 'base' is reserved" in err and len(err.splitlines()) == 1
+    assert main(["train", *args, _policies_arg([{"name": "a"}])]) == 2
+    assert "policies lists one policy" in capsys.readouterr().err
+    assert main(["train", *args, _policies_arg([{"name": "a.b"}, {"name": "c"}])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "policies.0.name" in err and "pattern" in err and len(err.splitlines()) == 1
+    assert main(["train", *args, "lora.target_modules=[q_proj, lm_head]", _policies_arg([{"name": "a"}, {"name": "c"}])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "an adapter on 'lm_head' (outside the decoder layers) is not supported" in err and len(err.splitlines()) == 1
+
+
+def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path):
+    """torchrun with 2 ranks x 3 policies against 1 rank: each rank samples and trains its share of the step's
+    prompts for every policy, and each policy's metrics are merged over the ranks. One micro-batch per group (see
+    test_distributed.py): the adapters agree to 1e-6, the completions, per-policy losses, grad norms, rewards and
+    held-out results too; every policy's adapter is the same on both ranks after every step
+    (adapter_rank_divergence 0)."""
+    from test_distributed import _run
+
+    common = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
+              "train.steps": 2, "train.lr": 0.05, "algo.beta": 0.04, "train.threads": 1,
+              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "eval.before": "false"}
+    specs = _policies_arg([{"name": "a", "seed": 1}, {"name": "b", "lr": 0.01, "seed": 2}, {"name": "c", "seed": 3}])
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        done = _run(nproc, [*tiny_overrides(tiny_model_dir, prompts_file, str(outs[nproc]), **common), specs])
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("a", "b", "c"):
+        one, two = (load_file(str(outs[n] / "policies" / name / "adapter" / "adapter_model.safetensors")) for n in (1, 2))
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6, name
+        rows = {n: [json.loads(line) for line in (outs[n] / "policies" / name / "metrics.jsonl").read_text().splitlines()]
+                for n in (1, 2)}
+        for a, b in zip(rows[1], rows[2]):
+            for key in ("loss", "grad_norm", "lr", "reward_mean", "trained_frac", "gen_tokens", "kl", "entropy",
+                        "clip_frac", "completion_len_mean", "frac_groups_zero_std"):
+                assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (name, key)
+        evals = {n: json.loads((outs[n] / "policies" / name / "eval.json").read_text()) for n in (1, 2)}
+        assert evals[1] == evals[2]
+    samples = {n: [(json.loads(s)["policy"], json.loads(s)["completion"])
+                   for s in (outs[n] / "samples.jsonl").read_text().splitlines()] for n in (1, 2)}
+    assert sorted(samples[1]) == sorted(samples[2]) and len(samples[2]) == 2 * 3 * 2 * 4
+    shared = [json.loads(line) for line in (outs[2] / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["world_size"] == 2 and r["adapter_rank_divergence"] == 0.0 for r in shared)
+
+
+def test_policies_resume_exactly(tiny_model_dir, prompts_file, tmp_path, capsys):
+    """4 steps straight == 3 steps (checkpoints at 2 and 3), the step-3 checkpoint lost, resume from 2, on to 4:
+    every policy's adapter and optimizer come back, the same completions are drawn, step 3 is logged once."""
+    import shutil
+
+    common = {"train.checkpoint_every": 2, "train.sample_every": 1, "algo.beta": 0.04, "eval.after": "false"}
+    specs = _policies_arg([{"name": "a", "lr": 0.01}, {"name": "b", "lr": 0.03, "seed": 2}])
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(straight), **common, **{"train.steps": 4}),
+                 specs]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{"train.steps": 3}),
+                 specs]) == 0
+    assert (resumed / "checkpoints" / "step-0000002" / "policies" / "b" / "adapter" / "adapter_model.safetensors").is_file()
+    shutil.rmtree(resumed / "checkpoints" / "step-0000003")  # as if killed after step 3 was logged
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
+        "train.steps": 4, "train.resume": "auto"}), specs]) == 0
+    assert "resuming from" in capsys.readouterr().err
+    for name in ("a", "b"):
+        logged = [(out / "policies" / name / "metrics.jsonl").read_text().splitlines() for out in (straight, resumed)]
+        assert [json.loads(line)["step"] for line in logged[1]] == [1, 2, 3, 4]
+        assert [json.loads(line)["reward_mean"] for line in logged[0]] == [json.loads(line)["reward_mean"] for line in logged[1]]
+        a, b = (load_file(str(out / "policies" / name / "adapter" / "adapter_model.safetensors")) for out in (straight, resumed))
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    samples = [[(json.loads(line)["step"], json.loads(line)["policy"], json.loads(line)["completion"])
+                for line in (out / "samples.jsonl").read_text().splitlines()] for out in (straight, resumed)]
+    assert samples[0] == samples[1] and {p for _, p, _ in samples[0]} == {"a", "b"}
+    # a checkpoint of other policies is refused
+    other = _policies_arg([{"name": "a", "lr": 0.01}, {"name": "c"}])
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
+        "train.steps": 5, "train.resume": "auto"}), other]) == 2
+    assert "different policies" in capsys.readouterr().err
+
+
+def test_a_reward_adapter_scores_beside_several_policies(tiny_model_dir, rm_folder, prompts_file, tmp_path, capsys):
+    """The reward adapter on the policies' base scores what the reward model loaded alone scores; every policy
+    stays trainable; a run with it trains both policies."""
+    from rlora.config import ModelConfig, RewardSpec, RLConfig
+    from rlora.data.prompts import PromptSets
+    from rlora.models.loading import load_base_model
+    from rlora.rewards.reward_adapter import attach_reward_adapters
+    from rlora.rewards.scoring import resolve_rewards
+    from test_reward_adapter import reference_scores
+
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = mlr.attach_policies(load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir), LoraConfig(rank=4),
+                                ["a", "b"], [0, 1])
+    [reward] = resolve_rewards([RewardSpec(fn="reward_model", args={"path": rm_folder})], has_task=False)
+    cfg = RLConfig(model={"path": tiny_model_dir}, data={"path": "unused.jsonl"}, rewards=[{"fn": "format"}])
+    attach_reward_adapters([reward], model, tokenizer, tok, cfg, PromptSets([], []))
+    prompts, completions = ["What is 1 + 1?", "Hello", "abab"], ["2", "abab baba aaa", "zzz"]
+    scores = reward.fn(prompts, completions)
+    assert scores == pytest.approx(reference_scores(tiny_model_dir, rm_folder, prompts, completions), abs=1e-6)
+    assert len(set(scores)) == 3  # the completions score differently (the comparison is not vacuous)
+    assert all(len(mlr.policy_parameters(model, name)) == 28 for name in ("a", "b"))  # still trainable
+    out = tmp_path / "run"
+    rewards = f"[{{fn: reward_model, args: {{path: {rm_folder}}}, weight: 0.5}}, {{fn: rewards_for_tests.count_a}}]"
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(out), rewards=rewards, **{"eval.before": "false"})
+    assert main(["train", *args, _policies_arg([{"name": "a", "lr": 0.01}, {"name": "b", "lr": 0.02}])]) == 0, \
+        capsys.readouterr().err
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["policy"] for s in samples} == {"a", "b"}
+    for s in samples:
+        assert s["reward"] == pytest.approx(0.5 * s["reward/reward_model"] + s["reward/count_a"], abs=1e-9)
+    for name in ("a", "b"):
+        weights = load_file(str(out / "policies" / name / "adapter" / "adapter_model.safetensors"))
+        assert any(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_B" in k)  # it trained
+        assert not any("reward" in k for k in weights)

@@ -124,51 +124,25 @@ def _run(cfg: RLConfig, world: World) -> dict:
     if cfg.train.release_memory and not return_freed_memory():
         info("train.release_memory has no effect here (needs glibc)")
     s = prepare(cfg, world)
-    n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
-    critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
-    info(f"rlora train: {cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
-         f"-> {cfg.train.output_dir}")
+    n_trainable = _announce(s)
     replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed, world.rank) if cfg.algo.replay.enabled else None
     first_step, train_s_before, evals = start(s, replay)
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
     t0, last = time.perf_counter() - train_s_before, {}
     summary = {"status": "completed", "last_metrics": last, "eval": evals}  # what summary.json holds if a step fails
-
-    def checkpoint(done: int) -> None:
-        buffers = None if replay is None else gather_objects(world, replay_state(replay))  # every rank's
-        cause = None
-        if world.is_main:
-            try:
-                save_training_state(s.run_dir.path, done, cfg, s.adapter, s.policies, buffers,
-                                    time.perf_counter() - t0, evals["before"], s.critic)
-            except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
-                cause = err.strerror or str(err)
-        if all_reduce_sums(world, [float(cause is not None)])[0]:  # every rank stops with the same line
-            raise UserError(f"could not write the checkpoint after step {done} ({cause or 'on rank 0'}); the previous "
-                            "checkpoint stays valid: fix the cause and continue with train.resume=auto")
+    checkpoint = lambda done: write_checkpoint(s, done, replay, time.perf_counter() - t0, evals["before"])  # noqa: E731
 
     with kept_on_stop(s.run_dir, summary, lambda: save_final(s), before_save=lambda: sinks.close(failed=True)):
         with progress_bar("train", cfg.train.steps) as update:
             update(first_step, "")
             for step in range(first_step, cfg.train.steps):
-                last, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, replay)
-                if world.active:
-                    last, samples = gather_step(world, last, samples, trainable_parameters(s.model) +
-                                                ([] if s.critic is None else s.critic.parameters()))
-                last, per_policy = pol.split_metrics(last, s.policies)
-                for policy in pol.own_folders(s.policies):
-                    policy.run_dir.append_jsonl("metrics.jsonl", per_policy[policy.name])
-                line = progress_line(last, s.policies)
-                s.run_dir.append_jsonl("metrics.jsonl", last)
-                summary["last_metrics"] = last
-                sinks.log_metrics(step + 1, last)
-                if cfg.train.sample_every and (step + 1) % cfg.train.sample_every == 0:
-                    sinks.log_completions(step + 1, samples)
+                metrics, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, replay)
+                last = summary["last_metrics"] = log_step(s, step, metrics, samples, sinks)
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                     save_final(s, f"adapter-step{step + 1}")
                 if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
                     checkpoint(step + 1)
-                update(step + 1, line)
+                update(step + 1, progress_line(last, s.policies))
                 out_of_time = bool(cfg.train.max_time_s) and time.perf_counter() - t0 >= cfg.train.max_time_s
                 if all_reduce_sums(world, [float(out_of_time)])[0]:  # every rank stops after the same step
                     info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
@@ -178,14 +152,59 @@ def _run(cfg: RLConfig, world: World) -> dict:
     done = last.get("step", first_step)
     if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every:
         checkpoint(done)  # the end of the run is a checkpoint too: `train.steps=more train.resume=auto` extends it
-    train_s = time.perf_counter() - t0
-    evals["after"] = main_eval(s, lambda: eval_after(s)) if cfg.eval.after else None
-    barrier(world)
+    summary |= {"steps": done, "train_s": time.perf_counter() - t0, "adapter_params": n_trainable}
+    return finish(s, summary, evals)
+
+
+def _announce(s: Session) -> int:
+    """The run's first line -> the number of trainable adapter parameters."""
+    n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
+    critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
+    info(f"rlora train: {s.cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
+         f"-> {s.cfg.train.output_dir}")
+    return n_trainable
+
+
+def log_step(s: Session, step: int, metrics: dict, samples: list[dict], sinks: Sinks) -> dict:
+    """A step's metrics joined over the ranks, written (metrics.jsonl, each policy's own, the sinks) -> the run's
+    metrics of the step."""
+    if s.world.active:
+        metrics, samples = gather_step(s.world, metrics, samples, trainable_parameters(s.model) +
+                                       ([] if s.critic is None else s.critic.parameters()))
+    last, per_policy = pol.split_metrics(metrics, s.policies)
+    for policy in pol.own_folders(s.policies):
+        policy.run_dir.append_jsonl("metrics.jsonl", per_policy[policy.name])
+    s.run_dir.append_jsonl("metrics.jsonl", last)
+    sinks.log_metrics(step + 1, last)
+    if s.cfg.train.sample_every and (step + 1) % s.cfg.train.sample_every == 0:
+        sinks.log_completions(step + 1, samples)
+    return last
+
+
+def write_checkpoint(s: Session, done: int, replay: ReplayBuffer | None, train_s: float, eval_before: dict | None) -> None:
+    """The training state after `done` steps (rank 0 writes it; every rank's replay buffer goes in); a write that
+    fails stops every rank with the same one-line error."""
+    buffers = None if replay is None else gather_objects(s.world, replay_state(replay))  # every rank's
+    cause = None
+    if s.world.is_main:
+        try:
+            save_training_state(s.run_dir.path, done, s.cfg, s.adapter, s.policies, buffers, train_s, eval_before,
+                                s.critic)
+        except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
+            cause = err.strerror or str(err)
+    if all_reduce_sums(s.world, [float(cause is not None)])[0]:  # every rank stops with the same line
+        raise UserError(f"could not write the checkpoint after step {done} ({cause or 'on rank 0'}); the previous "
+                        "checkpoint stays valid: fix the cause and continue with train.resume=auto")
+
+
+def finish(s: Session, summary: dict, evals: dict) -> dict:
+    """After the last step: the evaluation after training, eval.json, summary.json, the plots, the summary table."""
+    evals["after"] = main_eval(s, lambda: eval_after(s)) if s.cfg.eval.after else None
+    barrier(s.world)
     if any(evals.values()):
         s.run_dir.write_json("eval.json", evals)
-    summary |= {"steps": done, "train_s": train_s, "adapter_params": n_trainable}
     s.run_dir.write_json("summary.json", summary)
-    if cfg.log.plot and world.is_main:  # several policies: their curves overlaid
+    if s.cfg.log.plot and s.world.is_main:  # several policies: their curves overlaid
         plot_after_run(s.run_dir.path, [p.run_dir.path for p in pol.own_folders(s.policies)] or None)
     _print_final(s, summary)
     return summary

@@ -5,6 +5,7 @@ import ast
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tokenize
@@ -135,3 +136,26 @@ def test_the_command_line_and_config_loading_start_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(SRC)})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _lint_imports(src: Path) -> subprocess.CompletedProcess:
+    """lint-imports with the repository's contracts (.importlinter) over the package in `src`."""
+    linter = Path(sys.executable).parent / "lint-imports"
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    return subprocess.run([str(linter), "--no-cache", "--config", str(ROOT / ".importlinter")], cwd=src,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_an_upward_import_or_a_recipe_import_breaks_the_contracts(tmp_path):
+    """The contracts hold for the package as it is, and fail for a copy with one deliberate upward import (a
+    model module importing the training layer) or a component importing a recipe."""
+    assert _lint_imports(SRC).returncode == 0
+    for module, line, contract in [("models/loading.py", "import rlora.train.optim", "Layers import downwards only"),
+                                   ("train/update.py", "import rlora.train.grpo",
+                                    "Nothing imports a recipe but the command line")]:
+        copy = tmp_path / module.replace("/", "_") / "src"
+        shutil.copytree(PACKAGE, copy / "rlora", ignore=shutil.ignore_patterns("__pycache__"))
+        target = copy / "rlora" / module
+        target.write_text(target.read_text() + f"\n{line}  # a deliberate violation\n")
+        done = _lint_imports(copy)
+        assert done.returncode != 0 and f"{contract} BROKEN" in done.stdout, done.stdout[-2000:]

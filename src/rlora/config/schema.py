@@ -287,6 +287,9 @@ class TrainConfig(OptimizerConfig):
     share_frozen_layers: bool = Field(
         True, description="Decoder layers below the lowest adapter layer run once per step for the reference, old "
         "and policy log-prob passes (Llama-family models, chunked log-probs)")
+    share_prompts: bool = Field(
+        True, description="Each log-prob pass runs a prompt once for the rows that share it (its G samples), "
+        "where the numbers stay those of separate rows (models/shared_prompts.py)")
     release_memory: bool = Field(
         False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
     fsdp: bool = Field(

@@ -140,7 +140,8 @@ class RolloutConfig(Section):
     min_p: float = Field(0.0, ge=0, lt=1, description="Drop tokens below min_p x the top token's probability (0: off)")
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion (kept in it)")
     engine: Literal["builtin", "hf"] = Field(
-        "builtin", description="builtin: rlora's sampler (Llama-family; others fall back to hf); hf: transformers generate")
+        "builtin", description="builtin: rlora's sampler (Llama, Qwen2/Qwen3, Mistral, Gemma 3 text, Phi-3/Phi-4, "
+        "OLMo 2, SmolLM3; others fall back to hf); hf: transformers generate")
     merge_adapter: bool = Field(
         True, description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
         "copy of the linear weights during sampling; set false for models whose weights would not fit twice)")
@@ -286,7 +287,7 @@ class TrainConfig(OptimizerConfig):
     gradient_checkpointing: bool = Field(False, description="Recompute decoder activations in backward (less memory)")
     share_frozen_layers: bool = Field(
         True, description="Decoder layers below the lowest adapter layer run once per step for the reference, old "
-        "and policy log-prob passes (Llama-family models, chunked log-probs)")
+        "and policy log-prob passes (the built-in sampler's model families, chunked log-probs)")
     share_prompts: bool = Field(
         True, description="Each log-prob pass runs a prompt once for the rows that share it (its G samples), "
         "where the numbers stay those of separate rows (models/shared_prompts.py)")

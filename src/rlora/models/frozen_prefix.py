@@ -5,10 +5,11 @@ on (policy) or off (reference), and nothing below layer k needs a gradient. So a
 once per completion, without gradient, and every log-prob pass of the step (reference, old policy, each
 policy update) starts at layer k from those hidden states.
 
-The decoder is run layer by layer here, replicating the model's own forward for the Llama family (Llama,
-Qwen2/Qwen3 with their per-layer full/sliding masks, Mistral with its sliding window): embeddings,
-rotary embeddings, masks, layers, final norm. tests/test_frozen_prefix.py checks that this equals the
-model's forward.
+The decoder is run layer by layer here, replicating the model's own forward for the families of
+SHAREABLE_MODEL_TYPES (Llama and OLMo 2 always causal; Qwen2/Qwen3, SmolLM3 and Gemma 3 with their
+per-layer full/sliding masks; Mistral and Phi-3 with one sliding window; Gemma 3 with a rotary embedding
+per layer type): embeddings, rotary embeddings, masks, layers, final norm. tests/test_frozen_prefix.py and
+tests/test_trainer_families.py check that this equals the model's forward.
 
 The cache holds the hidden states of the whole rollout in its padded layout [B, Tp + Tc, H]; a
 micro-batch (any rows, trimmed of all-padding columns) reads its rows and columns from it. Positions
@@ -30,7 +31,7 @@ from rlora.models.loading import causal_lm
 from rlora.tensors import position_ids_from_mask
 from rlora.types import Rollout, RolloutSlice
 
-SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "gemma3_text")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -59,6 +60,10 @@ def sharing_unsupported(model) -> str | None:
         return f"model type '{config.model_type}' is not one of {', '.join(SHAREABLE_MODEL_TYPES)}"
     if getattr(config, "attention_dropout", 0.0):  # the prefix runs without dropout, training passes with it
         return f"attention_dropout={config.attention_dropout} makes the lower layers random in training"
+    if getattr(config, "resid_pdrop", 0.0):  # Phi-3's residual dropout: likewise
+        return f"resid_pdrop={config.resid_pdrop} makes the lower layers random in training"
+    if getattr(config, "use_bidirectional_attention", False):  # Gemma 3's encoder variant: other masks
+        return "bidirectional attention"
     return None
 
 
@@ -67,7 +72,7 @@ class _LayerInputs:
     """What every decoder layer takes besides the hidden states."""
 
     masks: list  # one attention mask per layer (full or sliding window)
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_embeddings: list[tuple[torch.Tensor, torch.Tensor]]  # cos, sin per layer
     position_ids: torch.Tensor
 
 
@@ -82,23 +87,28 @@ def _layer_inputs(decoder, hidden_BTH: torch.Tensor, attention_mask: torch.Tenso
     mask_args = dict(config=config, inputs_embeds=hidden_BTH, attention_mask=attention_mask, past_key_values=None,
                      position_ids=position_ids)
     num_layers = config.num_hidden_layers
-    if config.model_type == "mistral":  # one mask for every layer, sliding when the config has a window
+    if config.model_type in ("mistral", "phi3"):  # one mask for every layer, sliding when the config has a window
         make = create_causal_mask if config.sliding_window is None else create_sliding_window_causal_mask
         masks = [make(**mask_args)] * num_layers
-    elif config.model_type in ("qwen2", "qwen3"):  # full or sliding per layer, as config.layer_types says
+    elif config.model_type in ("qwen2", "qwen3", "smollm3", "gemma3_text"):  # full or sliding, by config.layer_types
         by_type = {"full_attention": create_causal_mask(**mask_args)}
         if "sliding_attention" in config.layer_types:
             by_type["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
         masks = [by_type[kind] for kind in config.layer_types[:num_layers]]
-    else:  # llama: always causal (it ignores layer_types)
+    else:  # llama, olmo2: always causal (llama ignores layer_types)
         masks = [create_causal_mask(**mask_args)] * num_layers
-    return _LayerInputs(masks, decoder.rotary_emb(hidden_BTH, position_ids), position_ids)
+    if config.model_type == "gemma3_text":  # a local and a global rotary embedding (own thetas), by layer type
+        tables = {kind: decoder.rotary_emb(hidden_BTH, position_ids, kind) for kind in set(config.layer_types)}
+        position_embeddings = [tables[kind] for kind in config.layer_types[:num_layers]]
+    else:
+        position_embeddings = [decoder.rotary_emb(hidden_BTH, position_ids)] * num_layers
+    return _LayerInputs(masks, position_embeddings, position_ids)
 
 
 def _run_layers(decoder, hidden_BTH: torch.Tensor, inputs: _LayerInputs, start: int, stop: int) -> torch.Tensor:
     for index in range(start, stop):
         hidden_BTH = decoder.layers[index](
-            hidden_BTH, attention_mask=inputs.masks[index], position_embeddings=inputs.position_embeddings,
+            hidden_BTH, attention_mask=inputs.masks[index], position_embeddings=inputs.position_embeddings[index],
             position_ids=inputs.position_ids, past_key_values=None, use_cache=False,
         )
     return hidden_BTH

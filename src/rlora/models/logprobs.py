@@ -1,10 +1,10 @@
 """Log-probabilities and entropy of completion tokens under a model (adapter on or off).
 
 Two paths give the same numbers:
-- chunked (Llama-family models): run the decoder to its last hidden states, keep only the positions that
-  predict real completion tokens, and apply the output layer a chunk of positions at a time. With
-  gradients, each chunk is checkpointed, so at most one chunk's [chunk, vocab] logits exist at once; the
-  backward pass recomputes them. The output layer is called as a module, so a tied or LoRA-carrying head
+- chunked (the families of CHUNKABLE_MODEL_TYPES): run the decoder to its last hidden states, keep only
+  the positions that predict real completion tokens, and apply the output layer a chunk of positions at a
+  time. With gradients, each chunk is checkpointed, so at most one chunk's [chunk, vocab] logits exist at
+  once; the backward pass recomputes them. The output layer is called as a module, so a tied or LoRA-carrying head
   works unchanged.
 - full: the model's own forward with `logits_to_keep` (any architecture), materialising [B, Tc, vocab].
 Log-softmax is `logit - logsumexp` in float32, logits divided by the temperature each token was sampled at
@@ -23,12 +23,14 @@ from rlora.models.shared_prompts import prompt_groups, shared_prompt_hidden, sha
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
-# Families whose logits are exactly lm_head(final hidden state): no soft-capping or logit scale.
-CHUNKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Families whose logits are exactly lm_head(final hidden state): no logit scale; Gemma 3 only without its
+# optional final logit soft-capping (supports_chunked checks it).
+CHUNKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "gemma3_text")
 
 
 def supports_chunked(model) -> bool:
-    return causal_lm(model).config.model_type in CHUNKABLE_MODEL_TYPES
+    config = causal_lm(model).config
+    return config.model_type in CHUNKABLE_MODEL_TYPES and getattr(config, "final_logit_softcapping", None) is None
 
 
 def completion_logprobs(

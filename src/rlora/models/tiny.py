@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
+    PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SmolLM3Config,
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -35,21 +38,43 @@ def build_tokenizer(vocab_size: int = 512):
     return fast
 
 
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
+           "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "smollm3": SmolLM3Config}
+# What makes each newer family differ from Llama, switched on in its tiny model so that tests see it (for
+# 2 layers; config_extra overrides): Qwen3's head_dim apart from hidden / heads; Gemma 3's attention scale
+# apart from head_dim and one sliding layer (its window beyond the tests' lengths, its own rotary theta)
+# and one global layer; Phi-3 rotary on half of each head; SmolLM3 a NoPE second layer.
+FAMILY_CONFIG = {
+    "qwen3": dict(head_dim=32),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=512,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "olmo2": {},
+    "smollm3": dict(no_rope_layers=[1, 0]),
+}
+
+
 def build_random_model(folder: str | Path, family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
                        kv_heads: int = 2, ffn: int = 128, vocab_size: int | None = None, tie: bool = True,
                        seed: int = 0, tokenizer=None, **config_extra) -> Path:
-    """Save a random-initialised Llama, Qwen2 or Mistral causal LM and a tokenizer to `folder`; returns the
-    folder. config_extra: further config keys (e.g. sliding_window)."""
+    """Save a random-initialised causal LM of one of CONFIGS' families and a tokenizer to `folder`; returns
+    the folder. config_extra: further config keys (e.g. sliding_window)."""
     tokenizer = tokenizer or build_tokenizer()
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
-    config = config_cls(
+    config = CONFIGS[family](
         vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn,
         max_position_embeddings=2048, tie_word_embeddings=tie, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **config_extra,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **{**FAMILY_CONFIG.get(family, {}), **config_extra},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in FAMILY_CONFIG:
+        # Norms start as the identity map, where a norm applied in the wrong place, or the wrong one of a
+        # layer's four, computes the same thing; random weights tell them apart.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.3)
     folder = Path(folder)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

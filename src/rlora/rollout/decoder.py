@@ -1,5 +1,5 @@
-"""The sampler's view of a Llama-family decoder: the model's own modules and weights, arranged for fast
-decoding (fused q/k/v and gate/up projections, LoRA merged into *new* tensors).
+"""The sampler's view of a decoder (the families of rollout/layouts.py): the model's own modules and weights,
+arranged for fast decoding (fused q/k/v and gate/up projections, LoRA merged into *new* tensors).
 
 Nothing here writes to the model. "Merging" builds W + scale * B @ A as a fresh tensor for this sampling
 call; the frozen base weights are never touched, so they stay bit-identical however often we merge.
@@ -9,37 +9,37 @@ layer) are called as modules, which is exactly the trainer's computation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from torch import nn
 
 from rlora.models.loading import causal_lm
 from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
 from rlora.models.sharded_base import StreamedLayers, sharded_base
+from rlora.rollout.layouts import LAYOUTS, SUPPORTED_MODEL_TYPES, Layout, layout_refusal
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "LayerView", "decode_layers", "unsupported_reason"]
 
 
 def unsupported_reason(model: nn.Module, max_length: int | None = None) -> str | None:
     """Why the built-in sampler cannot run this model (None: it can)."""
     hf = causal_lm(model)
     config = hf.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type '{config.model_type}' (built-in sampler supports {', '.join(SUPPORTED_MODEL_TYPES)})"
-    layer_types = getattr(config, "layer_types", None) or []
-    window = getattr(config, "sliding_window", None)
-    uses_window = any(t != "full_attention" for t in layer_types) or (
-        config.model_type == "mistral" and window is not None)
-    if uses_window and (max_length is None or window is None or max_length > window):
-        return "sliding-window attention"
+    reason = layout_refusal(config.model_type, config, max_length)
+    if reason is not None:
+        return reason
+    layout = LAYOUTS[config.model_type]
     layer = hf.model.layers[0]
-    if not all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    attention_parts = (*layout.qkv, "o_proj") + (("q_norm", "k_norm") if layout.qk_norm else ())
+    if not all(hasattr(layer.self_attn, n) for n in attention_parts):
         return "unexpected attention module layout"
-    if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+    if not all(hasattr(layer.mlp, n) for n in (*layout.gate_up, "down_proj", layout.act)):
         return "unexpected MLP module layout"
+    if not all(hasattr(layer, n) for n in layout.norm_names()):
+        return "unexpected decoder layer norms"
     return None
 
 
@@ -143,39 +143,81 @@ def _weight_dtype(module: nn.Module) -> torch.dtype:
     return weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32
 
 
+class Split:
+    """The parts a layer takes from one input (q, k, v or gate, up): one output per module, or one fused
+    module's output (Phi-3's qkv_proj, gate_up_proj) split by sizes. A LoRA on a fused module covers its
+    whole output, so it is merged (or called) as one module and split afterwards."""
+
+    def __init__(self, linear: FusedLinear | PolicyFusedLinear, sizes: list[int]):
+        self.linear, self.sizes = linear, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = self.linear(x)
+        return outs if len(outs) == len(self.sizes) else outs[0].split(self.sizes, dim=-1)
+
+
+class HeadNorm:
+    """A norm over each head's d values (Qwen3, Gemma 3 q_norm/k_norm) applied to a flat [..., heads * d]."""
+
+    def __init__(self, norm: Cast, head_dim: int):
+        self.norm, self.head_dim = norm, head_dim
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+
+
 @dataclass
 class LayerView:
-    input_norm: Cast
-    qkv: FusedLinear
+    """One decoder layer as the layout program runs it (rollout/layouts.py); a norm that is None is absent."""
+
+    qkv: Split
     o_proj: FusedLinear
-    post_norm: Cast
-    gate_up: FusedLinear
+    gate_up: Split
     down: FusedLinear
     act_fn: nn.Module
     scaling: float
+    attn_in_norm: Cast | None = None
+    attn_out_norm: Cast | None = None
+    mlp_in_norm: Cast | None = None
+    mlp_out_norm: Cast | None = None
+    q_norm: Callable | None = None
+    k_norm: Callable | None = None
+    rope: str | None = "default"  # which cos/sin table rotates q and k (DecoderView.rope_tables); None: NoPE
+
+    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [.., H*d], k and v [.., K*d] of x, q/k normed where the family norms them (before the rotary)."""
+        q, k, v = self.qkv(x if self.attn_in_norm is None else self.attn_in_norm(x))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention sublayer, given its attention output [.., H*d]."""
+        out = self.o_proj(attended)[0]
+        return x + (out if self.attn_out_norm is None else self.attn_out_norm(out))
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the gated MLP sublayer."""
+        gate, up = self.gate_up(x if self.mlp_in_norm is None else self.mlp_in_norm(x))
+        out = self.down(self.act_fn(gate) * up)[0]
+        return x + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
 
     def release(self) -> None:
         """Drop the fused (merged) weight copies: a streamed layer's view is done with (models/sharded_base.py)."""
         self.qkv = self.o_proj = self.gate_up = self.down = None
 
 
-def mlp(layer: LayerView, x: torch.Tensor) -> torch.Tensor:
-    """The layer's gated MLP on its post-attention norm of x (the residual is the caller's)."""
-    gate, up = layer.gate_up(layer.post_norm(x))
-    return layer.down(layer.act_fn(gate) * up)[0]
-
-
-def decode_layers(view: "DecoderView", x_AH: torch.Tensor, cos, sin, attend) -> torch.Tensor:
-    """One new token per row through every layer -> logits [A, V]. attend(layer, index, q_AHd, k_AKd,
-    v_AKd) stores the key/value and returns the attention output [A, H*d] (the eager and the static decode
-    steps differ only there)."""
+def decode_layers(view: "DecoderView", x_AH: torch.Tensor, tables: dict, attend) -> torch.Tensor:
+    """One new token per row through every layer -> logits [A, V]. tables: view.rope_tables of the rows'
+    positions. attend(layer, index, q_AHd, k_AKd, v_AKd) stores the key/value and returns the attention
+    output [A, H*d] (the eager and the static decode steps differ only there)."""
     A, H, K, d = x_AH.shape[0], view.num_heads, view.num_kv_heads, view.head_dim
     for i, layer in enumerate(view.layers):
-        q, k, v = layer.qkv(layer.input_norm(x_AH))
-        q, k = apply_rotary_pos_emb(q.view(A, H, 1, d), k.view(A, K, 1, d), cos, sin)
-        x_AH = x_AH + layer.o_proj(attend(layer, i, q[:, :, 0], k[:, :, 0], v.view(A, K, d)))[0]
-        x_AH = x_AH + mlp(layer, x_AH)
-    return view.lm_head(view.norm(x_AH))[0]
+        q, k, v = layer.attention_inputs(x_AH)
+        q, k = view.rotate(layer, q.view(A, H, 1, d), k.view(A, K, 1, d), tables)
+        x_AH = layer.add_attention(x_AH, attend(layer, i, q[:, :, 0], k[:, :, 0], v.view(A, K, d)))
+        x_AH = layer.add_mlp(x_AH)
+    return view.logits(x_AH)
 
 
 @dataclass
@@ -190,6 +232,30 @@ class DecoderView:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    layout: Layout
+    rope_keys: tuple[str, ...] = ("default",)  # the cos/sin tables some layer uses
+    final_softcap: float | None = None  # Gemma 3's optional final logit soft-capping
+
+    def rope_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin of the positions for each table a layer uses: one, or (Gemma 3) one per layer type, whose
+        rotary embeddings differ (a local and a global theta)."""
+        if self.layout.rope_by_layer_type:
+            return {kind: self.rotary(x, position_ids, kind) for kind in self.rope_keys}
+        return {key: self.rotary(x, position_ids) for key in self.rope_keys}
+
+    def rotate(self, layer: LayerView, q: torch.Tensor, k: torch.Tensor, tables: dict):
+        """q and k (heads on dim 1) with the layer's rotary embedding applied, as the family applies it."""
+        if layer.rope is None:
+            return q, k
+        cos, sin = tables[layer.rope]
+        return self.layout.rotate(q, k, cos, sin)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer on the final norm of x, soft-capped where the model caps its logits."""
+        logits = self.lm_head(self.norm(x))[0]
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     @classmethod
     def of(cls, model: nn.Module, merge: bool, dtype: torch.dtype | None = None) -> "DecoderView":
@@ -198,25 +264,40 @@ class DecoderView:
         gets each row's own adapter (PolicyFusedLinear; merge does not apply)."""
         hf = causal_lm(model)
         config, inner = hf.config, hf.model
+        layout = LAYOUTS[config.model_type]
         dtype = dtype or inner.embed_tokens.weight.dtype
         policies = policy_state(model)
+        H, K = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
 
         def fused(modules: list[nn.Module]):
             if policies is not None:
                 return PolicyFusedLinear(modules, policies, dtype)
             return FusedLinear(modules, merge, dtype)
 
+        def norm(module: nn.Module, name: str | None) -> Cast | None:
+            return None if name is None else Cast(getattr(module, name), dtype)
+
         def layer_view(layer: nn.Module) -> LayerView:
             attn, mlp = layer.self_attn, layer.mlp
+            gate_up = fused([getattr(mlp, n) for n in layout.gate_up])
+            q_norm = k_norm = None
+            if layout.qk_norm is not None:
+                q_norm, k_norm = Cast(attn.q_norm, dtype), Cast(attn.k_norm, dtype)
+                if layout.qk_norm == "head":
+                    q_norm, k_norm = HeadNorm(q_norm, head_dim), HeadNorm(k_norm, head_dim)
+            rope = attn.layer_type if layout.rope_by_layer_type else "default"
             return LayerView(
-                input_norm=Cast(layer.input_layernorm, dtype),
-                qkv=fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+                qkv=Split(fused([getattr(attn, n) for n in layout.qkv]), [H * head_dim, K * head_dim, K * head_dim]),
                 o_proj=fused([attn.o_proj]),
-                post_norm=Cast(layer.post_attention_layernorm, dtype),
-                gate_up=fused([mlp.gate_proj, mlp.up_proj]),
+                gate_up=Split(gate_up, [sum(gate_up.sizes) // 2] * 2),
                 down=fused([mlp.down_proj]),
-                act_fn=mlp.act_fn,
+                act_fn=getattr(mlp, layout.act),
                 scaling=attn.scaling,
+                attn_in_norm=norm(layer, layout.attn_in_norm), attn_out_norm=norm(layer, layout.attn_out_norm),
+                mlp_in_norm=norm(layer, layout.mlp_in_norm), mlp_out_norm=norm(layer, layout.mlp_out_norm),
+                q_norm=q_norm, k_norm=k_norm,
+                rope=rope if getattr(attn, "use_rope", True) else None,  # SmolLM3's NoPE layers
             )
 
         sharded = sharded_base(model)
@@ -224,10 +305,10 @@ class DecoderView:
             layers = StreamedLayers(sharded, layer_view)
         else:
             layers = [layer_view(layer) for layer in inner.layers]
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope_keys = tuple(sorted(set(config.layer_types))) if layout.rope_by_layer_type else ("default",)
         return cls(
             embed=Cast(inner.embed_tokens, dtype), rotary=inner.rotary_emb, layers=layers, norm=Cast(inner.norm, dtype),
-            lm_head=fused([hf.lm_head]), num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads, head_dim=head_dim, dtype=dtype,
-            device=inner.embed_tokens.weight.device,
+            lm_head=fused([hf.lm_head]), num_heads=H, num_kv_heads=K, head_dim=head_dim, dtype=dtype,
+            device=inner.embed_tokens.weight.device, layout=layout, rope_keys=rope_keys,
+            final_softcap=getattr(config, "final_logit_softcapping", None),
         )

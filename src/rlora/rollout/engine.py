@@ -15,12 +15,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlora.models.molora_runtime import SamplerRouting, sampler_routing
 from rlora.models.multi_lora import SamplerPolicies
 from rlora.models.sharded_base import StreamedLayers
-from rlora.rollout.decoder import DecoderView, LayerView, decode_layers, mlp
+from rlora.rollout.decoder import DecoderView, LayerView, decode_layers
 from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.generator import StopStrings
 from rlora.rollout.phase import ChunkPhases, think_phases
@@ -44,23 +43,23 @@ def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, cach
     P, T = ids_PT.shape
     H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
     x = view.embed(ids_PT)
-    cos, sin = view.rotary(x, position_ids_from_mask(mask_PT))
+    tables = view.rope_tables(x, position_ids_from_mask(mask_PT))
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     allowed_P1TT = (causal_TT & mask_PT.bool()[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
     allowed_P1TT = allowed_P1TT[:, None]  # padding queries see themselves only (their output is unused)
     for layer in view.layers:
-        q, k, v = layer.qkv(layer.input_norm(x))
+        q, k, v = layer.attention_inputs(x)
         q = q.view(P, T, H, d).transpose(1, 2)
         k = k.view(P, T, K, d).transpose(1, 2)
         v = v.view(P, T, K, d).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = view.rotate(layer, q, k, tables)
         cache.prompt.append((k, v))
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_P1TT, scale=layer.scaling, enable_gqa=K != H)
-        x = x + layer.o_proj(attn.transpose(1, 2).reshape(P, T, H * d))[0]
-        x = x + mlp(layer, x)
+        x = layer.add_attention(x, attn.transpose(1, 2).reshape(P, T, H * d))
+        x = layer.add_mlp(x)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     cache.prompt_bias_P11T = torch.where(mask_PT.bool(), zero, float("-inf"))[:, None, None, :]
-    return view.lm_head(view.norm(x[:, -1]))[0]
+    return view.logits(x[:, -1])
 
 
 def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, rows_A, t: int, cache: KVCache,
@@ -93,8 +92,8 @@ def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, 
 def decode_step(view: DecoderView, tokens_A, rows_A, positions_A, t: int, cache: KVCache, P: int, G: int):
     """Feed generated token t of the active rows -> logits of token t+1 [A, V]."""
     x = view.embed(tokens_A)  # [A, hidden]
-    cos, sin = view.rotary(x[:, None], positions_A[:, None])  # [A, 1, d]
-    return decode_layers(view, x, cos, sin, lambda layer, i, q, k, v: _decode_attention(
+    tables = view.rope_tables(x[:, None], positions_A[:, None])  # cos, sin: [A, 1, d]
+    return decode_layers(view, x, tables, lambda layer, i, q, k, v: _decode_attention(
         layer, view, q, k, v, rows_A, t, cache, i, P, G))
 
 
@@ -126,8 +125,8 @@ def rows_that_fit(view: DecoderView, max_new: int, prompt_len: int, share: float
 
 
 class BuiltinGenerator:
-    """The built-in engine (Llama-family models). merge=True samples with LoRA merged into fresh
-    tensors (faster); merge=False calls the adapter layers as the trainer does.
+    """The built-in engine (the decoder families of rollout/layouts.py). merge=True samples with LoRA merged
+    into fresh tensors (faster); merge=False calls the adapter layers as the trainer does.
 
     decode: 'eager' drops finished rows from the dense layers each step (CPUs); 'static' keeps every row and
     fixed shapes (graphed.py); 'graph' is 'static' replayed as a CUDA graph (GPUs only); 'auto' is 'graph'

@@ -44,11 +44,11 @@ def static_decode_step(view: DecoderView, tokens_B: torch.Tensor, positions_B: t
     """Feed generated token t (t_1: a one-element int64 tensor, so a graph can replay any t) of all B rows
     -> logits of token t + 1, [B, V]."""
     x = view.embed(tokens_B)  # [B, hidden]
-    cos, sin = view.rotary(x[:, None], positions_B[:, None])
+    tables = view.rope_tables(x[:, None], positions_B[:, None])
     Tmax = cache.gen[0][0].shape[3]
     slots_T = torch.arange(Tmax, device=tokens_B.device)
     gen_bias_T = torch.zeros(Tmax, dtype=x.dtype, device=x.device).masked_fill(slots_T > t_1, float("-inf"))
-    return decode_layers(view, x, cos, sin, lambda layer, i, q, k, v: _static_attention(
+    return decode_layers(view, x, tables, lambda layer, i, q, k, v: _static_attention(
         layer, view, q, k, v, t_1, gen_bias_T, cache, i, P, G))
 
 

@@ -1,0 +1,121 @@
+"""Where each decoder family the built-in sampler runs keeps its parts, and what it computes unlike Llama.
+
+The sampler (decoder.py, engine.py, graphed.py) runs one decoder-layer program for every family:
+
+    h = attn_in_norm(x)                       (skipped where the family has none: OLMo 2)
+    q, k, v = split(qkv(h))                   (separate q/k/v modules, or one fused module split by sizes)
+    q, k = q_norm(q), k_norm(k)               (per head over d: Qwen3, Gemma 3; over all heads H*d: OLMo 2)
+    q, k = rotate(q, k, cos, sin)             (the family's own rotary function; skipped on NoPE layers)
+    a = o_proj(attention(q, k, v))
+    x = x + attn_out_norm(a)                  (Gemma 3, OLMo 2 norm the attention output; others add it as is)
+    m = down(act(gate) * up)   with gate, up = split(gate_up(mlp_in_norm(x)))
+    x = x + mlp_out_norm(m)                   (Gemma 3, OLMo 2)
+
+A Layout names the modules that fill these roles in one family (None: the role is absent), so the program
+has no per-family branches. Everything a family computes differently inside a module (Gemma 3's scaled
+embeddings and (1 + weight) norms, OLMo 2's float32 rotary) is done by calling the model's own module or
+function, so it is the Hugging Face computation by construction. Each entry was read off transformers'
+modeling_<family>.py (5.24); tests/test_engine_families.py compares every family with transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.llama import modeling_llama
+from transformers.models.olmo2 import modeling_olmo2
+from transformers.models.phi3 import modeling_phi3
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.smollm3 import modeling_smollm3
+
+
+def _no_window(config) -> list[int | None]:
+    return [None] * config.num_hidden_layers
+
+
+def _window_on_every_layer(config) -> list[int | None]:
+    """Mistral, Phi-3: one sliding-window mask for all layers when the config sets a window."""
+    return [config.sliding_window] * config.num_hidden_layers
+
+
+def _window_by_layer_type(config) -> list[int | None]:
+    """Qwen2/3, SmolLM3, Gemma 3: the model builds a sliding-window mask for the 'sliding_attention' layers."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [config.sliding_window if kind == "sliding_attention" else None for kind in types[:config.num_hidden_layers]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    rotate: Callable  # the family's apply_rotary_pos_emb(q, k, cos, sin): partial rotary, float32 rotation
+    windows: Callable  # config -> the sliding window of each layer (None: full attention)
+    attn_in_norm: str | None = "input_layernorm"
+    attn_out_norm: str | None = None
+    mlp_in_norm: str | None = "post_attention_layernorm"
+    mlp_out_norm: str | None = None
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # one name: a fused module whose output is split
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # likewise
+    act: str = "act_fn"
+    qk_norm: str | None = None  # "head": q_norm/k_norm over each head's d values; "width": over all H*d
+    rope_by_layer_type: bool = False  # rotary_emb(x, positions, layer_type): one table per layer type
+
+    def norm_names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.attn_in_norm, self.attn_out_norm, self.mlp_in_norm, self.mlp_out_norm) if n)
+
+
+# Llama, Qwen2 and Mistral keep Llama's rotary function, as the sampler always did (theirs is the same code).
+_LLAMA = Layout(rotate=modeling_llama.apply_rotary_pos_emb, windows=_no_window)
+# OLMo 2 and Gemma 3 norm each sublayer's output before the residual add; OLMo 2 has no input norms at all.
+_NORMED_OUTPUTS = dict(attn_out_norm="post_attention_layernorm", mlp_out_norm="post_feedforward_layernorm")
+
+LAYOUTS: dict[str, Layout] = {
+    "llama": _LLAMA,
+    "mistral": Layout(rotate=modeling_llama.apply_rotary_pos_emb, windows=_window_on_every_layer),
+    "qwen2": Layout(rotate=modeling_llama.apply_rotary_pos_emb, windows=_window_by_layer_type),
+    "qwen3": Layout(rotate=modeling_qwen3.apply_rotary_pos_emb, windows=_window_by_layer_type, qk_norm="head"),
+    # NoPE layers: the attention module's use_rope flag (from config.no_rope_layers) is read per layer
+    "smollm3": Layout(rotate=modeling_smollm3.apply_rotary_pos_emb, windows=_window_by_layer_type),
+    "olmo2": Layout(rotate=modeling_olmo2.apply_rotary_pos_emb, windows=_no_window, attn_in_norm=None,
+                    mlp_in_norm=None, qk_norm="width", **_NORMED_OUTPUTS),
+    # the scaled embedding, (1 + weight) norms and query_pre_attn_scalar (attn.scaling) come with the modules
+    "gemma3_text": Layout(rotate=modeling_gemma3.apply_rotary_pos_emb, windows=_window_by_layer_type,
+                          mlp_in_norm="pre_feedforward_layernorm", qk_norm="head", rope_by_layer_type=True,
+                          **_NORMED_OUTPUTS),
+    # fused qkv_proj ([q | k | v]) and gate_up_proj ([gate | up]); rotary on the first cos.shape[-1] dims
+    "phi3": Layout(rotate=modeling_phi3.apply_rotary_pos_emb, windows=_window_on_every_layer, qkv=("qkv_proj",),
+                   gate_up=("gate_up_proj",), act="activation_fn"),
+}
+
+SUPPORTED_MODEL_TYPES = tuple(LAYOUTS)
+# rotary types whose frequencies change with the longest position seen: HF switches them in the middle of a
+# generation, while the trainer's one forward uses one set for the whole sequence
+_LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def _rope_parameters(config) -> list[dict]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())  # Gemma 3: one set per layer type
+    return [params] if isinstance(params, dict) else []
+
+
+def layout_refusal(model_type: str, config, max_length: int | None) -> str | None:
+    """Why the sampler cannot run a model of this config for sequences up to max_length (None: it can)."""
+    layout = LAYOUTS.get(model_type)
+    if layout is None:
+        return f"model type '{model_type}' (built-in sampler supports {', '.join(SUPPORTED_MODEL_TYPES)})"
+    windows = [w for w in layout.windows(config) if w is not None]
+    if windows and (max_length is None or max_length > min(windows)):
+        return "sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    for params in _rope_parameters(config):
+        if params.get("rope_type") in _LENGTH_DEPENDENT_ROPE:
+            limit = min(params.get("original_max_position_embeddings") or config.max_position_embeddings,
+                        config.max_position_embeddings)
+            if max_length is None or max_length > limit:
+                return f"{params['rope_type']} rotary embeddings beyond {limit} positions"
+    return None

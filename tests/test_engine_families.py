@@ -1,0 +1,123 @@
+"""The built-in sampler on the decoder families beyond Llama/Qwen2/Mistral (rollout/layouts.py): tiny random
+Qwen3, Gemma 3 text, Phi-3, OLMo 2 and SmolLM3 models (models/tiny.py switches on what sets each apart)
+against transformers' own implementation: greedy decoding against `generate` token for token, sampling
+log-probs against the trainer's, several policies against each alone, and what the sampler refuses."""
+
+import pytest
+import torch
+from test_engine import TEXTS, policy, tokens_of
+from test_policies import policies_model, single_model
+from transformers import AutoModelForCausalLM, GPT2Config, Phi3Config
+
+from rlora.models.loading import load_tokenizer
+from rlora.models.logprobs import completion_logprobs
+from rlora.models.tiny import build_random_model
+from rlora.rollout.decoder import unsupported_reason
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.rollout.generator import HFGenerator
+from rlora.rollout.layouts import layout_refusal
+from rlora.types import SamplingParams
+
+MODELS = {
+    "qwen3": dict(family="qwen3", tie=False),
+    # Gemma 3 with its final logit soft-capping on (off in the released models, which the others cover)
+    "gemma3_text": dict(family="gemma3_text", final_logit_softcapping=3.0),
+    "phi3": dict(family="phi3", tie=False),
+    "olmo2": dict(family="olmo2", tie=False),
+    "smollm3": dict(family="smollm3"),
+}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: str(build_random_model(root / name, seed=3, **kwargs)) for name, kwargs in MODELS.items()}
+
+
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("merge, decode", [(True, "eager"), (False, "eager"), (True, "static"), (False, "static")])
+def test_greedy_matches_hf_generate_token_for_token(family_dirs, family, merge, decode):
+    """Rows of different prompt lengths decoded together (left padding) against one prompt at a time in
+    transformers, with a LoRA adapter on every linear layer whose B factors are random."""
+    tokenizer, tok, model, prompts = policy(family_dirs[family])
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge, decode=decode)
+    ours = engine.sample(model, prompts, 2, greedy, seed=0)
+    hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    base_differs = False
+    for i, prompt in enumerate(prompts):
+        want = hf.sample(model, [prompt], 1, greedy, seed=0)
+        assert tokens_of(ours, 2 * i) == tokens_of(want, 0) == tokens_of(ours, 2 * i + 1), (family, merge, i)
+        with model.disable_adapter():
+            base = hf.sample(model, [prompt], 1, greedy, seed=0)
+        base_differs |= tokens_of(base, 0) != tokens_of(want, 0)
+    assert base_differs, "the adapter must change some greedy completion, or this test proves nothing"
+
+
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("merge", [True, False])
+def test_sampling_logprobs_agree_with_the_trainer(family_dirs, family, merge):
+    tokenizer, tok, model, prompts = policy(family_dirs[family])
+    per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, top_p=0.9, min_new_tokens=n) for n, t in
+                  [(12, 0.7), (5, 1.0), (9, 1.3), (12, 0.7)]]
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge)
+    rollout = engine.sample(model, prompts, 3, per_prompt, seed=7)
+    model.eval()
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
+    mask = rollout.completion_mask_BTc.bool()
+    gap = (trainer[mask] - rollout.sampling_logp_BTc[mask]).abs()
+    assert gap.max() < 1e-4, (family, gap.mean(), gap.max())
+    with torch.no_grad(), model.disable_adapter():
+        base, _ = completion_logprobs(model, rollout.select(slice(None)))
+    assert (base[mask] - trainer[mask]).abs().max() > 1e-2  # the adapter moves these log-probs
+
+
+def test_fused_projections_sample_each_policy_as_alone(family_dirs, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj carry one LoRA each: with several policies, every row's own
+    adapter applies to the fused output before it is split, as a one-policy model computes it."""
+    model_dir = family_dirs["phi3"]
+    tokenizer, tok = load_tokenizer(model_dir)
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    model = policies_model(model_dir, names=["a", "b"])
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    P, G = len(prompts), 2
+    together = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode="static").sample(
+        model, prompts * 2, G, params, [100] * P + [101] * P, keys=list(range(P)) * 2, policies=[0] * P + [1] * P)
+    for k, name in enumerate(["a", "b"]):
+        alone = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False).sample(
+            single_model(model_dir, model, name, tmp_path / name), prompts, G, params, 100 + k)
+        rows = slice(k * P * G, (k + 1) * P * G)
+        assert together.completions[rows] == alone.completions
+        width = alone.sampling_logp_BTc.shape[1]
+        assert torch.allclose(together.sampling_logp_BTc[rows, :width], alone.sampling_logp_BTc, rtol=0, atol=1e-5)
+    assert together.completions[:P * G] != together.completions[P * G:]
+
+
+def test_the_families_are_supported_within_their_limits(family_dirs):
+    for family, model_dir in family_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        assert unsupported_reason(model, max_length=512) is None, family
+        assert unsupported_reason(model, max_length=None) == (
+            "sliding-window attention" if family == "gemma3_text" else None), family
+    gemma = AutoModelForCausalLM.from_pretrained(family_dirs["gemma3_text"])
+    assert unsupported_reason(gemma, max_length=513) == "sliding-window attention"  # its sliding layer's window: 512
+
+
+def test_what_the_sampler_cannot_run_gets_a_reason(family_dirs):
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert unsupported_reason(gpt2, max_length=64).startswith("model type 'gpt2' (built-in sampler supports llama,")
+    gemma = AutoModelForCausalLM.from_pretrained(family_dirs["gemma3_text"])
+    for key, value, reason in [("attn_logit_softcapping", 50.0, "attention logit soft-capping"),
+                               ("use_bidirectional_attention", True, "bidirectional attention")]:
+        setattr(gemma.config, key, value)
+        assert unsupported_reason(gemma, max_length=64) == reason
+        setattr(gemma.config, key, None if key == "attn_logit_softcapping" else False)
+    assert unsupported_reason(gemma, max_length=64) is None
+    # Phi-3.5/Phi-4-mini's longrope switches to its long factors past the original 4096 positions
+    factors = [1.0] * 8
+    longrope = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=factors, long_factor=factors,
+        original_max_position_embeddings=4096))
+    assert layout_refusal("phi3", longrope, 4096) is None
+    assert layout_refusal("phi3", longrope, 4097) == "longrope rotary embeddings beyond 4096 positions"

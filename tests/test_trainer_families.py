@@ -1,0 +1,87 @@
+"""The trainer's fast paths on the decoder families beyond Llama/Qwen2/Mistral (tiny random Qwen3, Gemma 3
+text, Phi-3, OLMo 2, SmolLM3): chunked log-probs equal the model's own forward, and the frozen prefix shared
+across log-prob passes (models/frozen_prefix.py) equals separate full passes, sliding-window layers included."""
+
+import pytest
+import torch
+from test_frozen_prefix import logp_and_grads
+from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
+
+from rlora.batching import trim
+from rlora.models.adapters import reference_policy
+from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer, sharing_unsupported
+from rlora.models.logprobs import completion_logprobs, supports_chunked
+from rlora.models.tiny import build_random_model
+
+# four layers, windows of 3 tokens where the family has them, so the per-layer masks must follow the layer
+# types (Gemma 3 also picks its local or global rotary embedding by layer type)
+FOUR_LAYERS = {
+    "qwen3": dict(family="qwen3", tie=False, use_sliding_window=True, sliding_window=3, max_window_layers=2),
+    "gemma3_text": dict(family="gemma3_text", sliding_window=3,
+                        layer_types=["sliding_attention", "full_attention"] * 2),
+    "phi3": dict(family="phi3", tie=False, sliding_window=3),
+    "olmo2": dict(family="olmo2", tie=False),
+    "smollm3": dict(family="smollm3", no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=3),
+}
+
+
+@pytest.fixture(scope="module")
+def four_layer_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("four_families")
+    return {name: str(build_random_model(root / name, layers=4, seed=5, **kwargs))
+            for name, kwargs in FOUR_LAYERS.items()}
+
+
+def rollout_of(model, tokenizer, tok):
+    rollout = vary_lengths(sample(model, tokenizer, tok, n_prompts=2, G=4, max_new=6, seed=4), tok.pad_id)
+    rollout.temperature_B = torch.linspace(0.6, 1.4, 8)
+    return rollout
+
+
+@pytest.mark.parametrize("family", FOUR_LAYERS)
+def test_chunked_logprobs_equal_the_models_forward(four_layer_dirs, family):
+    tokenizer, tok, model = make_policy(four_layer_dirs[family])
+    perturb_adapter(model, scale=0.3)
+    assert supports_chunked(model)
+    batch = rollout_of(model, tokenizer, tok).select(slice(None))
+    model.to(torch.float64).eval()
+    with torch.no_grad():
+        chunked, chunked_entropy = completion_logprobs(model, batch, with_entropy=True, chunk_tokens=5)
+        full, full_entropy = completion_logprobs(model, batch, with_entropy=True, chunk_tokens=0)
+    mask = batch.completion_mask_BTc.bool()
+    assert (chunked[mask] - full[mask]).abs().max() < 1e-12
+    assert (chunked_entropy[mask] - full_entropy[mask]).abs().max() < 1e-12
+    if family == "gemma3_text":  # soft-capped logits are not the output layer's: the full forward applies the cap
+        model.config.final_logit_softcapping = 3.0
+        assert not supports_chunked(model)
+
+
+@pytest.mark.parametrize("family", FOUR_LAYERS)
+def test_shared_prefix_equals_separate_full_passes(four_layer_dirs, family):
+    """float64 (float32 rounds a differently padded batch apart by a few ulps: tests/test_frozen_prefix.py)."""
+    tokenizer, tok, model = make_policy(four_layer_dirs[family], layers=[2, 3])
+    perturb_adapter(model, scale=0.3)
+    assert first_adapter_layer(model) == 2 and sharing_unsupported(model) is None
+    rollout = rollout_of(model, tokenizer, tok)
+    model.to(torch.float64)
+    prefix = FrozenPrefix(model, rollout, 2, micro_batch_size=3)  # computed in other micro-batches than used
+    index = torch.tensor([1, 3, 4, 6])
+    micro = trim(rollout.select(index))
+    mask = micro.completion_mask_BTc.bool()
+    weights = torch.randn(micro.completion_ids_BTc.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
+    full_logp, full_grads = logp_and_grads(model, micro, weights)
+    shared_logp, shared_grads = logp_and_grads(model, micro, weights, prefix.rows(index, micro))
+    assert (shared_logp[mask] - full_logp[mask]).abs().max() <= 1e-12
+    assert torch.allclose(shared_grads, full_grads, atol=1e-12, rtol=0), (shared_grads - full_grads).abs().max()
+    with torch.no_grad(), reference_policy(model):
+        ref_full, _ = completion_logprobs(model, micro)
+        ref_shared, _ = completion_logprobs(model, micro, prefix=prefix.rows(index, micro))
+    assert (ref_shared[mask] - ref_full[mask]).abs().max() <= 1e-12
+    assert (ref_full[mask] - full_logp[mask]).abs().max() > 1e-3  # the adapter matters above the prefix
+
+
+def test_sharing_says_why_it_is_off(four_layer_dirs):
+    _, _, model = make_policy(four_layer_dirs["phi3"], layers=[3])
+    model.config.resid_pdrop = 0.1
+    assert sharing_unsupported(model) == "resid_pdrop=0.1 makes the lower layers random in training"

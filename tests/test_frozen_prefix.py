@@ -10,6 +10,7 @@ from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer
 from rlora.models.loading import trainable_parameters
 from rlora.models.adapters import reference_policy
 from rlora.models.logprobs import completion_logprobs
+from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.models.tiny import build_random_model
 from rlora.batching import trim
 
@@ -53,6 +54,7 @@ def test_shared_prefix_equals_separate_full_passes(four_layer_models, family, ad
     rollout = vary_lengths(sample(model, tokenizer, tok, n_prompts=2, G=4, max_new=6, seed=4), tok.pad_id)
     rollout.temperature_B = torch.linspace(0.6, 1.4, 8)
     model.to(dtype)
+    set_prompt_sharing(model, False)  # the separate passes run every row's prompt (tests/test_shared_prompts.py)
     tol = TOLERANCES[dtype]
     prefix = FrozenPrefix(model, rollout, frozen, micro_batch_size=3)  # computed in other micro-batches than used
     index = torch.tensor([1, 3, 4, 6])  # rows from both prompts: a different trimming than any prefix micro-batch

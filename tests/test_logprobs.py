@@ -13,6 +13,7 @@ from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.loading import causal_lm, trainable_parameters
+from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.models.tiny import build_random_model
 
 
@@ -35,6 +36,7 @@ def test_chunked_path_equals_full_path(tiny_model_dir, qwen2_untied_dir, case):
     model_dir = qwen2_untied_dir if case == "qwen2-untied" else tiny_model_dir
     targets = ["q_proj", "v_proj", "down_proj", "lm_head"] if case == "llama-lora-on-head" else "all-linear"
     tokenizer, tok, model = make_policy(model_dir, target_modules=targets)
+    set_prompt_sharing(model, False)  # the full path runs every row's prompt; sharing: tests/test_shared_prompts.py
     if case == "llama-lora-on-head":
         assert any("lm_head.lora_A" in n for n, _ in model.named_parameters())
     perturb_adapter(model, scale=0.2)
@@ -101,6 +103,7 @@ def test_chunked_path_peak_memory_is_a_fraction_of_the_full_path(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
     tokenizer, tok, model = make_policy(tiny_model_dir)
+    set_prompt_sharing(model, False)  # checkpointing turns it off: compare like with like
     perturb_adapter(model, scale=0.2)
     rollout = vary_lengths(sample(model, tokenizer, tok, seed=3), tok.pad_id)
     micro = rollout.select(slice(0, 8))

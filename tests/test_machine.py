@@ -3,13 +3,11 @@
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from conftest import tiny_overrides
 from rlora import machine
 from rlora.cli import main
-from rlora.rollout.decoder import sampler_linear
 
 NO_BF16 = frozenset({"sse4_2", "avx", "avx2", "fma", "avx512f"})  # AVX512 without its BF16 extension counts as none
 BF16 = NO_BF16 | {"avx512_bf16"}
@@ -92,26 +90,3 @@ def test_a_resumed_run_keeps_its_checkpoints_choice(monkeypatch, tiny_model_dir,
     err = capsys.readouterr().err
     assert "auto -> bfloat16 (the checkpoint's)" in err and "resuming from" in err
     assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["sampler_dtype"] == "bfloat16"
-
-
-def test_weight_major_products_only_where_measured_faster():
-    """AVX2 without AVX512 (measured: bench/cpu_linear.py); AVX512 CPUs and others keep F.linear."""
-    assert machine.weight_major_products(frozenset({"sse4_2", "avx", "avx2", "fma"}))
-    assert not machine.weight_major_products(frozenset({"avx", "avx2", "fma", "avx512f", "avx512_bf16"}))
-    assert not machine.weight_major_products(frozenset({"sse4_2"}))  # nor Arm ("asimd"), nor unknown CPUs
-    assert not machine.weight_major_products(frozenset())
-
-
-@pytest.mark.parametrize("rows", [1, 2, 16])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_the_sampler_linear_is_f_linear_up_to_rounding(rows, with_bias):
-    """Whichever way a decode step multiplies (rollout/decoder.py sampler_linear), the numbers are F.linear's."""
-    g = torch.Generator().manual_seed(rows)
-    x, weight = torch.randn(rows, 64, generator=g), torch.randn(300, 64, generator=g)
-    bias = torch.randn(300, generator=g) if with_bias else None
-    out = sampler_linear(x, weight, bias)
-    assert out.shape == (rows, 300)
-    assert torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-6)
-    exact = (x.double() @ weight.double().t()) + (0 if bias is None else bias.double())
-    assert torch.allclose(sampler_linear(x.double(), weight.double(), None if bias is None else bias.double()), exact,
-                          atol=1e-12, rtol=0)

@@ -38,13 +38,3 @@ def native_half(device: torch.device | str, half: str, flags: frozenset[str] | N
         return False  # mps and others: not measured here, so never chosen automatically
     flags = cpu_flags() if flags is None else flags
     return any(flag in flags for flag in HALF_FLAGS[half])  # x86 names; other CPUs: never chosen automatically
-
-
-@lru_cache(maxsize=4)
-def weight_major_products(flags: frozenset[str] | None = None) -> bool:
-    """Does a CPU decode step multiply faster as weight @ x^T than as x @ weight^T (rollout/decoder.py
-    sampler_linear)? Measured on AVX2-only CPUs (1.3-4x faster for 2-16 rows, bench/cpu_linear.py); CPUs with
-    AVX512 are not measured, so they keep F.linear. Decided by the flags, not by a timing, so a machine always
-    samples the same way (a resumed run draws what the straight run drew)."""
-    flags = cpu_flags() if flags is None else flags
-    return "avx2" in flags and not any(flag.startswith("avx512") for flag in flags)

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlora.machine import weight_major_products
 from rlora.models.loading import causal_lm
 from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
 from rlora.models.sharded_base import StreamedLayers, sharded_base
@@ -111,21 +110,8 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.modules is not None:
             return tuple(m(x.to(_weight_dtype(m))).to(self.dtype) for m in self.modules)
-        y = sampler_linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
         return (y,) if len(self.sizes) == 1 else y.split(self.sizes, dim=-1)
-
-
-def sampler_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T (+ bias). A decode step on a CPU multiplies a few rows by every weight: there the product
-    taken as weight @ x^T runs 1.3-4x faster than x @ weight^T on AVX2-only CPUs (rlora.machine; MKL, 2 threads,
-    SmolLM2's output layer,
-    16 rows, 24 vs 37 ms; 4 rows, 8 vs 34 ms; bench/cpu_linear.py; a demo sampling call 0.70x the time),
-    with the numbers of F.linear up to rounding (the engine's tests hold either way). Elsewhere (a GPU, a prefill's
-    [P, T, H], a single row, where it gains nothing) F.linear as usual."""
-    if x.dim() != 2 or x.device.type != "cpu" or x.shape[0] < 2 or not weight_major_products():
-        return F.linear(x, weight, bias)
-    y = (weight @ x.t()).t()
-    return y if bias is None else y + bias
 
 
 class PolicyFusedLinear:

@@ -1,0 +1,64 @@
+"""A decode step's products on a CPU, both ways: x @ W^T (F.linear, what the sampler does) and W @ x^T, per
+layer shape of a model, side by side (medians); and whether a row's result equals the product of that row
+alone. The sampler keeps F.linear: W @ x^T is faster for a few rows on AVX2-only CPUs but made 1-rank and
+2-rank runs sample differently (docs/benchmarks.md, 2026-11-26).
+
+    .venv/bin/python bench/cpu_linear.py [--model smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+
+from bench_common import model_folder
+
+
+def _ms(fn, repeats: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight @ x.t()).t()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    args = parser.parse_args()
+    config = AutoConfig.from_pretrained(model_folder(args.model))
+    H, F_ = config.hidden_size, config.intermediate_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    qkv = H + 2 * H // heads * kv
+    print(f"# {args.model} shapes on {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print("layer                 rows   x@W^T ms   W@x^T ms   ratio   row result independent of the row count")
+    shapes = {"q/k/v": (qkv, H), "gate/up": (2 * F_, H), "down": (H, F_), "output layer": (config.vocab_size, H)}
+    g = torch.Generator().manual_seed(0)
+    for name, (out, inp) in shapes.items():
+        weight = torch.randn(out, inp, generator=g) * 0.02
+        x16 = torch.randn(16, inp, generator=g)
+        for rows in (16, 4, 1):
+            x = x16[:rows]
+            a, b = _ms(lambda: F.linear(x, weight)), _ms(lambda: _weight_major(x, weight))
+            same = [torch.equal(f(x, weight)[0], f(x16[:1], weight)[0]) for f in (F.linear, _weight_major)]
+            print(f"{name + f' ({out}x{inp})':<22}{rows:>5}{a:>11.3f}{b:>11.3f}{b / a:>8.2f}   "
+                  f"x@W^T {same[0]}, W@x^T {same[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

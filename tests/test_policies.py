@@ -14,6 +14,7 @@ from rlora.config import AlgoConfig, LoraConfig, TrainConfig
 from rlora.models import multi_lora as mlr
 from rlora.models.loading import load_tokenizer, trainable_parameters
 from rlora.models.adapters import reference_policy
+from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.train.optim import build_optimizer, optimizer_step
 from rlora.train.update import (
@@ -202,6 +203,8 @@ def test_each_policy_update_equals_its_update_alone(tiny_model_dir, tmp_path, lo
     tokenizer, tok = load_tokenizer(tiny_model_dir)
     model = policies_model(tiny_model_dir, names=NAMES[:2], scale=0.05)
     singles = [single_model(tiny_model_dir, model, name, tmp_path / name, trainable=True) for name in NAMES[:2]]
+    for single in singles:  # a model of several policies runs every row's prompt (models/shared_prompts.py)
+        set_prompt_sharing(single, False)
     rollout = _rollout(model, tokenizer, tok, NAMES[:2])
     policy_B = torch.arange(2).repeat_interleave(8)
     advantages = torch.linspace(-1, 1, 16, dtype=torch.float64).float()

@@ -36,7 +36,13 @@ def tokens_of(rollout, row):
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_greedy_matches_hf_generate_token_for_token(tiny_model_dir, qwen2_dir, family, merge, decode):
-    model_dir = tiny_model_dir if family == "llama" else qwen2_dir
+    assert_greedy_matches_generate(tiny_model_dir if family == "llama" else qwen2_dir, merge, decode, family)
+
+
+def assert_greedy_matches_generate(model_dir: str, merge: bool, decode: str, label: str) -> None:
+    """Rows of different prompt lengths decoded together (left padding) against one prompt at a time in
+    transformers, with a LoRA adapter on every linear layer whose B factors are random (and that changes some
+    completion: otherwise the comparison would not see the adapter)."""
     tokenizer, tok, model, prompts = policy(model_dir)
     greedy = SamplingParams(max_new_tokens=16, greedy=True)
     engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge, decode=decode)
@@ -45,7 +51,7 @@ def test_greedy_matches_hf_generate_token_for_token(tiny_model_dir, qwen2_dir, f
     base_differs = False
     for i, prompt in enumerate(prompts):
         want = hf.sample(model, [prompt], 1, greedy, seed=0)  # one prompt at a time: no padding at all
-        assert tokens_of(ours, 2 * i) == tokens_of(want, 0) == tokens_of(ours, 2 * i + 1), (family, merge, i)
+        assert tokens_of(ours, 2 * i) == tokens_of(want, 0) == tokens_of(ours, 2 * i + 1), (label, merge, decode, i)
         with model.disable_adapter():
             base = hf.sample(model, [prompt], 1, greedy, seed=0)
         base_differs |= tokens_of(base, 0) != tokens_of(want, 0)

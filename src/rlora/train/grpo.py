@@ -130,7 +130,9 @@ def _run(cfg: RLConfig, world: World) -> dict:
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
     t0, last = time.perf_counter() - train_s_before, {}
     summary = {"status": "completed", "last_metrics": last, "eval": evals}  # what summary.json holds if a step fails
-    checkpoint = lambda done: write_checkpoint(s, done, replay, time.perf_counter() - t0, evals["before"])  # noqa: E731
+
+    def checkpoint(done: int) -> None:
+        write_checkpoint(s, done, replay, time.perf_counter() - t0, evals["before"])
 
     with kept_on_stop(s.run_dir, summary, lambda: save_final(s), before_save=lambda: sinks.close(failed=True)):
         with progress_bar("train", cfg.train.steps) as update:

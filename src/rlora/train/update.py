@@ -10,7 +10,6 @@ import torch
 from rlora.algos.losses import BatchTotals, LossInputs, aggregate, truncated_is_weight
 from rlora.algos.registry import Algorithm
 from rlora.config import AlgoConfig
-from rlora.models.loading import trainable_parameters
 from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.adapters import PolicyAdapter, adapter_of

@@ -9,6 +9,7 @@ from rlora.models.loading import load_base_model, load_tokenizer
 from rlora.rewards.scoring import RewardFn
 from rlora.rollout.generator import HFGenerator
 from rlora.train.evaluate import evaluate
+from rlora.train.sources import Completions
 from rlora.types import Example, SamplingParams
 
 
@@ -26,7 +27,7 @@ def evaluate_adapters(adapters: dict[str, str], eval_size: int, max_new_tokens: 
     rewards = [RewardFn("answer", answer_reward, 1.0, {})]
 
     def accuracy(policy) -> float:
-        return evaluate(policy, generator, examples, prompt_ids, texts, rewards,
+        return evaluate(policy, Completions(generator, rewards), examples, prompt_ids, texts,
                         SamplingParams(max_new_tokens=max_new_tokens, greedy=True), 32)[0]["accuracy"]
 
     scores = {"base": accuracy(load_base_model(ModelConfig(path=folder), folder))}

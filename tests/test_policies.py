@@ -152,6 +152,7 @@ def test_policies_evaluated_together_equal_each_evaluated_alone(tiny_model_dir):
     from rlora.rewards.scoring import resolve_rewards
     from rlora.config import RewardSpec
     from rlora.train.evaluate import evaluate, evaluate_policies
+    from rlora.train.sources import Completions
     from rlora.types import Example
 
     tokenizer, tok = load_tokenizer(tiny_model_dir)
@@ -160,14 +161,14 @@ def test_policies_evaluated_together_equal_each_evaluated_alone(tiny_model_dir):
     examples = [Example(prompt=t, columns={}) for t in texts]
     ids = [tokenizer(t)["input_ids"] for t in texts]
     rewards = resolve_rewards([RewardSpec(fn="rewards_for_tests.count_a")], has_task=False)
-    sampler = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=8)
+    sampler = Completions(BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=8), rewards)
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     seen = []
-    together = evaluate_policies(model, sampler, examples, ids, texts, rewards, params, 2, [2, 0, 1], num_samples=2,
+    together = evaluate_policies(model, sampler, examples, ids, texts, params, 2, [2, 0, 1], num_samples=2,
                                  pass_k=(1, 2), seed=11, progress=seen.append)
     assert seen == [6, 12, 15]  # prompts done, counted for every policy (5 prompts x 3 policies)
     for (result, rows), policy in zip(together, [2, 0, 1]):
-        alone = evaluate(model, sampler, examples, ids, texts, rewards, params, 2, num_samples=2, pass_k=(1, 2),
+        alone = evaluate(model, sampler, examples, ids, texts, params, 2, num_samples=2, pass_k=(1, 2),
                          seed=11, policy=policy)
         assert (result, rows) == alone
     assert together[0][1] != together[1][1]

@@ -27,7 +27,7 @@ def select_rows(rollout: Rollout, index: list[int] | torch.Tensor) -> Rollout:
         completion_ids_BTc=rollout.completion_ids_BTc[index_t], completion_mask_BTc=rollout.completion_mask_BTc[index_t],
         completions=[rollout.completions[i] for i in rows], finish_reasons=[rollout.finish_reasons[i] for i in rows],
         temperature_B=rollout.temperature_B[index_t], sampling_logp_BTc=pick(rollout.sampling_logp_BTc),
-        temperature_BTc=pick(rollout.temperature_BTc),
+        temperature_BTc=pick(rollout.temperature_BTc), policy_mask_BTc=pick(rollout.policy_mask_BTc),
     )
 
 
@@ -52,6 +52,7 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     width = max(p.completion_ids_BTc.shape[1] for p in parts)
     with_logp = all(p.sampling_logp_BTc is not None for p in parts)
     with_token_temperature = any(p.temperature_BTc is not None for p in parts)
+    with_policy_mask = any(p.policy_mask_BTc is not None for p in parts)  # episodes joined with single turns
     return Rollout(
         prompt_ids_BTp=torch.cat([_pad_left(p.prompt_ids_BTp, prompt_width, pad_id) for p in parts]),
         prompt_mask_BTp=torch.cat([_pad_left(p.prompt_mask_BTp, prompt_width, 0) for p in parts]),
@@ -63,6 +64,7 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         sampling_logp_BTc=torch.cat([pad_right(p.sampling_logp_BTc, width, 0.0) for p in parts]) if with_logp else None,
         temperature_BTc=(torch.cat([pad_right(_token_temperatures(p), width, 0.0) for p in parts])
                          if with_token_temperature else None),
+        policy_mask_BTc=(torch.cat([pad_right(p.trained_mask_BTc, width, 0) for p in parts]) if with_policy_mask else None),
     )
 
 

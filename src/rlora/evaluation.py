@@ -25,7 +25,9 @@ from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokeni
 from rlora.models.named_adapters import activated, attach_named, is_molora_folder, parse_named_adapters
 from rlora.rewards.reward_adapter import attach_reward_adapters, reward_adapters
 from rlora.rollout.backends import build_generator
+from rlora.envs.registry import env_factory
 from rlora.train.evaluate import eval_sampling, evaluate
+from rlora.train.sources import rollout_source
 from rlora.train.session import check_data_and_rewards, seed_everything
 from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
 from rlora.train.policies import POLICIES_FOLDER
@@ -121,6 +123,7 @@ def write_outputs(folder: Path, cfg: RLConfig, report: dict, samples: dict[str, 
 def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | None, overwrite: bool) -> dict:
     """Evaluate every candidate; -> {name: metrics}."""
     rewards = check_data_and_rewards(cfg)
+    make_env = env_factory(cfg.env) if cfg.env is not None else None  # a bad env fails before the model loads
     check_reward_adapters_fit(rewards, candidates)
     folder = Path(output or default_output_dir("eval"))
     check_output(folder, overwrite)
@@ -135,14 +138,14 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})  # evaluation samples in the model's dtype
     generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id,
                                 max(map(len, prompt_ids)) + params.max_new_tokens, cfg.eval.batch_size)
+    source = rollout_source(cfg, generator, tokenizer, tok, rewards, make_env)
     texts = [prompt_text(ex) for ex in examples]
     ev, results, samples = cfg.eval, {}, {}
     for candidate in candidates:
         seed_everything(ev.seed)  # the same draws for every candidate (and for rewards that use randomness)
         with activated(model, None if candidate.adapter is None else candidate.name), progress_bar(f"eval {candidate.name}", len(examples)) as update:
-            metrics, samples[candidate.name] = evaluate(model, generator, examples, prompt_ids, texts, rewards, params,
-                                                        ev.batch_size, ev.num_samples, tuple(ev.pass_k), ev.seed,
-                                                        progress=update)
+            metrics, samples[candidate.name] = evaluate(model, source, examples, prompt_ids, texts, params, ev.batch_size,
+                                                        ev.num_samples, tuple(ev.pass_k), ev.seed, progress=update)
         results[candidate.name] = {"adapter": candidate.adapter, **metrics}
     sampling = {"num_samples": ev.num_samples, "temperature": ev.temperature, "top_p": ev.top_p,
                 "max_new_tokens": params.max_new_tokens, "seed": ev.seed}

@@ -55,6 +55,14 @@ class Rollout:
     sampling_logp_BTc: torch.Tensor | None = None  # the sampler's log-probs of its tokens (0 on padding)
     # float32 temperature each token was drawn at (0 on padding); None: every token used temperature_B
     temperature_BTc: torch.Tensor | None = None
+    # episodes of several turns (envs/episodes.py): 1 on the tokens the policy sampled, 0 on the environment's;
+    # None: the policy sampled every completion token
+    policy_mask_BTc: torch.Tensor | None = None
+
+    @property
+    def trained_mask_BTc(self) -> torch.Tensor:
+        """1 on the completion tokens the policy sampled: what the loss, the KL and the entropy may cover."""
+        return self.completion_mask_BTc if self.policy_mask_BTc is None else self.completion_mask_BTc * self.policy_mask_BTc
 
     @property
     def num_completions(self) -> int:

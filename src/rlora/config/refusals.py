@@ -111,6 +111,7 @@ def _fsdp(name: str, refused: Callable[[Any], bool], message: str, example: tupl
 
 HF = ("rollout.engine=hf", "rollout.sampler_dtype=model", "algo.sampler_is_cap=null")
 MOLORA = ("molora={num_experts: 2}",)
+ENV = ("env={fn: calculator}",)
 
 REFUSALS: tuple[Refusal, ...] = (
     # ---- sections that exclude each other
@@ -166,8 +167,21 @@ REFUSALS: tuple[Refusal, ...] = (
             ("train.batch_size=6", "train.micro_batch_size=4")),
     Refusal("steps-and-epochs", ("sft",), lambda cfg: cfg.train.epochs is not None and cfg.train.steps is not None,
             "set train.steps or train.epochs, not both", ("train.steps=3", "train.epochs=1")),
-    Refusal("no-rewards", ("train",), lambda cfg: not cfg.rewards,
+    Refusal("no-rewards", ("train",), lambda cfg: not cfg.rewards and cfg.env is None,
             "no reward functions: add e.g. `rewards: [{fn: gym}]` to the config", ("rewards=[]",)),
+    # ---- environments (multi-turn episodes)
+    Refusal("env-ppo", ("train",), lambda cfg: cfg.env is not None and _traits(cfg).critic,
+            "algo.name=ppo does not train on episodes yet (its critic reads every completion token): use a group "
+            "algorithm (e.g. grpo) with env", ENV + ("algo.name=ppo",)),
+    Refusal("env-molora", ("train",), lambda cfg: cfg.env is not None and cfg.molora is not None,
+            "molora routes by the prompt, which an episode extends turn by turn: train a LoRA policy with env",
+            ENV + MOLORA),
+    Refusal("env-think", ("train",), lambda cfg: cfg.env is not None and cfg.rollout.think is not None,
+            "rollout.think (phase-aware sampling) is not supported with env yet: unset rollout.think",
+            ENV + ("rollout.think={}",)),
+    Refusal("env-overlong", ("train",), lambda cfg: cfg.env is not None and cfg.algo.overlong_buffer > 0,
+            "algo.overlong_buffer measures one completion against rollout.max_new_tokens; an episode has several "
+            "turns: set algo.overlong_buffer=0 (env.max_total_tokens bounds an episode)", ENV + ("algo.overlong_buffer=8",)),
     # ---- sampling
     Refusal("min-new-tokens-over-max", ("train",), lambda cfg: cfg.rollout.min_new_tokens > cfg.rollout.max_new_tokens,
             "rollout.min_new_tokens must not exceed rollout.max_new_tokens", ("rollout.min_new_tokens=1000",)),

@@ -165,6 +165,19 @@ class RolloutConfig(Section):
         return None if self.think is None else ThinkPhase(**self.think.model_dump())
 
 
+class EnvConfig(Section):
+    """Multi-turn episodes instead of single completions (docs/environments.md)."""
+
+    fn: str = Field(description="Built-in environment (calculator, tools, textarena) or a factory: a dotted path "
+                    "module.name or FILE.py:name that returns a fresh Environment per episode")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory")
+    max_turns: int = Field(4, ge=1, description="Policy turns per episode (an episode still running then is truncated)")
+    max_total_tokens: int = Field(1024, gt=0, description="Tokens after the first prompt, the policy's and the "
+                                  "environment's (rollout.max_new_tokens caps each turn)")
+    step_timeout_s: float | None = Field(30.0, gt=0, description="Limit of one reset()/step() call (null: none); "
+                                         "an environment that exceeds it fails its episode")
+
+
 class SamplingSetting(Section):
     temperature: float = Field(gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -362,6 +375,9 @@ class RLConfig(Section):
         "every lora.* key must then keep its default (null: plain LoRA)")
     ppo: PPOConfig | None = Field(
         None, description="PPO's critic and GAE settings: algo.name=ppo only (it fills in the defaults where absent)")
+    env: EnvConfig | None = Field(
+        None, description="Train on episodes of several turns with an environment or tools (docs/environments.md); "
+        "null: one completion per prompt")
     policies: list[PolicySpec] | None = Field(
         None, description="Train several LoRA policies (same lora.* shape) on one base in one run, each with its own "
         "optimizer, metrics and folder, all served by one batched pass (docs/policies.md); null: one policy")

@@ -11,9 +11,7 @@ import importlib
 import importlib.util
 import math
 import numbers
-import signal
 import sys
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from rlora import deadline
 from rlora.config import RewardSpec
 from rlora.errors import UserError
 from rlora.rewards.builtin import BUILTIN_REWARDS
@@ -36,98 +35,47 @@ class RewardFn:
     timeout_s: float | None = None
 
 
-class RewardTimeout(BaseException):
-    """Raised in the main thread when a reward call runs out of time. A BaseException, so that a reward's own
-    `except Exception` cannot swallow it."""
-
-
-class _Watch:
-    """The reward call being timed (at most one: rewards run in the main thread, one after another)."""
-
-    lock = threading.Lock()
-    active: object | None = None
-    handler_installed = False
-
-
-def _on_deadline(signum, frame) -> None:
-    with _Watch.lock:
-        timed = _Watch.active
-    if timed is not None and timed.is_set():
-        raise RewardTimeout()
-
-
 @contextmanager
 def time_limit(reward: RewardFn, size: int):
-    """Raise UserError if the call takes longer than reward.timeout_s. A watchdog thread signals the main
-    thread (SIGUSR2, whose handler rlora installs once and which does nothing unless a deadline passed);
-    Python code is interrupted at once, a call blocked in C code when it returns to Python. Reward code that
-    uses SIGALRM itself (math-verify does) does not disturb it, and if the timeout is somehow swallowed the
-    call still fails when it returns. Only in the main thread, where training runs."""
-    usable = hasattr(signal, "pthread_kill") and threading.current_thread() is threading.main_thread()
-    if not reward.timeout_s or not usable:
-        yield
-        return
-    if not _Watch.handler_installed:
-        signal.signal(signal.SIGUSR2, _on_deadline)
-        _Watch.handler_installed = True
-    expired = threading.Event()
-    main_thread = threading.main_thread().ident
-
-    def fire() -> None:
-        with _Watch.lock:
-            if _Watch.active is expired:
-                expired.set()
-                signal.pthread_kill(main_thread, signal.SIGUSR2)
-
-    timer = threading.Timer(reward.timeout_s, fire)
-    timer.daemon = True
-    message = (f"reward fn '{reward.name}' did not return within {reward.timeout_s:g} s for {size} completions "
+    """Raise UserError if the call takes longer than reward.timeout_s (rlora/deadline.py: interrupts Python code
+    in the main thread; a reward's own SIGALRM use or `except Exception` does not defeat it)."""
+    message = (f"reward fn '{reward.name}' did not return within {reward.timeout_s or 0:g} s for {size} completions "
                "(rewards[].timeout_s): it hangs or is too slow")
-    with _Watch.lock:
-        _Watch.active = expired
-    timer.start()
     try:
-        try:
+        with deadline.time_limit(reward.timeout_s, message):
             yield
-        finally:
-            with _Watch.lock:
-                _Watch.active = None
-            timer.cancel()
-    except RewardTimeout:
-        raise UserError(message) from None
-    if expired.is_set():
-        raise UserError(message)
+    except deadline.TimeLimitExceeded as err:
+        raise UserError(str(err)) from None
 
 
-def import_callable(dotted: str) -> Callable:
-    """`module.function` (importable: on sys.path or PYTHONPATH) or `path/to/file.py:function`."""
+def import_callable(dotted: str, kind: str = "reward fn") -> Callable:
+    """`module.function` (importable: on sys.path or PYTHONPATH) or `path/to/file.py:function`. kind: what the
+    callable is, in error messages."""
     if ".py:" in dotted:
-        return _from_file(dotted)
+        return _from_file(dotted, kind)
     module_name, sep, attr = dotted.replace(":", ".").rpartition(".")
     if not sep or not module_name:
-        raise UserError(
-            f"reward fn '{dotted}' is neither a built-in ({', '.join(BUILTIN_REWARDS)}, reward_model) nor a dotted "
-            "path module.function"
-        )
+        builtins = f"a built-in ({', '.join(BUILTIN_REWARDS)}, reward_model) nor " if kind == "reward fn" else ""
+        raise UserError(f"{kind} '{dotted}' is neither {builtins}a dotted path module.function nor FILE.py:function")
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - import errors of user code, reported in one line
         hint = (": give its file instead (fn: path/to/file.py:function, relative to the config file), or put "
                 "its folder on PYTHONPATH") if isinstance(err, ModuleNotFoundError) else ""
-        raise UserError(f"reward fn '{dotted}': cannot import module '{module_name}': {err}{hint}") from None
+        raise UserError(f"{kind} '{dotted}': cannot import module '{module_name}': {err}{hint}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise UserError(f"reward fn '{dotted}': module '{module_name}' has no function '{attr}'")
+        raise UserError(f"{kind} '{dotted}': module '{module_name}' has no function '{attr}'")
     return fn
 
 
-def _from_file(spec: str) -> Callable:
+def _from_file(spec: str, kind: str) -> Callable:
     """`FILE.py:function`: the file imported as a module of its own. Its folder joins sys.path (first) and stays
     there, so the file can import its neighbours at import time and when the function runs."""
     file_name, _, attr = spec.rpartition(":")
     path = Path(file_name)
     if not path.is_file():
-        raise UserError(f"reward fn '{spec}': no file {path} (a relative path is relative to the config file's folder)")
+        raise UserError(f"{kind} '{spec}': no file {path} (a relative path is relative to the config file's folder)")
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]  # two files may share a stem
     module_name = f"rlora_reward_{digest}_{path.stem}"
     module = sys.modules.get(module_name)
@@ -139,11 +87,11 @@ def _from_file(spec: str) -> Callable:
         try:
             loader_spec.loader.exec_module(module)
         except Exception as err:  # noqa: BLE001 - errors of user code, reported in one line
-            raise UserError(f"reward fn '{spec}': importing {path} failed: {type(err).__name__}: {err}") from None
+            raise UserError(f"{kind} '{spec}': importing {path} failed: {type(err).__name__}: {err}") from None
         sys.modules[module_name] = module  # imported once per process
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise UserError(f"reward fn '{spec}': {path} has no function '{attr}'")
+        raise UserError(f"{kind} '{spec}': {path} has no function '{attr}'")
     return fn
 
 

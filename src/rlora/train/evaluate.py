@@ -1,6 +1,7 @@
-"""Evaluation on held-out prompts: n completions per prompt scored by the run's reward functions.
+"""Evaluation on held-out prompts: n completions (or episodes) per prompt scored by the run's reward functions.
 
-A completion is *correct* when the first reward function gives its full score (1.0).
+A completion is *correct* when the first reward function gives its full score (1.0); an episode without reward
+functions, when its environment's reward is 1.0 or more.
 - accuracy = share of correct completions (with n = 1 greedy completion: share of prompts solved);
 - pass@k = mean over prompts of the unbiased estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021,
   "Evaluating Large Language Models Trained on Code"), c = correct completions among the prompt's n;
@@ -13,7 +14,8 @@ import math
 
 import torch
 
-from rlora.rewards.scoring import RewardFn, score_completions
+from rlora.rewards.scoring import Scores
+from rlora.train.sources import RolloutSource
 from rlora.types import Example, SamplingParams
 
 
@@ -30,11 +32,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def columns_of(examples: list[Example], repeat: int = 1) -> dict[str, list]:
-    names = sorted({name for ex in examples for name in ex.columns})
-    return {name: [ex.columns.get(name) for ex in examples for _ in range(repeat)] for name in names}
-
-
 def eval_sampling(cfg) -> SamplingParams:
     """The evaluation's sampling settings from an RLConfig: eval.* with the rollout's stop strings."""
     ev = cfg.eval
@@ -47,62 +44,53 @@ def _is_correct(value) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model, generator, examples: list[Example], prompt_ids: list[list[int]], prompt_texts: list[str],
-             rewards: list[RewardFn], params: SamplingParams, batch_size: int, num_samples: int = 1,
-             pass_k: tuple[int, ...] = (), seed: int = 0, progress=None, policy: int | None = None,
-             ) -> tuple[dict, list[dict]]:
-    """-> (metrics, one row per completion). batch_size counts prompts per sampler call; sampling is seeded
-    by `seed` (the built-in engine's draws depend on the prompt's position in its batch, so keep
-    batch_size fixed to reproduce a result). policy: which policy adapter samples, on a model with several."""
-    [completions] = sample_completions(model, generator, prompt_ids, params, batch_size, num_samples, seed, progress,
-                                       None if policy is None else [policy])
-    return score_evaluation(examples, prompt_texts, rewards, completions, num_samples, pass_k)
+def evaluate(model, source: RolloutSource, examples: list[Example], prompt_ids: list[list[int]], prompt_texts: list[str],
+             params: SamplingParams, batch_size: int, num_samples: int = 1, pass_k: tuple[int, ...] = (), seed: int = 0,
+             progress=None, policy: int | None = None) -> tuple[dict, list[dict]]:
+    """-> (metrics, one row per completion or episode). source: completions or episodes (train/sources.py), which
+    scores them too. batch_size counts prompts per sampler call; sampling is seeded by `seed` (the built-in
+    engine's draws depend on the prompt's position in its batch, so keep batch_size fixed to reproduce a result).
+    policy: which policy adapter samples, on a model with several."""
+    [(result, rows)] = evaluate_policies(model, source, examples, prompt_ids, prompt_texts, params, batch_size,
+                                         None if policy is None else [policy], num_samples, pass_k, seed, progress)
+    return result, rows
 
 
 @torch.no_grad()
-def evaluate_policies(model, generator, examples: list[Example], prompt_ids: list[list[int]], prompt_texts: list[str],
-                      rewards: list[RewardFn], params: SamplingParams, batch_size: int, policies: list[int] | None,
+def evaluate_policies(model, source: RolloutSource, examples: list[Example], prompt_ids: list[list[int]],
+                      prompt_texts: list[str], params: SamplingParams, batch_size: int, policies: list[int] | None,
                       num_samples: int = 1, pass_k: tuple[int, ...] = (), seed: int = 0, progress=None,
                       ) -> list[tuple[dict, list[dict]]]:
     """evaluate() of each of several policy adapters (models/multi_lora.py), sampled together: every sampler
     call decodes each policy's rows of the same prompts in one batch, with the draws each policy gets when it is
     evaluated alone (same seed, same key per prompt). -> [(metrics, rows)] in the order of `policies` (None: a model
     with one policy adapter, evaluated as evaluate() does: one result)."""
-    per_policy = sample_completions(model, generator, prompt_ids, params, batch_size, num_samples, seed, progress,
-                                    policies)
-    return [score_evaluation(examples, prompt_texts, rewards, completions, num_samples, pass_k)
-            for completions in per_policy]
-
-
-def sample_completions(model, generator, prompt_ids: list[list[int]], params: SamplingParams, batch_size: int,
-                       num_samples: int, seed: int, progress, policies: list[int] | None) -> list[list[str]]:
-    """num_samples completions of every prompt, per policy (one list without policies). Each call samples
-    batch_size prompts (for every policy: K x batch_size prompts); a prompt's draws depend on its position in
-    its policy's batch, as when that policy is sampled alone. progress(prompts done, counted per policy)."""
     lanes = [None] if policies is None else list(policies)
     completions: list[list[str]] = [[] for _ in lanes]
+    scores: list[list[Scores]] = [[] for _ in lanes]
     for start in range(0, len(prompt_ids), batch_size):
-        batch = prompt_ids[start:start + batch_size]
-        if policies is None:
-            rollout = generator.sample(model, batch, num_samples, params, seed=seed + start)
-        else:
-            rollout = generator.sample(model, batch * len(lanes), num_samples, params, seed=seed + start,
-                                       keys=list(range(len(batch))) * len(lanes),
-                                       policies=[policy for policy in lanes for _ in batch])
+        batch = list(range(start, min(start + batch_size, len(prompt_ids))))
+        rollout, batch_scores, _ = source.sample(
+            model, [examples[i] for i in batch] * len(lanes), [prompt_ids[i] for i in batch] * len(lanes), num_samples,
+            [params] * len(batch) * len(lanes), seed + start, list(range(len(batch))) * len(lanes),
+            None if policies is None else [policy for policy in lanes for _ in batch])
         rows = len(batch) * num_samples
-        for lane, out in enumerate(completions):
-            out.extend(rollout.completions[lane * rows:(lane + 1) * rows])
+        for lane in range(len(lanes)):
+            completions[lane].extend(rollout.completions[lane * rows:(lane + 1) * rows])
+            scores[lane].append(batch_scores.select(list(range(lane * rows, (lane + 1) * rows))))
         if progress is not None:
             progress(len(completions[0]) // num_samples * len(lanes))
-    return completions
+    return [score_evaluation(examples, prompt_texts, source.correct_by, lane_completions, Scores.concat(lane_scores),
+                             num_samples, pass_k)
+            for lane_completions, lane_scores in zip(completions, scores)]
 
 
-def score_evaluation(examples: list[Example], prompt_texts: list[str], rewards: list[RewardFn], completions: list[str],
-                     num_samples: int, pass_k: tuple[int, ...]) -> tuple[dict, list[dict]]:
-    """Score num_samples completions per prompt -> (metrics, one row per completion)."""
+def score_evaluation(examples: list[Example], prompt_texts: list[str], correct_by: str, completions: list[str],
+                     scores: Scores, num_samples: int, pass_k: tuple[int, ...]) -> tuple[dict, list[dict]]:
+    """Scored completions, num_samples per prompt -> (metrics, one row per completion). A completion is correct
+    when the `correct_by` reward gives it full marks."""
     texts_B = [t for t in prompt_texts for _ in range(num_samples)]
-    scores = score_completions(rewards, texts_B, completions, columns_of(examples, repeat=num_samples))
-    correct_B = [_is_correct(v) for v in scores.per_fn[rewards[0].name]]
+    correct_B = [_is_correct(v) for v in scores.per_fn[correct_by]]
     correct_per_prompt = [sum(correct_B[i * num_samples:(i + 1) * num_samples]) for i in range(len(examples))]
     valid_total = scores.total_B[~scores.failed_B]
     result = {

@@ -43,7 +43,7 @@ class PooledStd:
 Reduction = Sum | Max | Mean | PooledStd
 
 _COUNTS = ("rows", "groups", "reward_count", "reward_count_sampled", "value_tokens", "gen_tokens", "prompt_tokens", "groups_sampled", "groups_dropped",
-           "resamples", "rescued_groups", "reward_failures", "replay_groups", "replay_stored", "replay_buffer")
+           "resamples", "rescued_groups", "reward_failures", "replay_groups", "replay_stored", "replay_buffer", "episodes")
 REDUCTIONS: dict[str, Reduction] = {
     **{key: Sum() for key in _COUNTS},
     "reward_mean": Mean("reward_count"),
@@ -68,6 +68,8 @@ def reduction_of(key: str) -> Reduction | None:
         return Mean("reward_count/" + key.removeprefix("reward/"))
     if key.startswith("reward_count/"):
         return Sum()
+    if key.startswith("episode/"):  # a mean or share over the rank's sampled episodes (train/sources.py)
+        return Mean("episodes")
     if key.endswith("_s") or key.endswith("_max"):
         return Max()
     return None

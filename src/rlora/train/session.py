@@ -18,9 +18,11 @@ from rlora.algos.registry import Algorithm, get_algorithm
 from rlora.config import RLConfig, apply_presets, check_config, check_launch
 from rlora.data.prompts import PromptSets, load_prompt_sets, render_prompt
 from rlora.data.tasks import check_task
+from rlora.envs.registry import EnvFactory, env_factory
 from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.train.sinks import check_sinks
+from rlora.train.sources import RolloutSource, rollout_source
 from rlora.machine import native_half
 from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
@@ -59,6 +61,8 @@ class Session:
     generator: Generator  # training rollouts
     eval_generator: Generator  # held-out evaluation: always in the model's own dtype, so accuracy is exact
     rewards: list[RewardFn]
+    source: RolloutSource  # turns prompts into scored rows: completions, or episodes with an environment (env)
+    eval_source: RolloutSource  # the same through eval_generator
     prompts: PromptSets
     train_ids: list[list[int]]
     eval_ids: list[list[int]]
@@ -75,7 +79,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None]:
+def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None, EnvFactory | None]:
     """Everything that can be checked without loading the model, so bad input fails in a second."""
     # load_config did the first two; a config built in Python (RLConfig(...)) gets them here (both are idempotent)
     apply_presets(cfg)
@@ -95,7 +99,9 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
     check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
-    return run_dir, check_data_and_rewards(cfg), resume_from
+    rewards = check_data_and_rewards(cfg)
+    make_env = env_factory(cfg.env) if cfg.env is not None else None  # a bad env fails before the model loads
+    return run_dir, rewards, resume_from, make_env
 
 
 def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from: Path | None = None) -> None:
@@ -140,7 +146,7 @@ def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
 
 
 def prepare(cfg: RLConfig, world: World = World()) -> Session:
-    run_dir, rewards, resume_from = check_inputs(cfg, world)
+    run_dir, rewards, resume_from, make_env = check_inputs(cfg, world)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -193,8 +199,10 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     # PPO's critic trains with the policy's optimizer, as a second parameter group with its own learning rate
     critic_group = None if critic is None else {"params": critic.parameters(), "lr": cfg.ppo.value_lr or cfg.train.lr}
     policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
+    source = rollout_source(cfg, generator, tokenizer, tok, rewards, make_env)
+    eval_source = rollout_source(cfg, eval_generator, tokenizer, tok, rewards, make_env)
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
-                   eval_generator, rewards, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded)
+                   eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded)
 
 
 def frozen_layers_to_share(cfg: RLConfig, model) -> int:

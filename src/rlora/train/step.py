@@ -13,9 +13,8 @@ import torch
 from rlora.algos.registry import AdvantageInputs
 from rlora.data.prompts import PromptOrder, prompt_text
 from rlora.errors import UserError
-from rlora.rewards.scoring import Scores, score_completions
+from rlora.rewards.scoring import Scores
 from rlora.models.frozen_prefix import FrozenPrefix
-from rlora.train.evaluate import columns_of
 from rlora.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
 from rlora.train.replay import ReplayBuffer, StoredGroup
@@ -33,12 +32,6 @@ class RewardFailure(UserError):
     """Too many samples' rewards failed in one step; the run stops and keeps its last adapter."""
 
     run_status = "stopped: reward failures"  # summary.json (train/lifecycle.py)
-
-
-def score_rollout(s: Session, rollout: Rollout, examples: list[Example]) -> Scores:
-    G = s.cfg.rollout.num_generations
-    texts = [prompt_text(ex) for ex in examples for _ in range(G)]
-    return score_completions(s.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
 
 
 def check_failures(s: Session, scores: Scores, step: int) -> None:
@@ -98,19 +91,19 @@ def _sampling_args(s: Session, step: int, slots: list[Slot], seed: int):
 
 
 def _sampler(s: Session, step: int, timings: Timings):
-    """SampleFn over the run's model, generator and reward functions; counts time spent in each. It samples
-    slots (train/slots.py): each slot's training prompt, with the slot's key."""
+    """SampleFn over the run's model and rollout source (completions or episodes, train/sources.py), which scores
+    them too; counts the time spent in each. It samples slots (train/slots.py): each slot's training prompt, with the
+    slot's key."""
     def sample(slots: list[Slot], params: list[SamplingParams], seed: int):
         t0 = time.perf_counter()
         prompts = [slot.prompt for slot in slots]
         seeds, keys, policies = _sampling_args(s, step, slots, seed)
-        rollout = s.generator.sample(s.model, [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations, params,
-                                     seeds, keys=keys, policies=policies)
-        t1 = time.perf_counter()
-        scores = score_rollout(s, rollout, [s.prompts.train[i] for i in prompts])
+        rollout, scores, reward_s = s.source.sample(s.model, [s.prompts.train[i] for i in prompts],
+                                                    [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations,
+                                                    params, seeds, keys, policies)
         check_failures(s, scores, step)
-        timings.rollout_s += t1 - t0
-        timings.reward_s += time.perf_counter() - t1
+        timings.reward_s += reward_s
+        timings.rollout_s += time.perf_counter() - t0 - reward_s
         return rollout, scores
 
     return sample
@@ -165,8 +158,9 @@ def replay_count(expected: float, seed: int, step: int, rank: int = 0) -> int:
 
 
 def loss_mask(s: Session, batch: Batch) -> torch.Tensor:
-    """Completion tokens that enter the loss: failed rewards out, and truncated completions if asked."""
-    fresh = batch.rollout.completion_mask_BTc[:batch.num_fresh] * (~batch.scores.failed_B).unsqueeze(-1)
+    """Completion tokens that enter the loss: the policy's own (an episode's environment tokens stay out), failed
+    rewards out, and truncated completions if asked."""
+    fresh = batch.rollout.trained_mask_BTc[:batch.num_fresh] * (~batch.scores.failed_B).unsqueeze(-1)
     if s.cfg.algo.mask_truncated:
         truncated_B = torch.tensor([r == "length" for r in batch.rollout.finish_reasons[:batch.num_fresh]])
         fresh = fresh * (~truncated_B).unsqueeze(-1)
@@ -279,7 +273,7 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
         "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
-        "gen_tokens": int(rollout.completion_mask_BTc[:batch.num_fresh].sum()),
+        "gen_tokens": int(rollout.trained_mask_BTc[:batch.num_fresh].sum()), **s.source.take_metrics(),
         "policies": {p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(draw, cfg)}
                      for p, update, part, draw in zip(s.policies, updates, parts, draws) if part.groups},
     }
@@ -356,7 +350,7 @@ def reward_metrics(batch: Batch) -> dict:
 
 def rollout_metrics(batch: Batch) -> dict:
     rollout, n = batch.rollout, batch.num_fresh
-    lengths = rollout.completion_mask_BTc[:n].sum(-1).float()
+    lengths = rollout.trained_mask_BTc[:n].sum(-1).float()  # the policy's tokens (an episode's: all its turns)
     shaping = torch.cat([g.shaping_G for g in batch.groups])
     return {
         "rows": n, "groups": len(batch.groups),  # the counts that the means below are over (train/metrics.py)
@@ -365,7 +359,7 @@ def rollout_metrics(batch: Batch) -> dict:
         # groups of the trained batch whose task rewards are all equal (what GRPO-style advantages zero out)
         "frac_groups_zero_std": sum(is_flat(g.scores.total_B) for g in batch.groups) / len(batch.groups),
         "overlong_penalty_mean": float(shaping.mean()) if bool((shaping != 0).any()) else 0.0,
-        "gen_tokens": int(rollout.completion_mask_BTc[:n].sum()), "prompt_tokens": int(rollout.prompt_mask_BTp[:n].sum()),
+        "gen_tokens": int(rollout.trained_mask_BTc[:n].sum()), "prompt_tokens": int(rollout.prompt_mask_BTp[:n].sum()),
     }
 
 

@@ -1,0 +1,135 @@
+"""Where a step's rows come from: one completion per sample (prompt -> completion), or an episode of several turns
+with an environment (envs/). Both turn prompts into a scored Rollout, so the step, the collector (adaptive and
+dynamic sampling), replay, several policies and every algorithm run unchanged on either."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from rlora.data.prompts import prompt_text
+from rlora.config import RLConfig
+from rlora.envs.episodes import EpisodeLimits, EpisodeRunner
+from rlora.envs.protocol import Environment
+from rlora.envs.registry import EnvFactory
+from rlora.envs.render import EpisodeRenderer, tools_of
+from rlora.models.loading import TokenizerInfo
+from rlora.rewards.scoring import RewardFn, Scores, score_completions
+from rlora.rollout.generator import Generator
+from rlora.types import Example, Rollout, SamplingParams
+
+
+def columns_of(examples: list[Example], repeat: int = 1) -> dict[str, list]:
+    """The examples' extra columns (answer, task entry, ...) as reward functions take them, each row `repeat` times."""
+    names = sorted({name for ex in examples for name in ex.columns})
+    return {name: [ex.columns.get(name) for ex in examples for _ in range(repeat)] for name in names}
+
+
+class RolloutSource(Protocol):
+    correct_by: str  # the per_fn score whose full marks (1.0) make a row correct in evaluations
+
+    def sample(self, model, examples: list[Example], prompt_ids: list[list[int]], G: int,
+               params: Sequence[SamplingParams], seeds: int | Sequence[int], keys: Sequence[int],
+               policies: Sequence[int] | None) -> tuple[Rollout, Scores, float]:
+        """G rows per example (prompt-major), scored, and the seconds spent in reward functions; arguments as
+        Generator.sample takes them."""
+        ...
+
+    def take_metrics(self) -> dict:
+        """Counters gathered since the last call (this step's), e.g. turns per episode; {} when there are none."""
+        ...
+
+
+class Completions:
+    """One sampled completion per row, scored by the reward functions."""
+
+    def __init__(self, generator: Generator, rewards: list[RewardFn]):
+        self.generator, self.rewards = generator, rewards
+        self.correct_by = rewards[0].name
+
+    def sample(self, model, examples, prompt_ids, G, params, seeds, keys, policies) -> tuple[Rollout, Scores, float]:
+        rollout = self.generator.sample(model, prompt_ids, G, list(params), seeds, keys=keys, policies=policies)
+        t0 = time.perf_counter()
+        texts = [prompt_text(ex) for ex in examples for _ in range(G)]
+        scores = score_completions(self.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
+        return rollout, scores, time.perf_counter() - t0
+
+    def take_metrics(self) -> dict:
+        return {}
+
+
+def combine(env_scores: Scores, fn_scores: Scores | None) -> Scores:
+    """The environment's reward (per_fn 'env') plus the reward functions' weighted total; failed if either failed."""
+    if fn_scores is None:
+        return env_scores
+    failed_B = env_scores.failed_B | fn_scores.failed_B
+    total_B = torch.where(failed_B, torch.nan, env_scores.total_B.nan_to_num(0.0) + fn_scores.total_B.nan_to_num(0.0))
+    return Scores(total_B, {**env_scores.per_fn, **fn_scores.per_fn}, failed_B, env_scores.errors + fn_scores.errors)
+
+
+class Episodes:
+    """An episode per row: `make_env()` gives each its environment, the runner plays all of them turn by turn.
+    Its reward is the environment's (summed over turns) plus the reward functions' on the final reply; reward
+    functions get the conversation as the `messages` column."""
+
+    COUNTERS = ("turns", "env_tokens")
+
+    def __init__(self, runner: EpisodeRunner, make_env: Callable[[], Environment], rewards: list[RewardFn]):
+        self.runner, self.make_env, self.rewards = runner, make_env, rewards
+        self.correct_by = rewards[0].name if rewards else "env"
+        self._metrics: dict[str, float] = {}
+
+    def sample(self, model, examples, prompt_ids, G, params, seeds, keys, policies) -> tuple[Rollout, Scores, float]:
+        rows = [{"prompt": ex.prompt, **ex.columns} for ex in examples]
+        count = len(examples)
+        seeds = [seeds] * count if isinstance(seeds, int) else list(seeds)
+        batch = self.runner.run(model, [self.make_env() for _ in range(count * G)], rows, G, params, seeds, keys, policies)
+        rollout, t0 = batch.rollout, time.perf_counter()
+        env_rewards = [None if failed else float(r) for r, failed in zip(batch.env_rewards_B, batch.failed_B)]
+        env_scores = Scores(batch.env_rewards_B, {"env": env_rewards}, batch.failed_B.clone(), batch.errors)
+        fn_scores = None
+        if self.rewards:
+            texts = [prompt_text(ex) for ex in examples for _ in range(G)]
+            columns = columns_of(examples, repeat=G) | {"messages": batch.messages}
+            fn_scores = score_completions(self.rewards, texts, rollout.completions, columns)
+        self._count(batch)
+        return rollout, combine(env_scores, fn_scores), time.perf_counter() - t0  # the environments' time: sampling
+
+    def _count(self, batch) -> None:
+        m = self._metrics
+        m["episodes"] = m.get("episodes", 0) + len(batch.episodes)
+        m["turns"] = m.get("turns", 0) + sum(ep.turns for ep in batch.episodes)
+        env_tokens = batch.rollout.completion_mask_BTc.sum() - batch.rollout.trained_mask_BTc.sum()
+        m["env_tokens"] = m.get("env_tokens", 0) + int(env_tokens)
+        for status in ("done", "truncated", "failed"):
+            m[f"episodes_{status}"] = m.get(f"episodes_{status}", 0) + sum(ep.status == status for ep in batch.episodes)
+        for ep in batch.episodes:
+            for name, value in ep.counters.items():
+                m[name] = m.get(name, 0) + value
+
+    def take_metrics(self) -> dict:
+        """Over this step's sampled episodes (`episodes`): the means of turns, environment tokens and step() counters
+        (e.g. tool_calls) and the shares of episodes done, truncated and failed, under episode/."""
+        m, self._metrics = self._metrics, {}
+        episodes = m.pop("episodes", 0)
+        if not episodes:
+            return {}
+        out = {"episodes": episodes}
+        for name, value in m.items():
+            status = name.removeprefix("episodes_")
+            out[f"episode/{status}_frac" if status != name else f"episode/{name}_mean"] = value / episodes
+        return out
+
+
+def rollout_source(cfg: RLConfig, generator: Generator, tokenizer, tok: TokenizerInfo, rewards: list[RewardFn],
+                   make_env: EnvFactory | None) -> RolloutSource:
+    """Completions, or with env: episodes played turn by turn through the same generator."""
+    if make_env is None:
+        return Completions(generator, rewards)
+    schemas, fmt = tools_of(make_env())
+    limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_total_tokens, cfg.env.step_timeout_s)
+    runner = EpisodeRunner(generator, EpisodeRenderer(tokenizer, schemas, fmt), tok.eos_ids, tok.pad_id, limits)
+    return Episodes(runner, make_env, rewards)

@@ -1,0 +1,158 @@
+"""Episodes of several turns (envs/episodes.py) on a tiny random model: token in, token out; the loss mask covers
+exactly the policy's tokens; the sampler's log-probs equal the trainer's; faults end an episode, not the run."""
+
+import pytest
+import torch
+from envs_for_tests import Faulty, Scripted
+
+from rlora.config import LoraConfig, ModelConfig
+from rlora.envs.episodes import EpisodeLimits, EpisodeRunner
+from rlora.envs.render import EpisodeRenderer
+from rlora.envs.tools import CallFormat
+from rlora.models.loading import attach_lora, load_base_model, load_tokenizer
+from rlora.models.logprobs import completion_logprobs
+from rlora.models.tiny import build_random_model
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.types import SamplingParams
+
+ROWS = [{"prompt": "What is 3 + 4?"}, {"prompt": "Hello, how are you today?"}]
+# A random model rarely samples EOS: its turns end at a stop string (a space, which most tokens of the tiny BPE
+# hold), so that some turns end early and reach the environment and others run to their token budget
+TURN = SamplingParams(8, stop=(" ",))
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    folder = str(build_random_model(tmp_path_factory.mktemp("episodes") / "model", seed=0))
+    tokenizer, tok = load_tokenizer(folder)
+    model = attach_lora(load_base_model(ModelConfig(path=folder), folder), LoraConfig(rank=4, alpha=8))
+    with torch.no_grad():  # a random adapter: the policy differs from the base
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return tokenizer, tok, model
+
+
+class Recording:
+    """The real engine, keeping what each call sampled (to compare the episodes' tokens with)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def sample(self, model, prompts, n, params, seed, keys=None, policies=None):
+        rollout = self.engine.sample(model, prompts, n, params, seed, keys=keys, policies=policies)
+        self.calls.append((prompts, n, rollout))
+        return rollout
+
+
+def run(policy, envs, limits=EpisodeLimits(3, 64, 5.0), G=4, merge=True):
+    tokenizer, tok, model = policy
+    generator = Recording(BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge))
+    runner = EpisodeRunner(generator, EpisodeRenderer(tokenizer, [], CallFormat()), tok.eos_ids, tok.pad_id, limits)
+    batch = runner.run(model, envs, ROWS[:len(envs) // G], G, [TURN] * (len(envs) // G), [5] * 2, [0, 1])
+    return batch, generator
+
+
+def runs_of(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each maximal run of equal values."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out
+
+
+def test_policy_tokens_are_exactly_the_sampled_ones_and_the_rest_is_the_template(policy):
+    tokenizer, tok, model = policy
+    batch, generator = run(policy, [Scripted(turns=3) for _ in range(8)])
+    rollout = batch.rollout
+    assert max(ep.turns for ep in batch.episodes) >= 2, "no episode got a second turn: the test would prove little"
+    # what each episode's turns sampled, from the engine's own outputs, call by call (turn 0: G rows per prompt)
+    sampled = [[] for _ in batch.episodes]
+    running = list(range(len(batch.episodes)))
+    for _prompts, _n, out in generator.calls:
+        for r, b in enumerate(running):
+            sampled[b].append(out.completion_ids_BTc[r, :int(out.completion_mask_BTc[r].sum())].tolist())
+        running = [b for b in running if len(sampled[b]) < batch.episodes[b].turns]
+    for b, ep in enumerate(batch.episodes):
+        length = int(rollout.completion_mask_BTc[b].sum())
+        ids = rollout.completion_ids_BTc[b, :length].tolist()
+        mask = rollout.policy_mask_BTc[b, :length].tolist()
+        policy_runs = [ids[start:end] for value, start, end in runs_of(mask) if value == 1]
+        assert policy_runs == sampled[b][:ep.turns], b  # token by token, turn by turn
+        assert rollout.trained_mask_BTc[b].sum() == sum(map(len, sampled[b]))
+        # the whole row decodes to the chat template's rendering of the conversation, up to the last reply
+        text = tokenizer.decode(rollout.prompt_ids_BTp[b][rollout.prompt_mask_BTp[b].bool()].tolist() + ids)
+        rendered = tokenizer.apply_chat_template(ep.messages, tokenize=False)
+        assert rendered.startswith(text) and len(rendered) - len(text) <= len("<|im_end|>\n"), b
+        # environment runs are the template's text for the messages between two replies
+        for value, start, end in runs_of(mask):
+            if value == 0:
+                assert tokenizer.decode(ids[start:end]).endswith("<|im_start|>assistant\n")
+        assert (rollout.sampling_logp_BTc[b][rollout.policy_mask_BTc[b] == 0] == 0).all()
+        assert ep.status in ("done", "truncated") and rollout.finish_reasons[b] == ("stop" if ep.status == "done" else "length")
+        if ep.status == "done":  # the environment ended it at its third reply: 1 + 1 + 3
+            assert ep.turns == 3 and batch.env_rewards_B[b] == 5
+        else:  # a turn ran to its budget: the environment saw the turns before it
+            assert batch.env_rewards_B[b] == ep.turns - 1
+    assert {ep.status for ep in batch.episodes} == {"done", "truncated"}
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_sampler_logprobs_equal_the_trainers_over_every_turn(policy, merge):
+    tokenizer, tok, model = policy
+    batch, _ = run(policy, [Scripted(turns=3) for _ in range(8)], merge=merge)
+    rollout = batch.rollout
+    model.eval()
+    with torch.no_grad():
+        trainer_BT, _ = completion_logprobs(model, rollout.select(slice(None)))
+    mask = rollout.trained_mask_BTc.bool()
+    gap = (trainer_BT[mask] - rollout.sampling_logp_BTc[mask]).abs()
+    assert mask.sum() > 40 and gap.max() < 1e-4, (int(mask.sum()), float(gap.max()))
+
+
+def test_a_later_turn_is_sampled_from_the_whole_history(policy):
+    """Turn 1's prompts are the first prompt, turn 0's tokens and the environment's: the engine sees the history."""
+    batch, generator = run(policy, [Scripted(turns=3) for _ in range(8)])
+    (_, n0, _), (prompts1, n1, _) = generator.calls[:2]
+    assert (n0, n1) == (4, 1)
+    continuing = [b for b, ep in enumerate(batch.episodes) if ep.turns >= 2]
+    for prompt, b in zip(prompts1, continuing):
+        ep = batch.episodes[b]
+        first_turn_end = next(i for i, m in enumerate(ep.policy_mask) if m == 0)
+        env_end = first_turn_end + next(i for i, m in enumerate(ep.policy_mask[first_turn_end:]) if m == 1)
+        assert prompt == ep.prompt_ids + ep.tokens[:env_end]
+
+
+def test_turn_and_token_limits_truncate(policy):
+    batch, _ = run(policy, [Scripted(turns=10) for _ in range(8)], limits=EpisodeLimits(2, 64, 5.0))
+    assert all(ep.turns <= 2 for ep in batch.episodes)
+    assert all(ep.status == "truncated" for ep in batch.episodes)
+    assert set(batch.rollout.finish_reasons) == {"length"}
+    batch, _ = run(policy, [Scripted(turns=10) for _ in range(8)], limits=EpisodeLimits(10, 30, 5.0))
+    lengths = batch.rollout.completion_mask_BTc.sum(-1)
+    assert int(lengths.max()) <= 30 and all(ep.status == "truncated" for ep in batch.episodes)
+
+
+def test_faulty_environments_fail_their_episode_only(policy):
+    tokenizer, tok, model = policy
+    rows = [{"prompt": "raise"}, {"prompt": "hang"}, {"prompt": "bad"}, {"prompt": "reset"}, {"prompt": "What is 3 + 4?"}]
+    generator = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    runner = EpisodeRunner(generator, EpisodeRenderer(tokenizer, [], CallFormat()), tok.eos_ids, tok.pad_id,
+                           EpisodeLimits(2, 64, 0.5))
+    G = 2
+    batch = runner.run(model, [Faulty(turns=2) for _ in range(len(rows) * G)], rows, G, [TURN] * 5,
+                       [0] * 5, list(range(5)))
+    statuses = [ep.status for ep in batch.episodes]
+    assert statuses[6:8] == ["failed", "failed"] and "cannot reset" in batch.episodes[6].error
+    for b, word in [(0, "broken environment"), (2, "did not return within 0.5 s"), (4, "StepResult")]:
+        ep = batch.episodes[b]
+        assert ep.status in ("failed", "truncated"), ep.status  # a turn cut at its budget never reaches step()
+        if ep.status == "failed":
+            assert word in ep.error
+    assert any(batch.episodes[b].status == "failed" for b in (0, 1)), "no 'raise' episode reached step()"
+    assert not batch.failed_B[8:].any() and batch.failed_B.tolist() == [ep.status == "failed" for ep in batch.episodes]
+    assert torch.isnan(batch.env_rewards_B[batch.failed_B]).all()
+    assert (batch.rollout.trained_mask_BTc[6:8] == 0).all()  # failed at reset: nothing to train on

@@ -1,0 +1,79 @@
+"""Environments in `rlora train` and `rlora eval`: a one-turn environment trains exactly as the prompt/completion
+path; tool and textarena episodes run end to end; bad env settings are one line, exit 2, before the model loads."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from safetensors.torch import load_file
+
+from rlora.cli import main
+
+
+def train(tmp_path, name, tiny_model_dir, prompts_file, capsys, **extra):
+    out = tmp_path / name
+    code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **extra)])
+    err = capsys.readouterr().err
+    return code, err, out
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_one_turn_environment_trains_exactly_like_prompt_completion(tiny_model_dir, prompts_file, tmp_path, capsys):
+    code, err, plain = train(tmp_path, "plain", tiny_model_dir, prompts_file, capsys)
+    assert code == 0, err
+    code, err, env = train(tmp_path, "env", tiny_model_dir, prompts_file, capsys, **{"env": "{fn: envs_for_tests.single_turn}"})
+    assert code == 0, err
+    a = load_file(plain / "adapter" / "adapter_model.safetensors")
+    b = load_file(env / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for p, e in zip(metrics(plain), metrics(env)):
+        for key in ("reward_mean", "loss", "kl", "gen_tokens", "completion_len_mean", "reward/count_a"):
+            assert p[key] == e[key], key
+        assert e["reward/env"] == 0.0 and e["episode/turns_mean"] == 1.0 and e["episode/done_frac"] + e["episode/truncated_frac"] == 1
+    assert json.loads((plain / "eval.json").read_text()) == json.loads((env / "eval.json").read_text())
+
+
+def test_tool_episodes_train_and_evaluate(tiny_model_dir, prompts_file, tmp_path, capsys):
+    code, err, out = train(tmp_path, "calc", tiny_model_dir, prompts_file, capsys,
+                           **{"env": "{fn: calculator, max_turns: 3, max_total_tokens: 64}", "rollout.stop": "[' ']"})
+    assert code == 0, err
+    rows = metrics(out)
+    assert all(r["episodes"] == 8 and 1 <= r["episode/turns_mean"] <= 3 for r in rows)
+    assert all(0 <= r["episode/failed_frac"] == 0 for r in rows)
+    evals = json.loads((out / "eval.json").read_text())
+    assert evals["after"]["n"] == 4
+    config = (out / "config.yaml").read_text()
+    assert "env:" in config and "fn: calculator" in config
+    assert main(["eval", str(out), "--output", str(tmp_path / "ev")]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, message", [
+    ("{fn: no_such_env}", "env fn 'no_such_env' is neither"),
+    ("{fn: tools, args: {tools: [envs_for_tests.no_docstring]}}", "tool 'no_docstring' has no docstring"),
+    ("{fn: tools, args: {tools: [envs_for_tests.nothing_here]}}", "has no function 'nothing_here'"),
+    ("{fn: calculator, max_turns: 0}", "env.max_turns"),
+    ("{fn: envs_for_tests.scripted, args: {colour: red}}", "does not take these env.args"),
+    ("{fn: textarena, args: {game: NoSuchGame-v0}}", "textarena has no game 'NoSuchGame-v0'"),
+])
+def test_bad_env_settings_are_one_line_exit_2(env, message, tiny_model_dir, prompts_file, tmp_path, capsys):
+    code, err, out = train(tmp_path, "o", tiny_model_dir, prompts_file, capsys, env=env)
+    lines = [line for line in err.splitlines() if line.startswith("rlora: error:")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_textarena_guess_the_number_runs_offline(tiny_model_dir, tmp_path, capsys):
+    rows = tmp_path / "games.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"game {i}", "seed": i}) + "\n" for i in range(4)))
+    code, err, out = train(tmp_path, "ta", tiny_model_dir, str(rows), capsys,
+                           **{"env": "{fn: textarena, args: {game: GuessTheNumber-v0}, max_turns: 2}", "rewards": "[]",
+                              "train.steps": 1, "eval.before": "false"})
+    assert code == 0, err
+    [row] = metrics(out)
+    # every game started (a failed reset would count as failed) and the policy's replies reached it
+    assert row["episodes"] == 8 and row["episode/failed_frac"] == 0 and row["episode/turns_mean"] >= 1
+    assert row["reward_count"] == 8 and "reward/env" in row

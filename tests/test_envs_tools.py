@@ -1,0 +1,96 @@
+"""Tools (envs/tools.py) and the calculator: schemas from docstrings, tool-call parsing, and faults that come back
+to the policy as error messages; the chat rendering of tools."""
+
+import pytest
+from envs_for_tests import failing_tool, no_docstring, slow_tool
+
+from rlora.envs.calculator import calculator
+from rlora.envs.render import EpisodeRenderer, template_renders_tools
+from rlora.envs.tools import CallFormat, ToolCall, ToolEnvironment, parse_tool_calls, run_tool, tool_schema
+from rlora.errors import UserError
+from rlora.models.tiny import build_tokenizer
+
+
+@pytest.mark.parametrize("expression, value", [("12 + 7 * 3", "33"), ("(12 + 7) * 3", "57"), ("7 / 2", "3.5"),
+                                               ("-3 ** 2", "-9"), ("2 ** 10", "1024"), ("8 / 4", "2"), ("17 % 5", "2")])
+def test_calculator_evaluates_arithmetic(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize("expression, error", [("__import__('os')", "unsupported syntax"), ("2 ** 1000", "too large"),
+                                               ("1 +", "not an arithmetic expression"), ("x + 1", "unsupported")])
+def test_calculator_refuses_anything_else(expression, error):
+    with pytest.raises(ValueError, match=error):
+        calculator(expression)
+
+
+def test_schema_from_signature_and_docstring():
+    schema = tool_schema(calculator)["function"]
+    assert schema["name"] == "calculator" and schema["parameters"]["required"] == ["expression"]
+    assert schema["parameters"]["properties"]["expression"]["type"] == "string"
+    with pytest.raises(UserError, match="no docstring"):
+        tool_schema(no_docstring)
+
+
+def test_tool_calls_are_parsed_in_order_and_bad_blocks_carry_their_error():
+    text = ('I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call> and '
+            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"3\\"}"}</tool_call>'
+            '<tool_call>{not json}</tool_call><tool_call>["x"]</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls[:2] == [ToolCall("calculator", {"expression": "1+2"}), ToolCall("calculator", {"expression": "3"})]
+    assert "not valid JSON" in calls[2].error and '{"name"' in calls[3].error
+    [custom] = parse_tool_calls('[[{"name": "calculator", "arguments": {"expression": "5"}}]]', CallFormat("[[", "]]"))
+    assert custom == ToolCall("calculator", {"expression": "5"})
+
+
+def test_tool_faults_return_error_messages():
+    tools = {"calculator": calculator, "failing_tool": failing_tool, "slow_tool": slow_tool}
+    assert run_tool(tools, ToolCall("calculator", {"expression": "2*21"}), 5) == ("42", True)
+    assert run_tool(tools, ToolCall("failing_tool", {"x": 3}), 5) == ("Error: RuntimeError: no luck with 3", False)
+    text, ok = run_tool(tools, ToolCall("slow_tool", {"seconds": 30}), 0.3)
+    assert not ok and "did not return within 0.3 s" in text
+    text, ok = run_tool(tools, ToolCall("nope", {}), 5)
+    assert not ok and "unknown tool 'nope'" in text and "calculator" in text
+    text, ok = run_tool(tools, ToolCall("calculator", {"wrong": 1}), 5)
+    assert not ok and text.startswith("Error: TypeError")
+
+
+def test_tool_environment_turns():
+    env = ToolEnvironment([calculator, failing_tool], timeout_s=5)
+    assert env.reset({"prompt": "What is 2 + 2?"}) == [{"role": "user", "content": "What is 2 + 2?"}]
+    result = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+                      '<tool_call>{"name": "failing_tool", "arguments": {"x": 1}}</tool_call>')
+    assert not result.done and [m["content"] for m in result.messages] == ["4", "Error: RuntimeError: no luck with 1"]
+    assert all(m["role"] == "tool" for m in result.messages) and result.info == {"tool_calls": 2, "tool_errors": 1}
+    final = env.step("The answer is 4.")
+    assert final.done and final.messages == [] and final.reward == 0.0
+
+
+def test_tools_are_described_to_templates_without_tool_support():
+    tokenizer = build_tokenizer()
+    assert not template_renders_tools(tokenizer)
+    renderer = EpisodeRenderer(tokenizer, [tool_schema(calculator)], CallFormat())
+    text = tokenizer.decode(renderer.first_prompt([{"role": "user", "content": "What is 2 + 2?"}]))
+    assert text.startswith("<|im_start|>system\nYou can call these tools:\n{\"name\": \"calculator\"")
+    assert "<tool_call>" in text and text.endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    native = build_tokenizer()
+    native.chat_template = "{% if tools %}TOOLS:{{ tools | length }}\n{% endif %}" + native.chat_template
+    assert template_renders_tools(native)
+    text = native.decode(EpisodeRenderer(native, [tool_schema(calculator)], CallFormat()).first_prompt(
+        [{"role": "user", "content": "hi"}]))
+    assert text.startswith("TOOLS:1\n<|im_start|>user\nhi") and "You can call" not in text
+
+
+def test_a_turn_ended_by_eos_is_continued_after_the_template_end_of_turn():
+    tokenizer = build_tokenizer()
+    renderer = EpisodeRenderer(tokenizer, [], CallFormat())
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "call"}]
+    new = [{"role": "tool", "content": "4"}]
+    after_eos = tokenizer.decode(renderer.continuation(history, new, True, "<|im_end|>"))
+    assert after_eos == "\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
+    after_stop = tokenizer.decode(renderer.continuation(history, new, False, ""))
+    assert after_stop == "<|im_end|>\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
+    rewriting = build_tokenizer()
+    rewriting.chat_template = "{{ messages | length }}" + rewriting.chat_template  # the first line changes each turn
+    with pytest.raises(UserError, match="rewrites earlier turns"):
+        EpisodeRenderer(rewriting, [], CallFormat()).continuation(history, new, True, "<|im_end|>")

@@ -35,20 +35,30 @@ def policy(tmp_path_factory):
 
 
 class Recording:
-    """The real engine, keeping what each call sampled (to compare the episodes' tokens with)."""
+    """The real engine, keeping what each call sampled (to compare the episodes' tokens with). continued: offer
+    the engine's sample_continued (a new turn runs only its new tokens after the row's cache); else only sample
+    (a new turn runs the whole history)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, continued: bool):
         self.engine, self.calls = engine, []
+        if continued:
+            self.sample_continued = self._continued
 
     def sample(self, model, prompts, n, params, seed, keys=None, policies=None):
         rollout = self.engine.sample(model, prompts, n, params, seed, keys=keys, policies=policies)
         self.calls.append((prompts, n, rollout))
         return rollout
 
+    def _continued(self, model, prompts, n, params, seed, keys=None, policies=None, past=None):
+        rollout, caches = self.engine.sample_continued(model, prompts, n, params, seed, keys=keys, policies=policies,
+                                                       past=past)
+        self.calls.append((prompts, n, rollout))
+        return rollout, caches
 
-def run(policy, envs, limits=EpisodeLimits(3, 64, 5.0), G=4, merge=True):
+
+def run(policy, envs, limits=EpisodeLimits(3, 64, 5.0), G=4, merge=True, continued=True):
     tokenizer, tok, model = policy
-    generator = Recording(BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge))
+    generator = Recording(BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=merge), continued)
     runner = EpisodeRunner(generator, EpisodeRenderer(tokenizer, [], CallFormat()), tok.eos_ids, tok.pad_id, limits)
     batch = runner.run(model, envs, ROWS[:len(envs) // G], G, [TURN] * (len(envs) // G), [5] * 2, [0, 1])
     return batch, generator
@@ -64,9 +74,10 @@ def runs_of(mask: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def test_policy_tokens_are_exactly_the_sampled_ones_and_the_rest_is_the_template(policy):
+@pytest.mark.parametrize("continued", [True, False])
+def test_policy_tokens_are_exactly_the_sampled_ones_and_the_rest_is_the_template(policy, continued):
     tokenizer, tok, model = policy
-    batch, generator = run(policy, [Scripted(turns=3) for _ in range(8)])
+    batch, generator = run(policy, [Scripted(turns=3) for _ in range(8)], continued=continued)
     rollout = batch.rollout
     assert max(ep.turns for ep in batch.episodes) >= 2, "no episode got a second turn: the test would prove little"
     # what each episode's turns sampled, from the engine's own outputs, call by call (turn 0: G rows per prompt)
@@ -100,10 +111,10 @@ def test_policy_tokens_are_exactly_the_sampled_ones_and_the_rest_is_the_template
     assert {ep.status for ep in batch.episodes} == {"done", "truncated"}
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_sampler_logprobs_equal_the_trainers_over_every_turn(policy, merge):
+@pytest.mark.parametrize("merge, continued", [(True, True), (False, True), (True, False)])
+def test_sampler_logprobs_equal_the_trainers_over_every_turn(policy, merge, continued):
     tokenizer, tok, model = policy
-    batch, _ = run(policy, [Scripted(turns=3) for _ in range(8)], merge=merge)
+    batch, _ = run(policy, [Scripted(turns=3) for _ in range(8)], merge=merge, continued=continued)
     rollout = batch.rollout
     model.eval()
     with torch.no_grad():
@@ -113,17 +124,31 @@ def test_sampler_logprobs_equal_the_trainers_over_every_turn(policy, merge):
     assert mask.sum() > 40 and gap.max() < 1e-4, (int(mask.sum()), float(gap.max()))
 
 
-def test_a_later_turn_is_sampled_from_the_whole_history(policy):
-    """Turn 1's prompts are the first prompt, turn 0's tokens and the environment's: the engine sees the history."""
-    batch, generator = run(policy, [Scripted(turns=3) for _ in range(8)])
-    (_, n0, _), (prompts1, n1, _) = generator.calls[:2]
-    assert (n0, n1) == (4, 1)
-    continuing = [b for b, ep in enumerate(batch.episodes) if ep.turns >= 2]
-    for prompt, b in zip(prompts1, continuing):
-        ep = batch.episodes[b]
-        first_turn_end = next(i for i, m in enumerate(ep.policy_mask) if m == 0)
-        env_end = first_turn_end + next(i for i, m in enumerate(ep.policy_mask[first_turn_end:]) if m == 1)
-        assert prompt == ep.prompt_ids + ep.tokens[:env_end]
+def test_a_later_turn_runs_only_its_new_tokens_after_the_cache_or_the_whole_history_without_it(policy):
+    for continued in (True, False):
+        batch, generator = run(policy, [Scripted(turns=3) for _ in range(8)], continued=continued)
+        (_, n0, _), (prompts1, n1, _) = generator.calls[:2]
+        assert (n0, n1) == (4, 1)
+        continuing = [b for b, ep in enumerate(batch.episodes) if ep.turns >= 2]
+        for prompt, b in zip(prompts1, continuing):
+            ep = batch.episodes[b]
+            first_turn_end = next(i for i, m in enumerate(ep.policy_mask) if m == 0)
+            env_end = first_turn_end + next(i for i, m in enumerate(ep.policy_mask[first_turn_end:]) if m == 1)
+            history = ep.prompt_ids + ep.tokens[:env_end]
+            # the cache holds all but turn 0's last token, which was sampled and never fed back
+            assert prompt == (ep.tokens[first_turn_end - 1:env_end] if continued else history)
+
+
+def test_continuing_from_the_cache_samples_what_running_the_history_again_samples(policy):
+    """Appending a turn to the key/value cache gives the next-token distributions of a full prefill of the history:
+    the same tokens in every turn and log-probs equal to float32 resolution."""
+    cached, _ = run(policy, [Scripted(turns=3) for _ in range(8)], continued=True)
+    again, _ = run(policy, [Scripted(turns=3) for _ in range(8)], continued=False)
+    assert max(ep.turns for ep in cached.episodes) >= 2
+    assert [ep.tokens for ep in cached.episodes] == [ep.tokens for ep in again.episodes]
+    mask = cached.rollout.trained_mask_BTc.bool()
+    gap = (cached.rollout.sampling_logp_BTc[mask] - again.rollout.sampling_logp_BTc[mask]).abs()
+    assert gap.max() < 1e-5, float(gap.max())
 
 
 def test_turn_and_token_limits_truncate(policy):

@@ -22,6 +22,7 @@ import torch
 from rlora import deadline
 from rlora.envs.protocol import Environment, EnvironmentFault, checked_messages, checked_result
 from rlora.envs.render import EpisodeRenderer
+from rlora.rollout.engine import RowCache
 from rlora.rollout.generator import Generator
 from rlora.tensors import left_padded, right_padded
 from rlora.types import Rollout, SamplingParams
@@ -50,6 +51,7 @@ class Episode:
     error: str | None = None
     final_text: str = ""  # the last assistant reply (what reward functions score)
     counters: dict[str, float] = field(default_factory=dict)  # summed step() info, e.g. tool_calls
+    cache: RowCache | None = None  # keys/values of its first cache.length tokens (a sampler that continues rows)
 
     def fail(self, message: str) -> None:
         self.status, self.error = "failed", message
@@ -97,12 +99,10 @@ class EpisodeRunner:
             running = [b for b, ep in enumerate(episodes) if ep.status == "running"]
             if not running:
                 break
-            prompts = [episodes[b].prompt_ids + episodes[b].tokens for b in running]
             turn_params = [self._turn_params(params[b // G], episodes[b]) for b in running]
             turn_keys = [turn * TURN_KEY_STRIDE + keys[b // G] * G + b % G for b in running]
-            rollout = self._sample(model, prompts, 1, turn_params, [seeds[b // G] for b in running], turn_keys,
-                                   None if policies is None else [policies[b // G] for b in running])
-            self._advance([episodes[b] for b in running], rollout)
+            self._sample_turn(model, [episodes[b] for b in running], 1, turn_params, [seeds[b // G] for b in running],
+                              turn_keys, None if policies is None else [policies[b // G] for b in running])
         for ep in episodes:
             if ep.status == "running":  # its last turn was sampled at max_turns
                 ep.status = "truncated"
@@ -125,24 +125,40 @@ class EpisodeRunner:
         first = [turn_params for turn_params in (self._turn_params(params[i], episodes[i * G]) for i in range(P))]
         groups = [episodes[i * G:(i + 1) * G] for i in range(P)]
         if all(ep.status == "running" and ep.prompt_ids == group[0].prompt_ids for group in groups for ep in group):
-            rollout = self._sample(model, [group[0].prompt_ids for group in groups], G, first, seeds, keys, policies)
-            self._advance(episodes, rollout)
+            self._sample_turn(model, episodes, G, first, seeds, keys, policies)
             return
         running = [b for b, ep in enumerate(episodes) if ep.status == "running"]
         if running:
-            rollout = self._sample(model, [episodes[b].prompt_ids for b in running], 1, [first[b // G] for b in running],
-                                   [seeds[b // G] for b in running], [keys[b // G] * G + b % G for b in running],
-                                   None if policies is None else [policies[b // G] for b in running])
-            self._advance([episodes[b] for b in running], rollout)
+            self._sample_turn(model, [episodes[b] for b in running], 1, [first[b // G] for b in running],
+                              [seeds[b // G] for b in running], [keys[b // G] * G + b % G for b in running],
+                              None if policies is None else [policies[b // G] for b in running])
 
     def _turn_params(self, params: SamplingParams, ep: Episode) -> SamplingParams:
         budget = max(1, min(params.max_new_tokens, self.limits.max_total_tokens - len(ep.tokens)))
         return dataclasses.replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
 
-    def _sample(self, model, prompts, n, params, seeds, keys, policies) -> Rollout:
+    def _sample_turn(self, model, episodes: list[Episode], n: int, params, seeds, keys, policies) -> None:
+        """Sample the next turn of these episodes (n > 1: each run of n episodes starts alike and shares one prompt)
+        and advance them. A sampler that continues rows (the built-in engine's sample_continued) runs only the
+        tokens after an episode's cache; another runs each episode's whole history again."""
+        firsts = episodes[::n]
         seed = seeds[0] if len(set(seeds)) == 1 else list(seeds)  # one seed: what every backend takes
-        return self.generator.sample(model, prompts, n, list(params), seed, keys=list(keys),
-                                     policies=None if policies is None else list(policies))
+        common = dict(keys=list(keys), policies=None if policies is None else list(policies))
+        continued = getattr(self.generator, "sample_continued", None)
+        if continued is None:
+            rollout = self.generator.sample(model, [ep.prompt_ids + ep.tokens for ep in firsts], n, list(params), seed,
+                                            **common)
+        else:
+            past = [ep.cache for ep in firsts] if firsts[0].cache is not None else None
+            start = [0 if ep.cache is None else ep.cache.length for ep in firsts]
+            prompts = [(ep.prompt_ids + ep.tokens)[cut:] for ep, cut in zip(firsts, start)]
+            rollout, caches = continued(model, prompts, n, list(params), seed, past=past, **common)
+            for ep, cache in zip(episodes, caches):
+                ep.cache = cache
+        self._advance(episodes, rollout)
+        for ep in episodes:
+            if ep.status != "running":
+                ep.cache = None  # its memory: an episode that ended needs no more turns
 
     def _advance(self, episodes: list[Episode], rollout: Rollout) -> None:
         """Append each episode's sampled turn, then let its environment answer."""

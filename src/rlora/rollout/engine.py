@@ -11,6 +11,7 @@ small, with the finished rows' results discarded.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -35,31 +36,82 @@ class KVCache:
         self.gen = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                     for _ in range(len(view.layers))]
         self.prompt_bias_P11T: torch.Tensor | None = None  # 0 on real prompt tokens, -inf on padding
+        self.prompt_mask_PT: torch.Tensor | None = None  # 1 on real prompt tokens (a continued row's cached ones too)
+
+
+@dataclass
+class RowCache:
+    """Keys and values of the first `length` tokens a row has seen (its prompt, then its turns), per layer [K, T, d]:
+    a later call continues the row from them instead of running its history again (multi-turn episodes)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[1]
+
+
+def _left_padded_cache(past: Sequence[RowCache], device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Rows' caches side by side, left-padded: per layer (K, V) [P, kv_heads, T, d], and mask_PT (1 on real keys)."""
+    width = max(c.length for c in past)
+    mask_PT = torch.zeros(len(past), width, dtype=torch.long, device=device)
+    layers = []
+    for index in range(len(past[0].layers)):
+        k0 = past[0].layers[index][0]
+        k = k0.new_zeros(len(past), k0.shape[0], width, k0.shape[2])
+        v = torch.zeros_like(k)
+        for p, cache in enumerate(past):
+            k[p, :, width - cache.length:], v[p, :, width - cache.length:] = cache.layers[index]
+        layers.append((k, v))
+    for p, cache in enumerate(past):
+        mask_PT[p, width - cache.length:] = 1
+    return layers, mask_PT
 
 
 @torch.no_grad()
-def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run the left-padded prompts once, fill cache.prompt -> logits of the next token [P, V]."""
+def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, cache: KVCache,
+            past: Sequence[RowCache] | None = None) -> torch.Tensor:
+    """Run the left-padded prompts once, fill cache.prompt -> logits of the next token [P, V]. With `past`, the
+    prompts continue those rows: their tokens attend to the cached keys too, and cache.prompt holds both."""
     P, T = ids_PT.shape
     H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
     x = view.embed(ids_PT)
-    tables = view.rope_tables(x, position_ids_from_mask(mask_PT))
+    past_layers, past_mask_PT = _left_padded_cache(past, x.device) if past else ([], mask_PT[:, :0])
+    positions_PT = (past_mask_PT.sum(-1, keepdim=True) + mask_PT.long().cumsum(-1) - 1).clamp(min=0)
+    tables = view.rope_tables(x, positions_PT)
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    allowed_P1TT = (causal_TT & mask_PT.bool()[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
-    allowed_P1TT = allowed_P1TT[:, None]  # padding queries see themselves only (their output is unused)
-    for layer in view.layers:
+    allowed_PTT = (causal_TT & mask_PT.bool()[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
+    # padding queries see themselves only (their output is unused); every query sees the row's cached keys
+    allowed_P1TS = torch.cat([past_mask_PT.bool()[:, None, :].expand(P, T, -1), allowed_PTT], dim=-1)[:, None]
+    for index, layer in enumerate(view.layers):
         q, k, v = layer.attention_inputs(x)
         q = q.view(P, T, H, d).transpose(1, 2)
         k = k.view(P, T, K, d).transpose(1, 2)
         v = v.view(P, T, K, d).transpose(1, 2)
         q, k = view.rotate(layer, q, k, tables)
+        if past_layers:
+            k, v = torch.cat([past_layers[index][0], k], dim=2), torch.cat([past_layers[index][1], v], dim=2)
         cache.prompt.append((k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_P1TT, scale=layer.scaling, enable_gqa=K != H)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_P1TS, scale=layer.scaling, enable_gqa=K != H)
         x = layer.add_attention(x, attn.transpose(1, 2).reshape(P, T, H * d))
         x = layer.add_mlp(x)
+    cache.prompt_mask_PT = torch.cat([past_mask_PT, mask_PT.long()], dim=1)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    cache.prompt_bias_P11T = torch.where(mask_PT.bool(), zero, float("-inf"))[:, None, None, :]
+    cache.prompt_bias_P11T = torch.where(cache.prompt_mask_PT.bool(), zero, float("-inf"))[:, None, None, :]
     return view.logits(x[:, -1])
+
+
+def row_caches(cache: KVCache, length_B: torch.Tensor, G: int) -> list[RowCache]:
+    """Each row's keys and values after sampling: its prompt's real positions, then its generated tokens but the
+    last (a row's last token is sampled, never fed back: the next call feeds it)."""
+    rows = []
+    for b, length in enumerate(length_B.tolist()):
+        p, g = divmod(b, G)
+        real = cache.prompt_mask_PT[p].bool()
+        rows.append(RowCache([(torch.cat([k_prompt[p][:, real], k_gen[p, :, g, :length - 1]], dim=1),
+                               torch.cat([v_prompt[p][:, real], v_gen[p, :, g, :length - 1]], dim=1))
+                              for (k_prompt, v_prompt), (k_gen, v_gen) in zip(cache.prompt, cache.gen)]))
+    return rows
 
 
 def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, rows_A, t: int, cache: KVCache,
@@ -160,6 +212,22 @@ class BuiltinGenerator:
         (models/multi_lora.py), the policy that samples each prompt; all of them decode in one batch.
         on_token(row, token): called with every token as it is drawn (row: prompt-major, as in the rollout;
         a row's ending EOS included), e.g. to print a reply while it is generated."""
+        rollout, _ = self._sample(model, prompts, n, params, seed, keys, policies, on_token, None, keep_caches=False)
+        return rollout
+
+    @torch.no_grad()
+    def sample_continued(self, model, prompts: list[list[int]], n: int,
+                         params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
+                         keys: Sequence[int] | None = None, policies: Sequence[int] | None = None,
+                         past: Sequence[RowCache] | None = None) -> tuple[Rollout, list[RowCache]]:
+        """sample(), where prompt i continues the row whose keys and values past[i] holds (its tokens follow
+        past[i]'s), and -> each sampled row's cache too (RowCache: its prompt, past and samples but the last
+        token), for a later call to continue from: a new turn runs only its new tokens."""
+        if past is not None and len(past) != len(prompts):
+            raise ValueError(f"{len(past)} caches for {len(prompts)} prompts")
+        return self._sample(model, prompts, n, params, seed, keys, policies, None, past, keep_caches=True)
+
+    def _sample(self, model, prompts, n, params, seed, keys, policies, on_token, past, keep_caches: bool):
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         keys = list(range(len(prompts))) if keys is None else list(keys)
         seeds = [seed] * len(prompts) if isinstance(seed, int) else list(seed)
@@ -172,21 +240,27 @@ class BuiltinGenerator:
         try:
             view = DecoderView.of(model, self.merge, self.dtype)
             max_new = max(p.max_new_tokens for p in per_prompt)
-            max_rows = self.max_rows or rows_that_fit(view, max_new, max(map(len, prompts)))
+            longest = max(len(p) + (0 if past is None else c.length) for p, c in zip(prompts, past or [None] * len(prompts)))
+            max_rows = self.max_rows or rows_that_fit(view, max_new, longest)
             per_chunk = max(1, max_rows // n)  # prompts decoded together: up to max_rows rows
-            chunks = []
+            chunks, caches = [], []
             for i in range(0, len(prompts), per_chunk):  # MoLoRA layers are called routed by their rows' prompts
                 part = slice(i, i + per_chunk)
                 with (sampler_routing(model, prompts[part], n) as routing,
                       SamplerPolicies(model, None if policies is None else list(policies)[part], n, view.device) as rows):
-                    chunks.append(self._sample_chunk(view, prompts[part], n, per_prompt[part], seeds[part], keys[part],
-                                                     _RowContexts(routing, rows), _from_row(on_token, i * n)))
+                    chunk, cache = self._sample_chunk(view, prompts[part], n, per_prompt[part], seeds[part], keys[part],
+                                                      _RowContexts(routing, rows), _from_row(on_token, i * n),
+                                                      None if past is None else list(past)[part])
+                chunks.append(chunk)
+                if keep_caches:
+                    caches += row_caches(cache, chunk.length_B, n)
         finally:
             model.train(was_training)
-        return self._rollout(prompts, n, chunks)
+        return self._rollout(prompts, n, chunks), caches
 
     def _sample_chunk(self, view: DecoderView, prompts, G: int, per_prompt, seeds: list[int], keys: list[int],
-                      routing: "_RowContexts", on_token: Callable[[int, int], None] | None):
+                      routing: "_RowContexts", on_token: Callable[[int, int], None] | None,
+                      past: list[RowCache] | None) -> tuple["_Chunk", KVCache]:
         device = view.device
         P, B = len(prompts), len(prompts) * G
         row_keys_B = (torch.tensor(keys, dtype=torch.int64)[:, None] * G + torch.arange(G)).reshape(-1).to(device)
@@ -197,8 +271,8 @@ class BuiltinGenerator:
         ids_PT, mask_PT = (x.to(device) for x in left_padded(prompts, self.pad_id))
         cache = KVCache(view, P, G, max_new, view.dtype, device)
         routing.prompts()
-        logits_A = prefill(view, ids_PT, mask_PT, cache).repeat_interleave(G, dim=0)
-        prompt_len_B = mask_PT.sum(-1).repeat_interleave(G)
+        logits_A = prefill(view, ids_PT, mask_PT, cache, past).repeat_interleave(G, dim=0)
+        prompt_len_B = cache.prompt_mask_PT.sum(-1).repeat_interleave(G)
         eos_V = torch.zeros(logits_A.shape[-1], dtype=torch.bool, device=device)
         eos_V[self.eos_ids] = True
         any_min_new = bool((rows.min_new_A > 0).any())
@@ -238,7 +312,7 @@ class BuiltinGenerator:
                 break
             logits_A = decode(token_A, active_A, t)
         return _Chunk(tokens_BT, logp_BT, length_B, reasons, rows.temperature_A.cpu(),
-                      None if spans is None else spans.temperature_BT)
+                      None if spans is None else spans.temperature_BT), cache
 
     def _decoder(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor,
                  routing: "_RowContexts"):

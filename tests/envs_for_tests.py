@@ -8,19 +8,20 @@ from rlora.envs.protocol import StepResult
 from rlora.models.tiny import build_random_model
 
 
-def eos_prone_model(folder, seed: int = 0, strength: float = 5.0):
-    """A tiny random Llama whose EOS row points along its typical final hidden state, so that turns end by EOS
-    after a few tokens in some rows and run to their token budget in others (a random model rarely samples EOS)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def eos_prone_model(folder, seed: int = 0, strength: float = 6.0):
+    """A tiny random Llama that ends some replies with EOS after a few tokens (a random model rarely samples EOS):
+    every row of the tied embedding gets one shared direction c, which the residual stream then carries, and the
+    EOS row is strength x c, so EOS scores above the others wherever the hidden state leans on c."""
+    from transformers import AutoModelForCausalLM
 
     folder = build_random_model(folder, seed=seed)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = tokenizer("What is 3 + 4? The answer is 7. Hello, how are you today? a b c d e", return_tensors="pt")["input_ids"]
+    rows = model.get_output_embeddings().weight
     with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states[-1][0].mean(0)
-        rows = model.get_output_embeddings().weight
-        rows[tokenizer.eos_token_id] = hidden / hidden.norm() * strength * rows.norm(dim=1).mean()
+        c = torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(seed))
+        c = c / c.norm() * rows.norm(dim=1).mean()
+        rows += c
+        rows[model.config.eos_token_id] = strength * c
     model.save_pretrained(folder)
     return folder
 
@@ -104,3 +105,29 @@ def failing_tool(x: int) -> str:
         x: Anything.
     """
     raise RuntimeError(f"no luck with {x}")
+
+
+class AlwaysCalls:
+    """A calculator episode whose first reply is taken as a calculator call of "2 + 3" whatever the (random) policy
+    wrote, so that tool messages go through the template and the counters; the next reply ends it."""
+
+    def __init__(self):
+        from rlora.envs.calculator import calculator
+        from rlora.envs.tools import ToolEnvironment
+
+        self.tools = ToolEnvironment([calculator])
+        self.schemas, self.fmt = self.tools.schemas, self.tools.fmt  # the tools the renderer describes
+        self.turn = 0
+
+    def reset(self, row):
+        return self.tools.reset(row)
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 1:
+            return self.tools.step('<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>')
+        return self.tools.step(text.replace("<tool_call>", ""))  # no call: the episode ends
+
+
+def always_calls():
+    return AlwaysCalls()

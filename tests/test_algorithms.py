@@ -77,6 +77,14 @@ def test_token_returns_hand_computed():
     assert torch.allclose(returns, torch.tensor([[0.7, 0.75, 0.85, 0.0]], dtype=torch.float64), atol=1e-12)
     # beta 0: every token's return is the outcome reward
     assert token_returns(torch.tensor([2.0]), torch.tensor([[1, 1, 0]]), None, 0.0).tolist() == [[2.0, 2.0, 0.0]]
+    # an episode: policy tokens at 0-1 and 4-5, the environment's at 2-3 (mask 0), padding at 6: the outcome is on
+    # the policy's last token (5), so every policy token's return holds it; kl [.1 .2 _ _ .3 .4], beta 0.5
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
+    kl = torch.tensor([[0.1, 0.2, 7.0, 7.0, 0.3, 0.4, 9.0]])
+    returns = token_returns(torch.tensor([1.0]), mask, kl, 0.5)
+    # token rewards [-.05 -.1 0 0 -.15 (-.2 + 1)] summed from t to the end, times the mask
+    expected = torch.tensor([[0.5, 0.55, 0.0, 0.0, 0.65, 0.8, 0.0]], dtype=torch.float64)
+    assert torch.allclose(returns, expected, atol=1e-12)
 
 
 def naive_reinforce_pp(rewards, masks, kls, beta, eps, group=None):

@@ -37,7 +37,10 @@ def _run_command(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 # 30 s each on a 2-core CPU: plain groups (also run by the DAPO and policies tests) and REINFORCE++'s whitening
 # (the same summed statistics as adv_scale=batch) run in the slow target, batch statistics by default
 @pytest.mark.parametrize("algo", [pytest.param({}, marks=pytest.mark.slow), {"algo.adv_scale": "batch"},
-                                  pytest.param({"algo.name": "reinforce_pp", "algo.beta": 0.01}, marks=pytest.mark.slow)])
+                                  pytest.param({"algo.name": "reinforce_pp", "algo.beta": 0.01}, marks=pytest.mark.slow),
+                                  # episodes of up to three turns with a scripted environment (tests/envs_for_tests.py)
+                                  pytest.param({"env": "{fn: envs_for_tests.scripted, args: {turns: 3}}",
+                                                "rollout.stop": "[' ']"}, marks=pytest.mark.slow)])
 def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_file, tmp_path, algo):
     # Also with batch-wide statistics (GRPO's std over the batch, REINFORCE++'s token whitening): the ranks sum
     # their counts, sums and squared deviations, so each divides by the whole batch's std.

@@ -34,7 +34,10 @@ def test_a_one_turn_environment_trains_exactly_like_prompt_completion(tiny_model
         for key in ("reward_mean", "loss", "kl", "gen_tokens", "completion_len_mean", "reward/count_a"):
             assert p[key] == e[key], key
         assert e["reward/env"] == 0.0 and e["episode/turns_mean"] == 1.0 and e["episode/done_frac"] + e["episode/truncated_frac"] == 1
-    assert json.loads((plain / "eval.json").read_text()) == json.loads((env / "eval.json").read_text())
+    plain_eval, env_eval = (json.loads((out / "eval.json").read_text()) for out in (plain, env))
+    for when in ("before", "after"):  # the episode run's evaluation adds its episodes' counters
+        assert env_eval[when]["episode/turns_mean"] == 1.0 and env_eval[when]["episodes"] == 4
+        assert {k: v for k, v in env_eval[when].items() if not k.startswith("episode")} == plain_eval[when]
 
 
 def test_tool_episodes_train_and_evaluate(tiny_model_dir, prompts_file, tmp_path, capsys):
@@ -49,6 +52,21 @@ def test_tool_episodes_train_and_evaluate(tiny_model_dir, prompts_file, tmp_path
     config = (out / "config.yaml").read_text()
     assert "env:" in config and "fn: calculator" in config
     assert main(["eval", str(out), "--output", str(tmp_path / "ev")]) == 0, capsys.readouterr().err
+
+
+def test_tool_messages_reach_the_policy_and_reinforce_pp_trains_on_episodes(tiny_model_dir, prompts_file, tmp_path,
+                                                                            capsys):
+    """Every first reply counts as a calculator call (tests/envs_for_tests.py AlwaysCalls): the tool's result comes
+    back as a tool message in the next turn's context, the counters reach the metrics, and REINFORCE++ (token-level
+    returns over a mask with the environment's gap) trains on the episodes."""
+    code, err, out = train(tmp_path, "calls", tiny_model_dir, prompts_file, capsys,
+                           **{"env": "{fn: envs_for_tests.always_calls, max_turns: 2}", "rollout.stop": "[' ']",
+                              "algo.name": "reinforce_pp", "algo.beta": 0.01})
+    assert code == 0, err
+    rows = metrics(out)
+    # an episode whose first turn ended (not cut at its budget) made exactly one call, which succeeded
+    assert all(0 < r["episode/tool_calls_mean"] <= 1 and r["episode/tool_errors_mean"] == 0 for r in rows)
+    assert all(r["episode/turns_mean"] > 1 and r["loss"] is not None for r in rows)
 
 
 @pytest.mark.parametrize("env, message", [

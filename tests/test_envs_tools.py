@@ -5,7 +5,7 @@ import pytest
 from envs_for_tests import failing_tool, no_docstring, slow_tool
 
 from rlora.envs.calculator import calculator
-from rlora.envs.render import EpisodeRenderer, template_renders_tools
+from rlora.envs.render import EpisodeRenderer, RenderError, template_renders_tools
 from rlora.envs.tools import CallFormat, ToolCall, ToolEnvironment, parse_tool_calls, run_tool, tool_schema
 from rlora.errors import UserError
 from rlora.models.tiny import build_tokenizer
@@ -18,6 +18,7 @@ def test_calculator_evaluates_arithmetic(expression, value):
 
 
 @pytest.mark.parametrize("expression, error", [("__import__('os')", "unsupported syntax"), ("2 ** 1000", "too large"),
+                                               ("((9**64)**64)**64", "too large"), ("(10**60)**60", "too large"),
                                                ("1 +", "not an arithmetic expression"), ("x + 1", "unsupported")])
 def test_calculator_refuses_anything_else(expression, error):
     with pytest.raises(ValueError, match=error):
@@ -63,7 +64,7 @@ def test_tool_environment_turns():
     assert not result.done and [m["content"] for m in result.messages] == ["4", "Error: RuntimeError: no luck with 1"]
     assert all(m["role"] == "tool" for m in result.messages) and result.info == {"tool_calls": 2, "tool_errors": 1}
     final = env.step("The answer is 4.")
-    assert final.done and final.messages == [] and final.reward == 0.0
+    assert final.done and final.messages == [] and final.reward == 0.0 and final.info == {"tool_calls": 0, "tool_errors": 0}
 
 
 def test_tools_are_described_to_templates_without_tool_support():
@@ -71,14 +72,14 @@ def test_tools_are_described_to_templates_without_tool_support():
     assert not template_renders_tools(tokenizer)
     renderer = EpisodeRenderer(tokenizer, [tool_schema(calculator)], CallFormat())
     text = tokenizer.decode(renderer.first_prompt([{"role": "user", "content": "What is 2 + 2?"}]))
-    assert text.startswith("<|im_start|>system\nYou can call these tools:\n{\"name\": \"calculator\"")
+    assert text.startswith("<|im_start|>system\nTools:\n{\"name\": \"calculator\"")
     assert "<tool_call>" in text and text.endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
     native = build_tokenizer()
     native.chat_template = "{% if tools %}TOOLS:{{ tools | length }}\n{% endif %}" + native.chat_template
     assert template_renders_tools(native)
     text = native.decode(EpisodeRenderer(native, [tool_schema(calculator)], CallFormat()).first_prompt(
         [{"role": "user", "content": "hi"}]))
-    assert text.startswith("TOOLS:1\n<|im_start|>user\nhi") and "You can call" not in text
+    assert text.startswith("TOOLS:1\n<|im_start|>user\nhi") and "Tools:" not in text
 
 
 def test_a_turn_ended_by_eos_is_continued_after_the_template_end_of_turn():
@@ -92,5 +93,51 @@ def test_a_turn_ended_by_eos_is_continued_after_the_template_end_of_turn():
     assert after_stop == "<|im_end|>\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
     rewriting = build_tokenizer()
     rewriting.chat_template = "{{ messages | length }}" + rewriting.chat_template  # the first line changes each turn
-    with pytest.raises(UserError, match="rewrites earlier turns"):
-        EpisodeRenderer(rewriting, [], CallFormat()).continuation(history, new, True, "<|im_end|>")
+    renderer = EpisodeRenderer(rewriting, [], CallFormat())
+    with pytest.raises(RenderError, match="rewrites earlier turns"):  # in a run: that episode fails
+        renderer.continuation(history, new, True, "<|im_end|>")
+    with pytest.raises(UserError, match="rewrites earlier turns"):  # checked once before training: one line, exit 2
+        renderer.check_template()
+    # a reply that is a piece of the template's own end of turn is found where the reply is, not in that end
+    for reply in ("m", "end", "|", "\n"):
+        text = tokenizer.decode(EpisodeRenderer(tokenizer, [], CallFormat()).continuation(
+            [history[0], {"role": "assistant", "content": reply}], new, False, ""))
+        assert text == "<|im_end|>\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n", reply
+
+
+def test_time_limits_nest_and_the_outer_one_still_fires():
+    """A tool's limit inside an environment step's: the inner one fires on its own; an outer one that passes while
+    the inner one runs interrupts the outer block as soon as the inner one ends."""
+    import time
+
+    from rlora import deadline
+
+    with pytest.raises(deadline.TimeLimitExceeded, match="outer"):
+        with deadline.time_limit(0.3, "outer"):
+            with deadline.time_limit(5.0, "inner"):
+                time.sleep(0.6)  # the outer limit passes here
+            while True:  # a hang after the inner block: only the outer limit can end it
+                time.sleep(0.01)
+    with deadline.time_limit(5.0, "outer"):
+        with pytest.raises(deadline.TimeLimitExceeded, match="inner"):
+            with deadline.time_limit(0.2, "inner"):
+                time.sleep(3)
+
+
+def test_when_both_limits_pass_the_outer_block_reports_it():
+    """A tool (inner limit) that hangs past the environment step's limit too: the step's limit wins, so the step
+    ends instead of going on with a tool error."""
+    import time
+
+    from rlora import deadline
+
+    with pytest.raises(deadline.TimeLimitExceeded, match="outer"):
+        with deadline.time_limit(0.2, "outer"):
+            try:
+                with deadline.time_limit(0.4, "inner"):
+                    time.sleep(3)
+            except deadline.TimeLimitExceeded:  # what run_tool does with a tool's timeout
+                pass
+            time.sleep(3)
+    with deadline.time_limit(0.3, "later"):  # nothing left active: a later limit works as usual
+        time.sleep(0.01)

@@ -60,3 +60,14 @@ def test_every_logged_statistic_has_the_reduction_it_needs():
     assert reduction_of("reward_std") == PooledStd("reward_mean", "reward_count")
     assert reduction_of("completion_len_mean") == Mean("rows") and isinstance(reduction_of("completion_len_max"), Max)
     assert reduction_of("loss") is None  # all-reduced in the update: the same on every rank
+
+
+def test_episode_counters_a_rank_lacks_count_zero():
+    """An environment counter only one rank's episodes reported (tool calls there, none elsewhere) is averaged over
+    every rank's episodes: the other rank's count 0."""
+    from rlora.train.metrics import merge_metrics
+
+    merged = merge_metrics([{"episodes": 4, "episode/tool_calls_mean": 1.0, "episode/turns_mean": 2.0},
+                            {"episodes": 12, "episode/turns_mean": 1.0}])
+    assert merged["episodes"] == 16 and merged["episode/tool_calls_mean"] == 0.25
+    assert merged["episode/turns_mean"] == (4 * 2.0 + 12 * 1.0) / 16

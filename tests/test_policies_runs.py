@@ -21,7 +21,12 @@ def _policies_arg(specs):
     return "policies=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs) + "]"
 
 
-def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys):
+# episodes of two turns (each continued from its cache, the policies' rows in one batch): a second full run, slow
+EPISODES = {"env": "{fn: envs_for_tests.scripted, args: {turns: 2}}", "rollout.stop": "[' ']"}
+
+
+@pytest.mark.parametrize("episodes", [{}, pytest.param(EPISODES, marks=pytest.mark.slow)], ids=["completions", "episodes"])
+def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, episodes):
     """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
     from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0) and (up to
     float32 summation order) the same adapters."""
@@ -37,7 +42,7 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     # arithmetic round differently enough to flip a token)
     common = dict(**{"lora.init_from": str(start), "algo.beta": 0.04, "algo.num_iterations": 2,
                      "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.merge_adapter": "false",
-                     "train.micro_batch_size": 3, "rollout.num_generations": 3})
+                     "train.micro_batch_size": 3, "rollout.num_generations": 3}, **episodes)
     # their own KL coefficients: none, and more than algo.beta (each separate run gets it as algo.beta)
     specs = [{"name": "slow", "lr": 1e-3, "seed": 4, "beta": 0.0}, {"name": "fast", "lr": 1e-2, "seed": 9, "beta": 0.1}]
     out = tmp_path / "both"

@@ -24,23 +24,25 @@ class _Interrupt(BaseException):
 
 
 class _Watch:
-    """The call being timed (at most one: limited calls run in the main thread, one after another)."""
+    """The innermost limit being timed (limits nest: a tool call's inside an environment step's). Written by the
+    main thread only; the timers' threads read it under the lock, the signal handler (main thread) without."""
 
     lock = threading.Lock()
-    active: object | None = None
+    active: threading.Event | None = None
     handler_installed = False
 
 
 def _on_signal(signum, frame) -> None:
-    with _Watch.lock:
-        timed = _Watch.active
+    # no lock here: the handler runs in the main thread between two bytecodes, possibly while it holds the lock
+    timed = _Watch.active
     if timed is not None and timed.is_set():
         raise _Interrupt()
 
 
 @contextmanager
 def time_limit(seconds: float | None, message: str):
-    """Raise TimeLimitExceeded(message) if the block runs longer than `seconds` (None or 0: no limit)."""
+    """Raise TimeLimitExceeded(message) if the block runs longer than `seconds` (None or 0: no limit). Limits
+    nest; when an enclosing limit passes first (or with this one), the enclosing block reports it."""
     usable = hasattr(signal, "pthread_kill") and threading.current_thread() is threading.main_thread()
     if not seconds or not usable:
         yield
@@ -51,25 +53,29 @@ def time_limit(seconds: float | None, message: str):
     expired = threading.Event()
     main_thread = threading.main_thread().ident
 
-    def fire() -> None:
+    def fire() -> None:  # in the timer's thread
         with _Watch.lock:
-            if _Watch.active is expired:
-                expired.set()
+            expired.set()
+            if _Watch.active is expired:  # an inner limit is active: this one fires when the inner one ends
                 signal.pthread_kill(main_thread, signal.SIGUSR2)
 
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
+    outer = _Watch.active
     with _Watch.lock:
-        outer, _Watch.active = _Watch.active, expired
+        _Watch.active = expired
     timer.start()
     try:
         try:
             yield
         finally:
-            with _Watch.lock:
-                _Watch.active = outer
+            _Watch.active = outer  # first: an interruption below must not leave this limit active
             timer.cancel()
+            if outer is not None and outer.is_set():  # the enclosing limit passed while this one ran
+                signal.pthread_kill(main_thread, signal.SIGUSR2)
     except _Interrupt:
+        if (outer is not None and outer.is_set()) or not expired.is_set():
+            raise  # the enclosing limit's: its own block reports it
         raise TimeLimitExceeded(message) from None
     if expired.is_set():
         raise TimeLimitExceeded(message)

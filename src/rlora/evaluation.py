@@ -27,7 +27,7 @@ from rlora.rewards.reward_adapter import attach_reward_adapters, reward_adapters
 from rlora.rollout.backends import build_generator
 from rlora.envs.registry import env_factory
 from rlora.train.evaluate import eval_sampling, evaluate
-from rlora.train.sources import rollout_source
+from rlora.train.sources import episode_renderer, longest_context, rollout_source
 from rlora.train.session import check_data_and_rewards, seed_everything
 from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
 from rlora.train.policies import POLICIES_FOLDER
@@ -136,9 +136,10 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     prompt_ids = [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
     params = eval_sampling(cfg)
     exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})  # evaluation samples in the model's dtype
-    generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id,
-                                max(map(len, prompt_ids)) + params.max_new_tokens, cfg.eval.batch_size)
-    source = rollout_source(cfg, generator, tokenizer, tok, rewards, make_env)
+    renderer = episode_renderer(tokenizer, make_env) if make_env is not None else None
+    longest = longest_context(cfg, renderer, prompt_ids) if renderer else max(map(len, prompt_ids)) + params.max_new_tokens
+    generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+    source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
     texts = [prompt_text(ex) for ex in examples]
     ev, results, samples = cfg.eval, {}, {}
     for candidate in candidates:

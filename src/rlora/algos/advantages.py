@@ -111,13 +111,14 @@ def per_token(advantages: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
 
 def token_rewards(rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, beta: float) -> torch.Tensor:
     """Per-token rewards (float64): -beta * kl_t on every counted token plus the outcome reward on a row's last
-    counted one (right-padded masks). A NaN outcome (failed reward) counts 0: such rows leave the loss."""
+    counted one (an episode's mask has gaps where the environment's tokens are: the last counted token is the
+    policy's last, not the mask's count). A NaN outcome (failed reward) counts 0: such rows leave the loss."""
     mask = mask_BT.double()
     token_reward_BT = torch.zeros_like(mask) if kl_BT is None or beta == 0 else -beta * kl_BT.double() * mask
-    lengths_B = mask.sum(-1).long()
-    rows = (lengths_B > 0).nonzero().squeeze(-1)
+    rows = (mask.sum(-1) > 0).nonzero().squeeze(-1)
+    last_B = mask.shape[-1] - 1 - mask.flip(-1).argmax(-1)  # the last column with mask 1
     outcome_B = rewards_B.double().nan_to_num(0.0)
-    token_reward_BT[rows, lengths_B[rows] - 1] += outcome_B[rows]
+    token_reward_BT[rows, last_B[rows]] += outcome_B[rows]
     return token_reward_BT
 
 

@@ -179,6 +179,12 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("env-think", ("train",), lambda cfg: cfg.env is not None and cfg.rollout.think is not None,
             "rollout.think (phase-aware sampling) is not supported with env yet: unset rollout.think",
             ENV + ("rollout.think={}",)),
+    Refusal("env-system-prompt", ("train",), lambda cfg: cfg.env is not None and cfg.data.system_prompt is not None,
+            "with env the environment writes the first messages: set env.args.system_prompt (calculator, tools, "
+            "textarena take one) instead of data.system_prompt", ENV + ("data.system_prompt=Be brief.",)),
+    Refusal("env-without-chat-template", ("train",), lambda cfg: cfg.env is not None and not cfg.data.use_chat_template,
+            "episodes are rendered with the chat template: set data.use_chat_template=true with env",
+            ENV + ("data.use_chat_template=false",)),
     Refusal("env-overlong", ("train",), lambda cfg: cfg.env is not None and cfg.algo.overlong_buffer > 0,
             "algo.overlong_buffer measures one completion against rollout.max_new_tokens; an episode has several "
             "turns: set algo.overlong_buffer=0 (env.max_total_tokens bounds an episode)", ENV + ("algo.overlong_buffer=8",)),
@@ -282,6 +288,9 @@ REFUSALS: tuple[Refusal, ...] = (
     _fsdp("fsdp-reward-model", _reward_model,
           "train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores through the sharded "
           "base a different number of times per rank): set train.fsdp=false", ("rewards=[{fn: reward_model}]",)),
+    _fsdp("fsdp-env", lambda cfg: cfg.env is not None,
+          "train.fsdp does not support env yet (each rank's episodes need their own number of turns, and every sampler "
+          "call through the sharded base is collective): set train.fsdp=false (plain data parallel)", ENV),
     # ---- the launch: how many data-parallel ranks torchrun started
     Refusal("fsdp-one-process", ("train",), lambda cfg, ranks: cfg.train.fsdp and ranks == 1,
             "train.fsdp shards the base across data-parallel ranks: launch with torchrun --nproc_per_node N (N >= 2), "

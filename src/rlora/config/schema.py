@@ -383,5 +383,10 @@ class RLConfig(Section):
         "optimizer, metrics and folder, all served by one batched pass (docs/policies.md); null: one policy")
 
     def constant_norm(self) -> int:
-        """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit."""
-        return self.algo.constant_norm or self.rollout.max_new_tokens
+        """Tokens per sequence used by loss_agg=constant (Dr.GRPO): default the completion length limit (an
+        episode's: the policy's tokens of at most max_turns turns within env.max_total_tokens)."""
+        if self.algo.constant_norm:
+            return self.algo.constant_norm
+        if self.env is not None:
+            return min(self.env.max_turns * self.rollout.max_new_tokens, self.env.max_total_tokens)
+        return self.rollout.max_new_tokens

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ class EpisodeLimits:
 
 @dataclass
 class Episode:
-    env: Environment
+    env: Environment | None  # None until made (a factory that fails leaves it None: the episode fails)
     messages: list[dict[str, str]] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # after the prompt: the policy's turns and the environment's
@@ -86,14 +86,15 @@ class EpisodeRunner:
         self.generator, self.renderer, self.limits = generator, renderer, limits
         self.eos_ids, self.pad_id = set(eos_ids), pad_id
 
-    def run(self, model, envs: list[Environment], rows: list[dict[str, Any]], G: int, params: Sequence[SamplingParams],
-            seeds: Sequence[int], keys: Sequence[int], policies: Sequence[int] | None = None) -> EpisodeBatch:
-        """envs: P x G fresh environments (prompt-major), rows: the P dataset rows; params/seeds/keys/policies per
-        prompt, as Generator.sample takes them."""
-        episodes = [Episode(env) for env in envs]
+    def run(self, model, make_env: Callable[[], Environment], rows: list[dict[str, Any]], G: int,
+            params: Sequence[SamplingParams], seeds: Sequence[int], keys: Sequence[int],
+            policies: Sequence[int] | None = None) -> EpisodeBatch:
+        """G episodes of each of the P dataset rows (prompt-major), each with a fresh environment from make_env;
+        params/seeds/keys/policies per prompt, as Generator.sample takes them."""
+        episodes = [Episode(None) for _ in range(len(rows) * G)]
         self.with_logp = True  # every sampler call returned its log-probs (the built-in engine does; generate not)
         for b, ep in enumerate(episodes):
-            self._reset(ep, rows[b // G])
+            self._reset(ep, make_env, rows[b // G])
         self._first_turn(model, episodes, G, params, seeds, keys, policies)
         for turn in range(1, self.limits.max_turns):
             running = [b for b, ep in enumerate(episodes) if ep.status == "running"]
@@ -108,15 +109,17 @@ class EpisodeRunner:
                 ep.status = "truncated"
         return self._batch(episodes, G, params)
 
-    def _reset(self, ep: Episode, row: dict[str, Any]) -> None:
+    def _reset(self, ep: Episode, make_env: Callable[[], Environment], row: dict[str, Any]) -> None:
         try:
+            ep.env = _guarded(make_env, self.limits, "the env factory")
             ep.messages = checked_messages(_guarded(lambda: ep.env.reset(row), self.limits, "reset()"), "reset()")
             if not ep.messages:
                 raise EnvironmentFault("reset() returned no messages")
+            ep.prompt_ids = self.renderer.first_prompt(ep.messages)
         except EnvironmentFault as err:
             ep.fail(str(err))
-            return
-        ep.prompt_ids = self.renderer.first_prompt(ep.messages)
+        except Exception as err:  # noqa: BLE001 - the template rejects these messages: this episode fails
+            ep.fail(f"rendering the first messages failed: {type(err).__name__}: {err}")
 
     def _first_turn(self, model, episodes: list[Episode], G: int, params, seeds, keys, policies) -> None:
         """Turn 0. Where each prompt's G episodes start alike (the usual case), the prompt is sampled once with G
@@ -195,7 +198,11 @@ class EpisodeRunner:
             ep.status = "truncated"
             return
         eos_text = self.renderer.tokenizer.decode([last], skip_special_tokens=False) if ended_by_eos else ""
-        follow = self.renderer.continuation(ep.messages, result.messages, ended_by_eos, eos_text)
+        try:
+            follow = self.renderer.continuation(ep.messages, result.messages, ended_by_eos, eos_text)
+        except Exception as err:  # noqa: BLE001 - RenderError, or the template rejects the messages: this episode
+            ep.fail(f"rendering the environment's messages failed: {type(err).__name__}: {err}")
+            return
         if len(ep.tokens) + len(follow) >= self.limits.max_total_tokens:  # no room left for a reply
             ep.status = "truncated"
             return

@@ -31,6 +31,11 @@ def with_tool_instructions(messages: list[dict], schemas: list[dict], fmt: CallF
     return [{"role": "system", "content": text}] + messages
 
 
+class RenderError(Exception):
+    """This conversation cannot be continued token by token (its episode fails; check_template refuses the
+    template up front where it fails for every conversation)."""
+
+
 class EpisodeRenderer:
     """Renders one environment's conversations with the tokenizer's chat template."""
 
@@ -62,17 +67,30 @@ class EpisodeRenderer:
         before = self._text(history, False)
         after = self._text(history + new, True)
         if not after.startswith(before):
-            raise UserError("the chat template rewrites earlier turns when a message is added, so episodes cannot be "
-                            "extended token by token: use a model whose template only appends (e.g. ChatML)")
+            raise RenderError("the chat template rewrites earlier turns when a message is added, so episodes cannot be "
+                              "extended token by token: use a model whose template only appends (e.g. ChatML)")
+        head = self._text(history[:-1], True)  # up to the assistant header of that turn
         content = history[-1]["content"]
-        at = before.rfind(content) if content else -1
-        if at < 0 and content.strip():  # a template that trims the content
-            content = content.strip()
-            at = before.rfind(content)
-        tail = before[at + len(content):] if at >= 0 else before[before.rfind(eos_text):] if eos_text in before else ""
+        body = next((text for text in (content, content.strip()) if before.startswith(head + text)), None)
+        if body is None:
+            raise RenderError("the chat template changes the assistant's reply when it renders it, so the tokens after "
+                              "the sampled ones cannot be found")
+        tail = before[len(head) + len(body):]  # the template's end of the turn
         if ended_by_eos and eos_text and tail.startswith(eos_text):  # the sampled tokens hold the end of the turn
             tail = tail[len(eos_text):]
         return self._ids(tail + after[len(before):])
+
+    def check_template(self) -> None:
+        """A one-line UserError where the template cannot render episodes at all: a probe conversation (a user
+        message, a reply, a tool message) must render and extend by appending."""
+        history = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "Let me check."}]
+        try:
+            self.first_prompt(history[:1])
+            self.continuation(history, [{"role": "tool", "content": "4"}], False, "")
+        except RenderError as err:
+            raise UserError(str(err)) from None
+        except Exception as err:  # noqa: BLE001 - a template's own error (e.g. roles it rejects), in one line
+            raise UserError(f"the chat template cannot render an episode: {type(err).__name__}: {err}") from None
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -45,12 +45,13 @@ class CallFormat:
         return re.compile(re.escape(self.start) + r"(.*?)" + re.escape(self.end), re.DOTALL)
 
     def instructions(self, schemas: list[dict]) -> str:
-        """What a system message says where the chat template cannot render tools itself."""
-        listed = "\n".join(json.dumps(s["function"] if "function" in s else s) for s in schemas)
+        """What a system message says where the chat template cannot render tools itself: each tool's name,
+        description and parameters (its schema without the return type), and how to call one."""
+        listed = "\n".join(json.dumps({key: s["function"][key] for key in ("name", "description", "parameters")
+                                       if key in s["function"]}) for s in schemas)
         example = json.dumps({"name": "NAME", "arguments": {"ARG": "VALUE"}})
-        return (f"You can call these tools:\n{listed}\nTo call a tool, reply with {self.start}{example}{self.end} "
-                "and nothing after it; its result comes back in a message from the tool. When you know the final "
-                "answer, reply with it and no tool call.")
+        return (f"Tools:\n{listed}\nTo call a tool, reply with only {self.start}{example}{self.end}; its result "
+                "comes back in a tool message. Give the final answer without a tool call.")
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ class ToolEnvironment:
 
     def step(self, assistant_text: str) -> StepResult:
         calls = parse_tool_calls(assistant_text, self.fmt)
-        if not calls:
-            return StepResult(done=True)
+        if not calls:  # the counters on every turn, so that a rank whose episodes call no tool reports 0s
+            return StepResult(done=True, info={"tool_calls": 0, "tool_errors": 0})
         messages, failed = [], 0
         for call in calls[:self.max_calls_per_turn]:
             text, ok = run_tool(self.tools, call, self.timeout_s)

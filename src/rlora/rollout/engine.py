@@ -25,7 +25,7 @@ from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.generator import StopStrings
 from rlora.rollout.phase import ChunkPhases, think_phases
 from rlora.rollout.sampling import RowParams, counter_uniform, sample_tokens
-from rlora.tensors import left_padded, position_ids_from_mask
+from rlora.tensors import left_padded
 from rlora.types import Rollout, SamplingParams
 
 

@@ -66,6 +66,7 @@ def evaluate_policies(model, source: RolloutSource, examples: list[Example], pro
     evaluated alone (same seed, same key per prompt). -> [(metrics, rows)] in the order of `policies` (None: a model
     with one policy adapter, evaluated as evaluate() does: one result)."""
     lanes = [None] if policies is None else list(policies)
+    source.take_metrics()  # counters of earlier calls are not this evaluation's
     completions: list[list[str]] = [[] for _ in lanes]
     scores: list[list[Scores]] = [[] for _ in lanes]
     for start in range(0, len(prompt_ids), batch_size):
@@ -80,9 +81,13 @@ def evaluate_policies(model, source: RolloutSource, examples: list[Example], pro
             scores[lane].append(batch_scores.select(list(range(lane * rows, (lane + 1) * rows))))
         if progress is not None:
             progress(len(completions[0]) // num_samples * len(lanes))
-    return [score_evaluation(examples, prompt_texts, source.correct_by, lane_completions, Scores.concat(lane_scores),
-                             num_samples, pass_k)
-            for lane_completions, lane_scores in zip(completions, scores)]
+    episodes = source.take_metrics()  # episodes: turns, tool calls, ... of each policy (by index; alone: 0)
+    results = []
+    for lane, lane_completions, lane_scores in zip(lanes, completions, scores):
+        metrics, rows = score_evaluation(examples, prompt_texts, source.correct_by, lane_completions,
+                                         Scores.concat(lane_scores), num_samples, pass_k)
+        results.append((metrics | episodes.get(lane or 0, {}), rows))
+    return results
 
 
 def score_evaluation(examples: list[Example], prompt_texts: list[str], correct_by: str, completions: list[str],

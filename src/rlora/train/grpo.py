@@ -43,7 +43,8 @@ def _evaluate(s: Session, label: str, policies: list[pol.Policy]) -> list[tuple[
     ev = s.cfg.eval
     texts = [prompt_text(ex) for ex in s.prompts.eval]
     with progress_bar(f"eval ({label})", len(texts) * len(policies)) as update:
-        return evaluate_policies(s.model, s.eval_source, s.prompts.eval, s.eval_ids, texts, eval_sampling(s.cfg), ev.batch_size, s.adapter.sampler_policies([p.index for p in policies]),
+        return evaluate_policies(s.model, s.eval_source, s.prompts.eval, s.eval_ids, texts, eval_sampling(s.cfg),
+                                 ev.batch_size, s.adapter.sampler_policies([p.index for p in policies]),
                                  ev.num_samples, tuple(ev.pass_k), ev.seed, progress=update)
 
 

@@ -88,6 +88,8 @@ def merge_metrics(per_rank: list[dict]) -> dict:
                            for name in names}
             continue
         present = [m for m in per_rank if m.get(key) is not None]
+        if key.startswith("episode/"):  # a rank with episodes but without this counter counted 0 of it
+            present = [m if m.get(key) is not None else {**m, key: 0.0} for m in per_rank if m.get("episodes")]
         values = [m[key] for m in present]
         if key == "step" or not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             continue

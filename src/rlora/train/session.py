@@ -22,7 +22,7 @@ from rlora.envs.registry import EnvFactory, env_factory
 from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.train.sinks import check_sinks
-from rlora.train.sources import RolloutSource, rollout_source
+from rlora.train.sources import RolloutSource, episode_renderer, longest_context, rollout_source
 from rlora.machine import native_half
 from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
@@ -153,6 +153,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     prompts = load_prompt_sets(cfg.data)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    renderer = episode_renderer(tokenizer, make_env) if make_env is not None else None  # before the model loads
     base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp)  # fsdp: placed layer by layer
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)
@@ -172,7 +173,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
         return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
 
     train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
-    longest = max(len(p) for p in train_ids + eval_ids) + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    longest = longest_context(cfg, renderer, train_ids + eval_ids)
     generator = build_generator(cfg.rollout, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
     eval_generator = generator
     if cfg.rollout.sampler_dtype != "model" and generator.name == "builtin":  # evaluations sample exactly
@@ -199,8 +200,8 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     # PPO's critic trains with the policy's optimizer, as a second parameter group with its own learning rate
     critic_group = None if critic is None else {"params": critic.parameters(), "lr": cfg.ppo.value_lr or cfg.train.lr}
     policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
-    source = rollout_source(cfg, generator, tokenizer, tok, rewards, make_env)
-    eval_source = rollout_source(cfg, eval_generator, tokenizer, tok, rewards, make_env)
+    source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
+    eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
                    eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded)
 

@@ -38,8 +38,8 @@ class RolloutSource(Protocol):
         Generator.sample takes them."""
         ...
 
-    def take_metrics(self) -> dict:
-        """Counters gathered since the last call (this step's), e.g. turns per episode; {} when there are none."""
+    def take_metrics(self) -> dict[int, dict]:
+        """Each policy's (by index) metrics gathered since the last call (this step's), e.g. turns per episode."""
         ...
 
 
@@ -57,7 +57,7 @@ class Completions:
         scores = score_completions(self.rewards, texts, rollout.completions, columns_of(examples, repeat=G))
         return rollout, scores, time.perf_counter() - t0
 
-    def take_metrics(self) -> dict:
+    def take_metrics(self) -> dict[int, dict]:
         return {}
 
 
@@ -80,13 +80,13 @@ class Episodes:
     def __init__(self, runner: EpisodeRunner, make_env: Callable[[], Environment], rewards: list[RewardFn]):
         self.runner, self.make_env, self.rewards = runner, make_env, rewards
         self.correct_by = rewards[0].name if rewards else "env"
-        self._metrics: dict[str, float] = {}
+        self._metrics: dict[int, dict[str, float]] = {}  # per policy index
 
     def sample(self, model, examples, prompt_ids, G, params, seeds, keys, policies) -> tuple[Rollout, Scores, float]:
         rows = [{"prompt": ex.prompt, **ex.columns} for ex in examples]
         count = len(examples)
         seeds = [seeds] * count if isinstance(seeds, int) else list(seeds)
-        batch = self.runner.run(model, [self.make_env() for _ in range(count * G)], rows, G, params, seeds, keys, policies)
+        batch = self.runner.run(model, self.make_env, rows, G, params, seeds, keys, policies)
         rollout, t0 = batch.rollout, time.perf_counter()
         env_rewards = [None if failed else float(r) for r, failed in zip(batch.env_rewards_B, batch.failed_B)]
         env_scores = Scores(batch.env_rewards_B, {"env": env_rewards}, batch.failed_B.clone(), batch.errors)
@@ -95,41 +95,61 @@ class Episodes:
             texts = [prompt_text(ex) for ex in examples for _ in range(G)]
             columns = columns_of(examples, repeat=G) | {"messages": batch.messages}
             fn_scores = score_completions(self.rewards, texts, rollout.completions, columns)
-        self._count(batch)
+        self._count(batch, G, policies)
         return rollout, combine(env_scores, fn_scores), time.perf_counter() - t0  # the environments' time: sampling
 
-    def _count(self, batch) -> None:
-        m = self._metrics
-        m["episodes"] = m.get("episodes", 0) + len(batch.episodes)
-        m["turns"] = m.get("turns", 0) + sum(ep.turns for ep in batch.episodes)
-        env_tokens = batch.rollout.completion_mask_BTc.sum() - batch.rollout.trained_mask_BTc.sum()
-        m["env_tokens"] = m.get("env_tokens", 0) + int(env_tokens)
-        for status in ("done", "truncated", "failed"):
-            m[f"episodes_{status}"] = m.get(f"episodes_{status}", 0) + sum(ep.status == status for ep in batch.episodes)
-        for ep in batch.episodes:
-            for name, value in ep.counters.items():
+    def _count(self, batch, G: int, policies: Sequence[int] | None) -> None:
+        for b, ep in enumerate(batch.episodes):
+            m = self._metrics.setdefault(0 if policies is None else policies[b // G], {})
+            # the environment's own counters (step() info) may not take the runner's names
+            own = {(f"env_{name}" if name in RUNNER_COUNTS else name): value for name, value in ep.counters.items()}
+            counts = {"episodes": 1, "turns": ep.turns, f"episodes_{ep.status}": 1,
+                      "env_tokens": len(ep.tokens) - sum(ep.policy_mask), **own}
+            for name, value in counts.items():
                 m[name] = m.get(name, 0) + value
 
-    def take_metrics(self) -> dict:
-        """Over this step's sampled episodes (`episodes`): the means of turns, environment tokens and step() counters
-        (e.g. tool_calls) and the shares of episodes done, truncated and failed, under episode/."""
-        m, self._metrics = self._metrics, {}
-        episodes = m.pop("episodes", 0)
-        if not episodes:
-            return {}
-        out = {"episodes": episodes}
+    def take_metrics(self) -> dict[int, dict]:
+        """Per policy, over this step's sampled episodes (`episodes`): the means of turns, environment tokens and
+        step() counters (e.g. tool_calls) and the shares of episodes done, truncated and failed, under episode/.
+        (Merged over ranks as means weighted by `episodes`; a rank without some counter counts it 0.)"""
+        taken, self._metrics = self._metrics, {}
+        return {policy: self._summary(m) for policy, m in taken.items()}
+
+    @staticmethod
+    def _summary(m: dict[str, float]) -> dict:
+        episodes = m.pop("episodes")
+        out = {"episodes": episodes, **{f"episode/{status}_frac": 0.0 for status in ("done", "truncated", "failed")}}
         for name, value in m.items():
             status = name.removeprefix("episodes_")
             out[f"episode/{status}_frac" if status != name else f"episode/{name}_mean"] = value / episodes
         return out
 
 
-def rollout_source(cfg: RLConfig, generator: Generator, tokenizer, tok: TokenizerInfo, rewards: list[RewardFn],
-                   make_env: EnvFactory | None) -> RolloutSource:
-    """Completions, or with env: episodes played turn by turn through the same generator."""
+RUNNER_COUNTS = ("episodes", "turns", "env_tokens", "episodes_done", "episodes_truncated", "episodes_failed")
+
+
+def episode_renderer(tokenizer, make_env: EnvFactory) -> EpisodeRenderer:
+    """The renderer of this environment's episodes (its tools described), its template checked: a template that
+    cannot render episodes at all is one line before training, not a failure of every episode."""
+    renderer = EpisodeRenderer(tokenizer, *tools_of(make_env()))
+    renderer.check_template()
+    return renderer
+
+
+def longest_context(cfg: RLConfig, renderer: EpisodeRenderer | None, prompt_ids: list[list[int]]) -> int:
+    """The most tokens a row can reach: a prompt and its completion, or an episode's first prompt (the prompt with the
+    tools' description) and env.max_total_tokens (the sampler checks it against the model's limits)."""
+    prompt = max(len(p) for p in prompt_ids)
+    if renderer is None:
+        return prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    described = len(renderer.first_prompt([{"role": "user", "content": ""}]))  # the template's and the tools' share
+    return prompt + described + cfg.env.max_total_tokens
+
+
+def rollout_source(cfg: RLConfig, generator: Generator, tok: TokenizerInfo, rewards: list[RewardFn],
+                   make_env: EnvFactory | None, renderer: EpisodeRenderer | None) -> RolloutSource:
+    """Completions, or with env (and its renderer): episodes played turn by turn through the same generator."""
     if make_env is None:
         return Completions(generator, rewards)
-    schemas, fmt = tools_of(make_env())
     limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_total_tokens, cfg.env.step_timeout_s)
-    runner = EpisodeRunner(generator, EpisodeRenderer(tokenizer, schemas, fmt), tok.eos_ids, tok.pad_id, limits)
-    return Episodes(runner, make_env, rewards)
+    return Episodes(EpisodeRunner(generator, renderer, tok.eos_ids, tok.pad_id, limits), make_env, rewards)

@@ -39,7 +39,8 @@ def check_failures(s: Session, scores: Scores, step: int) -> None:
     if failed and failed / len(scores.failed_B) > s.cfg.train.max_reward_failure_frac:
         raise RewardFailure(
             f"stopped at step {step + 1}: rewards failed for {failed}/{len(scores.failed_B)} samples "
-            f"(limit train.max_reward_failure_frac={s.cfg.train.max_reward_failure_frac}); first: {scores.errors[0]}"
+            f"(limit train.max_reward_failure_frac={s.cfg.train.max_reward_failure_frac}; failed episodes count too); "
+            f"first: {scores.errors[0]}"
         )
 
 
@@ -218,15 +219,16 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     cfg = s.cfg
     t_start, timings = time.perf_counter(), Timings()
     batch, stats = collect_batch(s, step, replay, timings)
+    sampled = s.source.take_metrics()  # episodes: each policy's turns, tool calls, ... of this step
     t_collected = time.perf_counter()
     ranks_with_groups = all_reduce_sums(s.world, [float(batch is not None)])[0]
     if batch is None and ranks_with_groups:  # data parallel: other ranks train, this one adds zeros
-        return _empty_rank_update(s, step, stats, timings, t_start), []
+        return _empty_rank_update(s, step, stats, timings, t_start, sampled), []
     if batch is None:  # dynamic sampling kept no group: nothing to learn from this step (replay waits too)
         return {"step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
                 "step_s": t_collected - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-                "policies": {p.name: {"skipped_update": 1, "trained_frac": 0.0, "lr": _skip_update(s, p)}
-                             for p in s.policies}}, []
+                "policies": {p.name: {"skipped_update": 1, "trained_frac": 0.0, "lr": _skip_update(s, p),
+                                      **sampled.get(p.index, {})} for p in s.policies}}, []
     rollout = batch.rollout
     mask_BT = loss_mask(s, batch)
 
@@ -273,8 +275,9 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
         "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
-        "gen_tokens": int(rollout.trained_mask_BTc[:batch.num_fresh].sum()), **s.source.take_metrics(),
-        "policies": {p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(draw, cfg)}
+        "gen_tokens": int(rollout.trained_mask_BTc[:batch.num_fresh].sum()),
+        "policies": {p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(draw, cfg),
+                              **sampled.get(p.index, {})}
                      for p, update, part, draw in zip(s.policies, updates, parts, draws) if part.groups},
     }
     first_params = s.policies[0].params
@@ -311,7 +314,8 @@ def _first_draws(part: Batch) -> CollectStats:
     return stats
 
 
-def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timings, t_start: float) -> dict:
+def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timings, t_start: float,
+                       sampled: dict[int, dict]) -> dict:
     """A rank without groups this step takes part in every policy's update, adding nothing."""
     updates = [{} for _ in s.policies]
     for _ in range(s.cfg.algo.num_iterations):
@@ -322,7 +326,8 @@ def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timi
             update["lr"] = lr
     return {"step": step + 1, **collect_metrics(stats, s.cfg), "temperature": step_params(s.cfg, step).temperature,
             "step_s": time.perf_counter() - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-            "policies": {p.name: {**collect_metrics(stats, s.cfg), **update} for p, update in zip(s.policies, updates)}}
+            "policies": {p.name: {**collect_metrics(stats, s.cfg), **update, **sampled.get(p.index, {})}
+                         for p, update in zip(s.policies, updates)}}
 
 
 def _skip_update(s: Session, policy) -> float:

@@ -141,3 +141,30 @@ def test_when_both_limits_pass_the_outer_block_reports_it():
             time.sleep(3)
     with deadline.time_limit(0.3, "later"):  # nothing left active: a later limit works as usual
         time.sleep(0.01)
+
+
+def test_synthetic_calculator_conversations_solve_their_problems(tmp_path, capsys):
+    import json
+
+    from rlora.envs.tool_data import calculator_conversations, main
+
+    args = {"min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3}
+    rows = calculator_conversations("chain_sum", args, size=20, seed=7, exclude=set())
+    excluded = rows[0]["messages"][1]["content"]
+    assert len(calculator_conversations("chain_sum", args, size=20, seed=7, exclude={excluded})) == len(rows) - 1
+    for row in rows:
+        system, user, call, tool, answer = row["messages"]
+        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+        assert system["content"] == CallFormat().instructions([tool_schema(calculator)])  # what the runner writes
+        [parsed] = parse_tool_calls(call["content"])
+        expression = parsed.arguments["expression"]
+        assert user["content"].endswith(expression + " =") and tool["content"] == str(eval(expression))  # noqa: S307
+        assert answer["content"] == f"The answer is {tool['content']}."
+    out = tmp_path / "rows.jsonl"
+    config = tmp_path / "rl.yaml"
+    config.write_text("data: {task: chain_sum, task_args: {min_terms: 3, max_terms: 3}, eval_size: 5}\n"
+                      "env: {fn: calculator}\nrewards: [{fn: gym}]\n")
+    assert main([str(config), "--size", "30", "--out", str(out)]) == 0
+    assert 0 < len(out.read_text().splitlines()) <= 30 and json.loads(out.read_text().splitlines()[0])["messages"]
+    config.write_text("data: {path: x.jsonl}\nrewards: [{fn: gym}]\n")
+    assert main([str(config), "--out", str(out)]) == 2 and "needs data.task" in capsys.readouterr().err

@@ -389,6 +389,9 @@ def sample_rows(s: Session, batch: Batch, advantages, step: int) -> list[dict]:
         group = batch.groups[i // G]
         policy = s.policies[group.slot.policy]
         named = {"policy": policy.name} if policy.own_folder else {}
+        if rollout.policy_mask_BTc is not None:  # an episode: its whole text after the prompt, markers included
+            named["episode"] = s.tokenizer.decode(rollout.completion_ids_BTc[i][rollout.completion_mask_BTc[i].bool()],
+                                                  skip_special_tokens=False)
         rows.append({"step": step + 1, **named, "prompt": prompt_text(s.prompts.train[group.slot.prompt]), "completion": rollout.completions[i],
                      "reward": _num(scores.total_B[i]), "advantage": float(per_row[i]),
                      "temperature": float(rollout.temperature_B[i]), "retries": group.retries,

@@ -122,3 +122,14 @@ def test_role_memory_bench_holds_one_base_against_four(tiny_model_dir, tmp_path)
     assert summary["ratio"]["peak_rss_after_work_mb"] == pytest.approx(
         one["peak_rss_after_work_mb"] / separate["peak_rss_after_work_mb"])
     assert "peak_rss_after_load" in done.stdout
+
+
+def test_episodes_bench_times_both_ways_of_continuing(tiny_model_dir):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "episodes.py"), "--prompts", "1", "--generations", "2",
+                           "--repeats", "1", f"model.path={tiny_model_dir}", "data.eval_size=2",
+                           "rollout.max_new_tokens=6"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("continued") for line in lines) and any(line.startswith("history") for line in lines)
+    assert float(lines[-1].split()[-1].rstrip("x")) > 0

@@ -51,6 +51,11 @@ class Served:
         if name not in self.names:
             raise ServeError(400, f"unknown base model '{name}': this server serves {' or '.join(map(repr, self.names))}")
 
+    def saved_for(self, base_model: str | None, path: str) -> None:
+        if base_model not in self.names:
+            raise ServeError(400, f"{path} was saved for the base model '{base_model}', not this server's "
+                                  f"'{self.names[0]}'")
+
     def trainee(self, model_id: str) -> None:
         self.worker.trainee(model_id)  # raises ServeError 404 for an unknown id
 
@@ -183,12 +188,46 @@ def build_app(served: Served) -> FastAPI:
                           key=resent(body.model_id, body.seq_id, "save_sampler"))
         return wire.untyped_future(job, body.model_id)
 
+    @app.post(f"{API}/save_weights")
+    async def save_weights(body: wire.SaveWeights):
+        served.trainee(body.model_id)
+        if body.path is None:
+            raise ServeError(400, "save_weights: give the checkpoint a name (path)")
+        name = check_name(body.path, "save_weights name")
+        job = jobs.submit(lambda: worker.save_state(body.model_id, name, body.overwrite),
+                          key=resent(body.model_id, body.seq_id, "save"))
+        return wire.untyped_future(job, body.model_id)
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(body: wire.LoadWeights):
+        path = parse_path(body.path)
+        snapshot = served.state.snapshot(path, "weights")  # there, and the right kind, before anything is queued
+        served.saved_for(snapshot.config.base_model_name_or_path, body.path)
+        if body.session_id is not None:  # a new training client from the checkpoint
+            served.session(body.session_id)
+            if body.model_seq_id is None:
+                raise ServeError(400, "load_weights: a session_id comes with a model_seq_id")
+            if body.base_model is not None:
+                served.base(body.base_model)
+            if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
+                raise ServeError(400, f"load_weights: optimizer '{body.optimizer_config.type}' is not served (adamw only)")
+            model_id = f"{body.session_id}:train:{body.model_seq_id}"
+            key = (model_id, "create")
+        elif body.model_id is not None:
+            served.trainee(body.model_id)
+            model_id, key = body.model_id, resent(body.model_id, body.seq_id, "load")
+        else:
+            raise ServeError(400, "load_weights: give a model_id (an existing training client) or a session_id")
+        job = jobs.submit(lambda: worker.load_state(model_id, path, body.optimizer), key=key)
+        return wire.untyped_future(job, model_id)
+
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(body: wire.CreateSamplingSession):
         served.session(body.session_id)
         session_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
         if body.model_path is not None:
-            snapshot = served.state.snapshot(parse_path(body.model_path))
+            snapshot = served.state.snapshot(parse_path(body.model_path), "sampler_weights")
+            served.saved_for(snapshot.config.base_model_name_or_path, body.model_path)
         elif body.base_model is not None:
             served.base(body.base_model)
             snapshot = None

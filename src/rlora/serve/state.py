@@ -5,7 +5,9 @@ from saved weights): a model is `SESSION:train:N`, a sampler `SESSION:sample:N`.
 PEFT folder (adapter_config.json + adapter_model.safetensors, safetensors only: no pickle anywhere):
 
     STATE_DIR/models/<model key>/sampler_weights/<name>/      save_weights_for_sampler(name)
-    tinker://<model id>/sampler_weights/<name>                 the path the SDK gets back
+    STATE_DIR/models/<model key>/weights/<name>/              save_weights (save_state): the adapter, and its AdamW
+                                                               state in optimizer.safetensors + optimizer.json
+    tinker://<model id>/<sampler_weights|weights>/<name>       the path the SDK gets back
 
 A snapshot without a name (save_weights_and_get_sampling_client) stays in memory (Snapshot.tensors): an RL loop
 takes one per step and never names it, so writing each to disk would fill it.
@@ -14,6 +16,7 @@ takes one per step and never names it, so writing each to disk would fill it.
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 import tempfile
@@ -28,7 +31,8 @@ from rlora.errors import UserError
 
 SCHEME = "tinker://"
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # one path segment: no '/', no '..'
-KINDS = {"sampler_weights": "sampler"}  # the checkpoint kinds this slice serves (training state: not yet)
+KINDS = ("sampler_weights", "weights")  # a sampler's adapter; a training client's adapter and optimizer state
+OPTIMIZER_FORMAT = "rlora-serve-adamw"
 
 
 class ServeError(Exception):
@@ -55,21 +59,28 @@ def sampler_path(model_id: str, name: str) -> str:
     return f"{SCHEME}{model_id}/sampler_weights/{name}"
 
 
+def weights_path(model_id: str, name: str) -> str:
+    return f"{SCHEME}{model_id}/weights/{name}"
+
+
 @dataclass(frozen=True)
 class TinkerPath:
     model_id: str
-    kind: str  # a key of KINDS
+    kind: str  # one of KINDS
     name: str
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.model_id}/{self.kind}/{self.name}"
 
 
 def parse_path(path: str) -> TinkerPath:
     """tinker://MODEL_ID/KIND/NAME -> its parts (checked: no path escapes the state folder)."""
     parts = path[len(SCHEME):].split("/") if path.startswith(SCHEME) else []
     if len(parts) != 3 or not parts[0]:
-        raise ServeError(400, f"'{path}' is not a tinker path (tinker://MODEL_ID/sampler_weights/NAME)")
+        raise ServeError(400, f"'{path}' is not a tinker path (tinker://MODEL_ID/sampler_weights/NAME or .../weights/NAME)")
     model_id, kind, name = parts
     if kind not in KINDS:
-        raise ServeError(400, f"'{path}': rlora serve keeps {', '.join(KINDS)} checkpoints, not '{kind}'")
+        raise ServeError(400, f"'{path}': rlora serve keeps {' and '.join(KINDS)} checkpoints, not '{kind}'")
     return TinkerPath(model_id, kind, check_name(name))
 
 
@@ -103,17 +114,20 @@ class StateDir:
         return self.root / "models" / model_key(path.model_id) / path.kind / path.name
 
     def save_adapter(self, path: TinkerPath, config: LoraConfig, tensors: dict[str, torch.Tensor],
-                     base_model: str) -> Path:
-        """A plain PEFT folder, swapped in whole (written to a temporary folder beside it, then renamed)."""
+                     base_model: str, optimizer: tuple[dict[str, torch.Tensor], dict] | None = None) -> Path:
+        """A plain PEFT folder (with the optimizer's tensors and description beside it, if given), swapped in
+        whole (written to a temporary folder beside it, then renamed)."""
         target = self.folder(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         temp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{path.name}."))
         try:
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                      str(temp / "adapter_model.safetensors"))
+            save_file(_cpu(tensors), str(temp / "adapter_model.safetensors"))
             config = copy.deepcopy(config)
             config.base_model_name_or_path = base_model
             config.save_pretrained(str(temp))
+            if optimizer is not None:
+                save_file(_cpu(optimizer[0]), str(temp / "optimizer.safetensors"))
+                (temp / "optimizer.json").write_text(json.dumps({"format": OPTIMIZER_FORMAT, **optimizer[1]}, indent=1))
             if target.exists():
                 shutil.rmtree(target)
             temp.rename(target)
@@ -122,14 +136,33 @@ class StateDir:
             raise
         return target
 
-    def snapshot(self, path: TinkerPath) -> Snapshot:
-        """The saved adapter at `path` (its config read; its weights read when it is loaded)."""
+    def snapshot(self, path: TinkerPath, kind: str) -> Snapshot:
+        """The saved adapter at `path`, which must be of `kind` (its config read; its weights when it is loaded)."""
+        if path.kind != kind:
+            use = "a sampler takes sampler_weights" if kind == "sampler_weights" else "load_weights takes weights"
+            raise ServeError(400, f"{path} is a {path.kind} checkpoint: {use} (save_weights_for_sampler / save_state)")
         folder = self.folder(path)
         if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
-            raise ServeError(404, f"no saved weights at {SCHEME}{path.model_id}/{path.kind}/{path.name}")
+            raise ServeError(404, f"no saved weights at {path}")
         try:
             config = LoraConfig.from_pretrained(str(folder))
         except Exception as err:  # noqa: BLE001 - a damaged or foreign folder
             raise ServeError(400, f"{folder} is not a LoRA adapter folder: {err}") from None
         return Snapshot(config, folder=folder)
+
+    def optimizer_state(self, path: TinkerPath) -> tuple[dict[str, torch.Tensor], dict]:
+        """The AdamW state saved beside a training client's adapter: its tensors and its description."""
+        folder = self.folder(path)
+        try:
+            meta = json.loads((folder / "optimizer.json").read_text())
+            tensors = load_file(str(folder / "optimizer.safetensors")) if meta.get("stepped") else {}
+        except (OSError, ValueError) as err:
+            raise ServeError(400, f"{path} holds no readable optimizer state ({err})") from None
+        if meta.get("format") != OPTIMIZER_FORMAT:
+            raise ServeError(400, f"{folder}/optimizer.json is not rlora serve's optimizer state")
+        return tensors, meta
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
 

@@ -92,6 +92,27 @@ class SaveWeightsForSampler(Request):
     seq_id: int | None = None
 
 
+class SaveWeights(Request):
+    model_id: str
+    path: str | None = None  # the checkpoint's name
+    seq_id: int | None = None
+    overwrite: bool = False
+
+
+class LoadWeights(Request):
+    """Into an existing training client (model_id + seq_id), or a new one (session_id + model_seq_id:
+    create_training_client_from_state)."""
+
+    path: str
+    optimizer: bool = False
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = None
+    optimizer_config: OptimizerConfig | None = None
+
+
 class CreateSamplingSession(Request):
     session_id: str
     sampling_session_seq_id: int = Field(ge=0)

@@ -100,14 +100,17 @@ class ModelWorker:
         return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none",
                           task_type="CAUSAL_LM")
 
-    def create_model(self, model_id: str, spec: wire.LoraSpec) -> dict:
-        config = self.lora_config(spec)
+    def _new_trainee(self, model_id: str, config: LoraConfig, seed: int | None) -> Trainee:
         name = f"client_{len(self.trainees)}"
         with torch.random.fork_rng(devices=[]):  # the adapter's initialisation, from its seed (else a fresh one)
-            torch.manual_seed(spec.seed if spec.seed is not None else secrets.randbits(62))
+            torch.manual_seed(seed if seed is not None else secrets.randbits(62))
             self._add_adapter(name, config)
         params = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
-        self.trainees[model_id] = Trainee(model_id, name, spec.rank, config, params)
+        trainee = self.trainees[model_id] = Trainee(model_id, name, config.r, config, params)
+        return trainee
+
+    def create_model(self, model_id: str, spec: wire.LoraSpec) -> dict:
+        self._new_trainee(model_id, self.lora_config(spec), spec.seed)
         return {"model_id": model_id, "type": "create_model"}
 
     def trainee(self, model_id: str) -> Trainee:
@@ -215,14 +218,74 @@ class ModelWorker:
         return {"metrics": {"grad_norm:mean": stats["grad_norm"], "skipped_update:sum": float(stats["skipped_update"]),
                             "learning_rate:mean": adam.lr}}
 
+    # ------------------------------------------------------------------------------------------ training state
+
+    def _param_names(self, trainee: Trainee) -> list[str]:
+        """Its parameters' names without the adapter's name (as in a PEFT file), in trainee.params order."""
+        ids = {id(p) for p in trainee.params}
+        names = [n for n, p in self.model.named_parameters() if id(p) in ids]
+        return [n.replace(f".{trainee.peft_name}.", ".") for n in names]
+
+    def _adapter_tensors(self, trainee: Trainee) -> dict[str, torch.Tensor]:
+        weights = get_peft_model_state_dict(self.model, adapter_name=trainee.peft_name, save_embedding_layers=False)
+        return {k: v.detach().cpu().clone() for k, v in weights.items()}
+
+    def save_state(self, model_id: str, name: str, overwrite: bool) -> dict:
+        """save_weights (the SDK's save_state): the adapter and its AdamW state (moments and step count per
+        parameter, safetensors; the last step's hyper-parameters, JSON) under STATE_DIR/.../weights/NAME."""
+        trainee = self.trainee(model_id)
+        path = TinkerPath(model_id, "weights", name)
+        if self.state.folder(path).exists() and not overwrite:
+            raise ServeError(400, f"{path} exists: save_state(..., overwrite=True) replaces it")
+        tensors, meta = {}, {"stepped": False}
+        if trainee.optimizer is not None:
+            group = trainee.optimizer.param_groups[0]
+            meta = {"stepped": True, "lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"],
+                    "weight_decay": group["weight_decay"]}
+            for key, param in zip(self._param_names(trainee), trainee.params):
+                state = trainee.optimizer.state.get(param)
+                if state:
+                    tensors[f"{key}.exp_avg"], tensors[f"{key}.exp_avg_sq"] = state["exp_avg"], state["exp_avg_sq"]
+                    tensors[f"{key}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1)
+        self.state.save_adapter(path, trainee.config, self._adapter_tensors(trainee), self.model_path, (tensors, meta))
+        return {"path": str(path), "type": "save_weights"}
+
+    def load_state(self, model_id: str, path: TinkerPath, optimizer: bool) -> dict:
+        """load_weights: the saved adapter into the training client `model_id` (made from the checkpoint's LoRA
+        config when it does not exist yet: create_training_client_from_state), its gradients cleared, and its
+        AdamW state restored (optimizer=True) or started afresh."""
+        snapshot = self.state.snapshot(path, "weights")
+        saved_state = self.state.optimizer_state(path) if optimizer else None
+        trainee = self.trainees.get(model_id)
+        if trainee is None:
+            trainee = self._new_trainee(model_id, snapshot.config, seed=0)
+        elif (trainee.config.r, set(trainee.config.target_modules)) != (snapshot.config.r, set(snapshot.config.target_modules)):
+            raise ServeError(400, f"{path} is a rank-{snapshot.config.r} LoRA on {sorted(snapshot.config.target_modules)}; "
+                                  f"this training client's is rank {trainee.rank} on {sorted(trainee.config.target_modules)}")
+        set_peft_model_state_dict(self.model, snapshot.weights(), adapter_name=trainee.peft_name)
+        for param in trainee.params:
+            param.grad = None
+        trainee.loss_since_step, trainee.optimizer = 0.0, None
+        if saved_state is not None and saved_state[1]["stepped"]:
+            tensors, meta = saved_state
+            trainee.optimizer = torch.optim.AdamW(trainee.params, lr=meta["lr"], betas=tuple(meta["betas"]),
+                                                  eps=meta["eps"], weight_decay=meta["weight_decay"])
+            state_dict = trainee.optimizer.state_dict()
+            keys = self._param_names(trainee)
+            if any(f"{key}.exp_avg" not in tensors for key in keys):
+                raise ServeError(400, f"{path}: its optimizer state does not cover this adapter's parameters")
+            state_dict["state"] = {i: {"step": tensors[f"{key}.step"].reshape(()).clone(), "exp_avg": tensors[f"{key}.exp_avg"],
+                                       "exp_avg_sq": tensors[f"{key}.exp_avg_sq"]} for i, key in enumerate(keys)}
+            trainee.optimizer.load_state_dict(state_dict)
+        return {"path": str(path), "model_id": model_id, "type": "load_weights"}
+
     # ------------------------------------------------------------------------------------------ snapshots
 
     def save_for_sampler(self, model_id: str, name: str | None, session_id: str | None) -> dict:
         """A snapshot of the training client's adapter: a PEFT folder (named) or tensors in memory (unnamed,
         answered with a new sampling session's id)."""
         trainee = self.trainee(model_id)
-        weights = get_peft_model_state_dict(self.model, adapter_name=trainee.peft_name, save_embedding_layers=False)
-        tensors = {k: v.detach().cpu().clone() for k, v in weights.items()}
+        tensors = self._adapter_tensors(trainee)
         if name is not None:
             path = TinkerPath(model_id, "sampler_weights", name)
             self.state.save_adapter(path, trainee.config, tensors, self.model_path)

@@ -184,3 +184,26 @@ def test_unnamed_snapshots_the_base_and_stop_tokens(server, service, tokenizer):
     trained = tc.save_weights_and_get_sampling_client().result()
     [now] = trained.sample(model_input, 1, types.SamplingParams(max_tokens=12, temperature=0.0)).result().sequences
     assert now.logprobs != from_base.logprobs
+
+
+def test_snapshots_beyond_those_kept_loaded_come_back_and_old_unnamed_ones_expire(server, service, tokenizer):
+    hf_tokenizer, _ = tokenizer
+    tc = service.create_lora_training_client(base_model=server.model, rank=4, seed=4).result()
+    data = [sft_datum(hf_tokenizer, p, a) for p, a in PROMPTS]
+    model_input = types.ModelInput.from_ints(hf_tokenizer.encode("What is 3 + 4?"))
+    params = types.SamplingParams(max_tokens=6, seed=11)
+    samplers, first_samples = [], []
+    for i in range(6):  # more snapshots than the 4 kept loaded as adapters: the oldest is unloaded, then reloaded
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        path = tc.save_weights_for_sampler(f"lru-{i}").result().path
+        samplers.append(service.create_sampling_client(model_path=path).result())
+        first_samples.append(samplers[-1].sample(model_input, 2, params).result().sequences)
+    again = samplers[0].sample(model_input, 2, params).result().sequences
+    assert [s.tokens for s in again] == [s.tokens for s in first_samples[0]]
+    assert [s.logprobs for s in again] == [s.logprobs for s in first_samples[0]]
+    assert first_samples[0][0].logprobs != first_samples[-1][0].logprobs  # each snapshot its own weights
+    unnamed = [tc.save_weights_and_get_sampling_client().result() for _ in range(17)]  # 16 are kept
+    with pytest.raises(tinker.RequestFailedError, match="unknown or expired sampling session"):
+        unnamed[0].sample(model_input, 1, params).result()
+    assert len(unnamed[-1].sample(model_input, 1, params).result().sequences) == 1

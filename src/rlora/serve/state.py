@@ -16,6 +16,7 @@ takes one per step and never names it, so writing each to disk would fill it.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import shutil
@@ -84,6 +85,9 @@ def parse_path(path: str) -> TinkerPath:
     return TinkerPath(model_id, kind, check_name(name))
 
 
+_SNAPSHOTS = itertools.count()
+
+
 @dataclass
 class Snapshot:
     """An adapter's weights at one moment: a PEFT folder on disk, or tensors in memory (unnamed snapshots)."""
@@ -91,6 +95,7 @@ class Snapshot:
     config: LoraConfig
     folder: Path | None = None
     tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    key: int = field(default_factory=lambda: next(_SNAPSHOTS))  # names it among the loaded adapters
 
     def weights(self) -> dict[str, torch.Tensor]:
         if self.tensors is not None:

@@ -76,7 +76,7 @@ class ModelWorker:
         self.trainees: dict[str, Trainee] = {}
         self.samplers: dict[str, Snapshot | None] = {}  # sampling session id -> its snapshot (None: the base)
         self.unnamed: OrderedDict[str, None] = OrderedDict()  # sampling sessions whose snapshot is in memory
-        self.loaded: OrderedDict[int, str] = OrderedDict()  # id(snapshot) -> its adapter's name
+        self.loaded: OrderedDict[int, str] = OrderedDict()  # snapshot.key -> its adapter's name
         self.counter = 0
         self.engine_refusal = unsupported_reason(base, max_length)  # None: rlora's built-in sampler runs it
         linear = [name for name, m in base.named_modules() if isinstance(m, nn.Linear) and ".layers." in name]
@@ -301,14 +301,14 @@ class ModelWorker:
         self.samplers[session_id] = snapshot
 
     def _unload(self, snapshot: Snapshot | None) -> None:
-        name = None if snapshot is None else self.loaded.pop(id(snapshot), None)
+        name = None if snapshot is None else self.loaded.pop(snapshot.key, None)
         if name is not None:
             self.model.delete_adapter(name)
 
     def _loaded_adapter(self, snapshot: Snapshot) -> str:
-        name = self.loaded.get(id(snapshot))
+        name = self.loaded.get(snapshot.key)
         if name is not None:
-            self.loaded.move_to_end(id(snapshot))
+            self.loaded.move_to_end(snapshot.key)
             return name
         while len(self.loaded) >= LOADED_SAMPLERS:
             _, old = self.loaded.popitem(last=False)
@@ -321,7 +321,7 @@ class ModelWorker:
         if unexpected:
             self.model.delete_adapter(name)
             raise ServeError(400, f"the saved adapter does not fit this base model (e.g. {unexpected[0]})")
-        self.loaded[id(snapshot)] = name
+        self.loaded[snapshot.key] = name
         return name
 
     @contextmanager

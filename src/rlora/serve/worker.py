@@ -116,8 +116,8 @@ class ModelWorker:
     def trainee(self, model_id: str) -> Trainee:
         trainee = self.trainees.get(model_id)
         if trainee is None:
-            raise ServeError(404, f"unknown model_id '{model_id}' (this server's training clients: "
-                                  f"{', '.join(self.trainees) or 'none yet'})")
+            raise ServeError(404, f"unknown model_id '{model_id}' (training clients do not outlive the server: "
+                                  "save_state and create_training_client_from_state carry one over)")
         return trainee
 
     # ------------------------------------------------------------------------------------------ training

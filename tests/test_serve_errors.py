@@ -12,6 +12,7 @@ import pytest
 import tinker
 from serve_helpers import KEY, running_server
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from rlora.cli import main
@@ -59,6 +60,39 @@ def fb_body(model_id: str, data: list, loss_fn: str = "cross_entropy", forward_o
     return message.SerializeToString()
 
 
+def broken(model_id: str, datum, change) -> bytes:
+    """A forward_backward body as the SDK writes it, then changed by change(the first datum's message)."""
+    message = pb.ForwardBackwardRequest()
+    message.ParseFromString(fb_body(model_id, [datum]))
+    change(message.data[0])
+    return message.SerializeToString()
+
+
+def odd_token_bytes(datum) -> None:
+    datum.model_input[0].encoded_text.tokens = b"\x05\x00\x00\x00\x06"
+
+
+def negative_shape(datum) -> None:
+    weights = datum.loss_fn_inputs["weights"]
+    del weights.shape[:]
+    weights.shape.extend([-1, -4])
+
+
+def huge_sparse(datum) -> None:  # a 2**80-value tensor if it were made dense
+    weights = datum.loss_fn_inputs["weights"]
+    del weights.shape[:]
+    weights.shape.extend([1 << 40, 1 << 40])
+    weights.sparse_csr.values = np.ones(1, np.float32).tobytes()
+    weights.sparse_csr.crow_indices = np.array([0, 1], np.int64).tobytes()
+    weights.sparse_csr.col_indices = np.zeros(1, np.int64).tobytes()
+
+
+def chunked(size: int):
+    """A body sent without a Content-Length (chunked transfer encoding)."""
+    for _ in range(size // (64 << 10)):
+        yield b"x" * (64 << 10)
+
+
 def test_losses_this_server_does_not_run_are_refused_with_a_message(trainee):
     _, training, datum = trainee
     with pytest.raises(tinker.BadRequestError, match="loss_fn 'cispo' is not served by rlora serve"):
@@ -94,13 +128,26 @@ def test_malformed_requests_get_a_4xx_and_the_server_goes_on(server, trainee, mo
         ("post", "forward_backward", {"content": fb_body(training.model_id, [outside])}, 400, "outside the vocabulary"),
         ("post", "forward_backward", {"content": fb_body(training.model_id, [short])}, 400, "one value per input token"),
         ("post", "forward_backward", {"content": b"x" * (2 << 20)}, 413, "request body over"),
+        ("post", "forward_backward", {"content": chunked(2 << 20)}, 413, "request body over"),
+        ("post", "create_model", {"content": chunked(2 << 20), "headers": {"content-type": "application/json"}}, 413,
+         "request body over"),
+        ("post", "forward_backward", {"content": broken(training.model_id, datum, odd_token_bytes)}, 400,
+         "5 bytes of tokens are not whole int32 values"),
+        ("post", "forward_backward", {"content": broken(training.model_id, datum, negative_shape)}, 400,
+         "shape [-1, -4], not [4]"),
+        ("post", "forward_backward", {"content": broken(training.model_id, datum, huge_sparse)}, 400,
+         "a sparse tensor"),
         ("post", "optim_step", {"json": {"model_id": "nope:train:0", "adam_params": {}}}, 404, "unknown model_id"),
         ("post", "optim_step", {"json": {"model_id": training.model_id, "optimizer_params": {"type": "dimuon"}}}, 400,
          "'dimuon' is not served"),
         ("post", "optim_step", {"json": {"model_id": training.model_id, "adam_params": {"learning_rate": -1}}}, 422,
          "learning_rate"),
+        ("post", "optim_step", {"content": ('{"model_id": "' + training.model_id + '", "adam_params": '
+                                            '{"learning_rate": Infinity}}').encode(),
+                                "headers": {"content-type": "application/json"}},
+         422, "finite number"),
         ("post", "retrieve_future", {"json": {"request_id": "nope"}}, 404, "unknown request_id"),
-        ("post", "asample", {"json": sample}, 404, "unknown sampling session"),
+        ("post", "asample", {"json": sample}, 404, "unknown or expired sampling session"),
         ("post", "save_weights_for_sampler", {"json": {"model_id": training.model_id, "path": "../escape"}}, 400,
          "not usable"),
         ("post", "create_sampling_session", {"json": {"session_id": session, "sampling_session_seq_id": 50,

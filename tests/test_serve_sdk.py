@@ -204,6 +204,6 @@ def test_snapshots_beyond_those_kept_loaded_come_back_and_old_unnamed_ones_expir
     assert [s.logprobs for s in again] == [s.logprobs for s in first_samples[0]]
     assert first_samples[0][0].logprobs != first_samples[-1][0].logprobs  # each snapshot its own weights
     unnamed = [tc.save_weights_and_get_sampling_client().result() for _ in range(17)]  # 16 are kept
-    with pytest.raises(tinker.RequestFailedError, match="unknown or expired sampling session"):
+    with pytest.raises(tinker.NotFoundError, match="unknown or expired sampling session"):  # refused on arrival
         unnamed[0].sample(model_input, 1, params).result()
     assert len(unnamed[-1].sample(model_input, 1, params).result().sequences) == 1

@@ -149,6 +149,10 @@ class BuiltinGenerator:
             raise ValueError("decode='graph' (CUDA graphs) needs the model on a CUDA GPU, its layers not streamed")
         return self.decode
 
+    def _view(self, model) -> DecoderView:
+        """The decoder to sample with (`rlora serve` keeps one between requests: its merged weight copies)."""
+        return DecoderView.of(model, self.merge, self.dtype)
+
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,
                params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
@@ -170,7 +174,7 @@ class BuiltinGenerator:
         was_training = model.training
         model.eval()
         try:
-            view = DecoderView.of(model, self.merge, self.dtype)
+            view = self._view(model)
             max_new = max(p.max_new_tokens for p in per_prompt)
             max_rows = self.max_rows or rows_that_fit(view, max_new, max(map(len, prompts)))
             per_chunk = max(1, max_rows // n)  # prompts decoded together: up to max_rows rows

@@ -6,8 +6,10 @@ but the command line.
   proto.py   the SDK's protobuf payloads: forward_backward requests, forward_backward and sample results
   state.py   ids, tinker:// paths, saved adapters (PEFT folders) under --state-dir
   losses.py  tinker's built-in losses per token, on rlora's loss functions
+  trainstate.py  a training client, its saved adapter and AdamW state checked and restored
   worker.py  the base model and its adapters: training, snapshots, sampling (one thread)
   jobs.py    futures and the worker thread
-  app.py     the HTTP routes (FastAPI)
+  limits.py  the API key and the request size, before any route
+  app.py     the HTTP routes (FastAPI), sessions
   main.py    argument checks, loading the model, uvicorn
 """

@@ -84,7 +84,8 @@ def serve_main(args) -> int:
         info(f"rlora serve: the built-in sampler does not run this model ({served.worker.engine_refusal}): sampling "
              "with transformers generate")
     info(f"rlora serve: {served.names[0]} on http://{args.host}:{args.port} (state: {served.state.root}); "
-         f"clients: TINKER_BASE_URL=http://{args.host}:{args.port} TINKER_API_KEY={args.api_key or 'tml-local'}")
+         f"clients: TINKER_BASE_URL=http://{args.host}:{args.port} "  # the key itself is never printed (logs)
+         f"TINKER_API_KEY={'<the --api-key>' if args.api_key else 'tml-local'}")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

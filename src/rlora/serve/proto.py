@@ -41,27 +41,19 @@ class ForwardBackward:
 
 
 def _tensor(msg: pb.Tensor, name: str) -> np.ndarray:
+    """A loss input: dense, 1-D ([n] or no shape). Anything else is refused before anything is allocated (a
+    sparse tensor's declared shape could be any size)."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise ServeError(400, f"loss_fn_inputs['{name}']: dtype {msg.dtype} is not float32, int64 or int32")
-    shape = list(msg.shape)
-    try:
-        if msg.HasField("sparse_csr"):  # a 2-D tensor as CSR: rows by crow_indices, columns by col_indices
-            csr = msg.sparse_csr
-            values = np.frombuffer(csr.values, dtype=dtype)
-            crow, col = np.frombuffer(csr.crow_indices, dtype=np.int64), np.frombuffer(csr.col_indices, dtype=np.int64)
-            if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values):
-                raise ServeError(400, f"loss_fn_inputs['{name}']: a sparse tensor that is not [rows, cols] CSR")
-            dense = np.zeros(shape, dtype=dtype)
-            rows = np.repeat(np.arange(shape[0]), np.diff(crow))
-            dense[rows, col] = values
-            return dense
-        array = np.frombuffer(msg.dense, dtype=dtype)
-    except (ValueError, IndexError) as err:
-        raise ServeError(400, f"loss_fn_inputs['{name}']: unreadable tensor ({err})") from None
-    if shape and int(np.prod(shape)) != array.size:
-        raise ServeError(400, f"loss_fn_inputs['{name}']: shape {shape} does not hold {array.size} values")
-    return array.reshape(shape) if shape else array
+    if msg.HasField("sparse_csr"):
+        raise ServeError(400, f"loss_fn_inputs['{name}']: a sparse tensor; loss inputs are dense, one value per token")
+    size, rest = divmod(len(msg.dense), np.dtype(dtype).itemsize)
+    if rest:
+        raise ServeError(400, f"loss_fn_inputs['{name}']: {len(msg.dense)} bytes are not whole {np.dtype(dtype).name} values")
+    if list(msg.shape) not in ([], [size]):
+        raise ServeError(400, f"loss_fn_inputs['{name}']: shape {list(msg.shape)}, not [{size}] (one value per input token)")
+    return np.frombuffer(msg.dense, dtype=dtype)
 
 
 def parse_forward_backward(body: bytes) -> ForwardBackward:
@@ -82,7 +74,10 @@ def parse_forward_backward(body: bytes) -> ForwardBackward:
         for chunk in datum.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise ServeError(400, f"datum {i}: a {chunk.WhichOneof('chunk')} chunk; rlora serve takes token chunks only")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+            raw = chunk.encoded_text.tokens
+            if len(raw) % 4:
+                raise ServeError(400, f"datum {i}: {len(raw)} bytes of tokens are not whole int32 values")
+            tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
         if not tokens:
             raise ServeError(400, f"datum {i}: no input tokens")
         inputs = {name: _tensor(tensor, name) for name, tensor in datum.loss_fn_inputs.items()}

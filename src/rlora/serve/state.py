@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from rlora.errors import UserError
+from rlora.train.outputs import fsync_path
 
 SCHEME = "tinker://"
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # one path segment: no '/', no '..'
@@ -45,15 +47,18 @@ class ServeError(Exception):
 
 
 def check_name(name: str, what: str = "name") -> str:
-    if not NAME.match(name) or name in (".", ".."):
+    if not NAME.fullmatch(name):
         raise ServeError(400, f"{what} '{name}' is not usable: letters, digits, '_', '-', '.' (up to 128, "
                               "not starting with '.' or '-')")
     return name
 
 
 def model_key(model_id: str) -> str:
-    """The folder name of a model id (ids hold ':')."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
+    """The folder name of a model id (ids hold ':'); one that would name a folder above it is refused."""
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
+    if key.strip(".") == "":
+        raise ServeError(400, f"model id '{model_id}' is not usable in a path")
+    return key
 
 
 def sampler_path(model_id: str, name: str) -> str:
@@ -118,13 +123,20 @@ class StateDir:
     def folder(self, path: TinkerPath) -> Path:
         return self.root / "models" / model_key(path.model_id) / path.kind / path.name
 
+    def exists(self, path: TinkerPath) -> bool:
+        return _recovered(self.folder(path)).exists()
+
     def save_adapter(self, path: TinkerPath, config: LoraConfig, tensors: dict[str, torch.Tensor],
                      base_model: str, optimizer: tuple[dict[str, torch.Tensor], dict] | None = None) -> Path:
         """A plain PEFT folder (with the optimizer's tensors and description beside it, if given), swapped in
-        whole (written to a temporary folder beside it, then renamed)."""
-        target = self.folder(path)
+        whole, as rlora's training checkpoints are (train/checkpoint.py): written to a temporary folder beside
+        it and fsynced; an older folder of that name is set aside (`.old-NAME`), the new one renamed into
+        place, the parent fsynced, and only then the old one deleted. A crash at any moment leaves the old
+        folder or the new one, never neither: one left aside is put back when the path is next used."""
+        target = _recovered(self.folder(path))
         target.parent.mkdir(parents=True, exist_ok=True)
-        temp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{path.name}."))
+        temp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{path.name}."))
+        aside = target.parent / f".old-{path.name}"
         try:
             save_file(_cpu(tensors), str(temp / "adapter_model.safetensors"))
             config = copy.deepcopy(config)
@@ -133,12 +145,18 @@ class StateDir:
             if optimizer is not None:
                 save_file(_cpu(optimizer[0]), str(temp / "optimizer.safetensors"))
                 (temp / "optimizer.json").write_text(json.dumps({"format": OPTIMIZER_FORMAT, **optimizer[1]}, indent=1))
+            for file in temp.iterdir():
+                fsync_path(file)
+            fsync_path(temp)
             if target.exists():
-                shutil.rmtree(target)
-            temp.rename(target)
+                target.rename(aside)
+                fsync_path(target.parent)
+            os.replace(temp, target)
+            fsync_path(target.parent)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
+        shutil.rmtree(aside, ignore_errors=True)
         return target
 
     def snapshot(self, path: TinkerPath, kind: str) -> Snapshot:
@@ -146,7 +164,7 @@ class StateDir:
         if path.kind != kind:
             use = "a sampler takes sampler_weights" if kind == "sampler_weights" else "load_weights takes weights"
             raise ServeError(400, f"{path} is a {path.kind} checkpoint: {use} (save_weights_for_sampler / save_state)")
-        folder = self.folder(path)
+        folder = _recovered(self.folder(path))
         if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
             raise ServeError(404, f"no saved weights at {path}")
         try:
@@ -166,6 +184,17 @@ class StateDir:
         if meta.get("format") != OPTIMIZER_FORMAT:
             raise ServeError(400, f"{folder}/optimizer.json is not rlora serve's optimizer state")
         return tensors, meta
+
+
+def _recovered(target: Path) -> Path:
+    """target, with a folder a crash left set aside (save_adapter) put back if none replaced it."""
+    aside = target.parent / f".old-{target.name}"
+    if aside.exists():
+        if target.exists():  # the swap completed; only deleting the old one did not
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.rename(target)
+    return target
 
 
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,8 @@ DYNAMIC_CONFIG = {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # no NaN or infinity in any number (JSON's Infinity, 1e999): a learning rate of inf would ruin an adapter
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
 
 class CreateSession(Request):

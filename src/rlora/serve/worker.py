@@ -8,7 +8,9 @@ model is not thread-safe, and a training client's requests must run in the order
   applies them with the request's Adam parameters and clears them (rlora's optimizer_step: clipping, a
   non-finite update skipped).
 - A sampler samples from a snapshot of an adapter taken by save_weights_for_sampler (or from the base with
-  every adapter off). Snapshots are loaded as adapters `sampler_N` when sampled, the newest few kept loaded.
+  every adapter off). Snapshots are loaded as adapters `sampler_N` when sampled, the newest few kept loaded;
+  the decoder of the last one sampled (its merged weight copies) is kept for the next request.
+- A session's clients and samplers are freed when it finishes (free_session); their numbers are capped.
 - Log-probs come from the decoder's last hidden states and the output layer a chunk of positions at a time
   (checkpointed when training), or from the model's full logits for a family rlora's chunked path does not
   cover; sampling is rlora's built-in engine (transformers `generate` for the families it does not run).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import secrets
+import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,15 +32,16 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlora.models.loading import TokenizerInfo, causal_lm
+from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
 from rlora.models.logprobs import completion_logprobs, supports_chunked, token_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
-from rlora.rollout.decoder import unsupported_reason
+from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.losses import LOSSES
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
+from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
 from rlora.tensors import position_ids_from_mask
 from rlora.train.optim import optimizer_step
 from rlora.types import SamplingParams
@@ -47,17 +51,27 @@ MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward
 HEAD_CHUNK = 256  # positions per output-layer chunk
 LOADED_SAMPLERS = 4  # snapshots kept loaded as adapters
 UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one per step)
+IDLE_ADAPTER = "idle"  # the adapter that keeps the peft model from ever having none (_add_adapter)
+MAX_TRAINEES = 64  # training clients at once (each an adapter and its AdamW state in memory)
+MAX_SAMPLERS = 1024  # sampling sessions on saved snapshots or the base at once (each a config and a path)
 
 
 @dataclass
-class Trainee:
-    model_id: str
-    peft_name: str
-    rank: int
-    config: LoraConfig
-    params: list[nn.Parameter]
-    optimizer: torch.optim.AdamW | None = None
-    loss_since_step: float = 0.0
+class Sampler:
+    snapshot: Snapshot | None  # None: the base
+    model_path: str | None  # the tinker path it was made from (None: the base or an unnamed snapshot)
+
+
+class _ViewGenerator(BuiltinGenerator):
+    """rlora's sampler on a decoder built before: the same weights, so the same samples, without merging the
+    adapter into fresh weight copies again for every request."""
+
+    def __init__(self, view: DecoderView, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.view = view
+
+    def _view(self, model) -> DecoderView:
+        return self.view
 
 
 class _NoSchedule:
@@ -74,23 +88,52 @@ class ModelWorker:
         self.tokenizer, self.tok, self.model_path, self.max_length, self.state = tokenizer, tok, model_path, max_length, state
         self.vocab_size = causal_lm(base).get_output_embeddings().weight.shape[0]
         self.trainees: dict[str, Trainee] = {}
-        self.samplers: dict[str, Snapshot | None] = {}  # sampling session id -> its snapshot (None: the base)
+        self.samplers: dict[str, Sampler] = {}  # sampling session id -> what it samples
         self.unnamed: OrderedDict[str, None] = OrderedDict()  # sampling sessions whose snapshot is in memory
         self.loaded: OrderedDict[int, str] = OrderedDict()  # snapshot.key -> its adapter's name
-        self.counter = 0
+        self.view: tuple[int | None, DecoderView] | None = None  # (snapshot.key, None: the base) of the last sampled
+        self.counter = 0  # numbers adapter names: never reused, also after one is deleted
+        self.max_trainees, self.max_samplers = MAX_TRAINEES, MAX_SAMPLERS
         self.engine_refusal = unsupported_reason(base, max_length)  # None: rlora's built-in sampler runs it
-        linear = [name for name, m in base.named_modules() if isinstance(m, nn.Linear) and ".layers." in name]
-        self.attn_targets = sorted({n.rsplit(".", 1)[-1] for n in linear if ".self_attn." in n})
-        self.mlp_targets = sorted({n.rsplit(".", 1)[-1] for n in linear if ".mlp." in n})
+        self.attn_targets = linear_module_names(base, ".self_attn.")
+        self.mlp_targets = linear_module_names(base, ".mlp.")
 
     # ------------------------------------------------------------------------------------------ adapters
 
+    def _name(self, kind: str) -> str:
+        self.counter += 1
+        return f"{kind}_{self.counter}"
+
     def _add_adapter(self, name: str, config: LoraConfig) -> None:
-        if isinstance(self.model, PeftModel):
-            self.model.add_adapter(name, copy.deepcopy(config))
-        else:
-            self.model = get_peft_model(self.base, copy.deepcopy(config), adapter_name=name)
+        self.view = None  # a decoder holds the model's modules as they were: built again after any change
+        if not isinstance(self.model, PeftModel):
+            # A peft model left with no adapter at all breaks (its active adapter names a deleted one): the first
+            # adapter is a frozen rank-1 one with B = 0 (the base exactly) that is never deleted, on its own seed
+            # so that a client's seed alone decides its adapter's initialisation.
+            idle = LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=(self.attn_targets or self.mlp_targets)[:1],
+                              bias="none", task_type="CAUSAL_LM", inference_mode=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.model = get_peft_model(self.base, idle, adapter_name=IDLE_ADAPTER)
+        self.model.add_adapter(name, copy.deepcopy(config))
         self.model.eval()  # no dropout anywhere: the trainer's and the sampler's numbers agree
+
+    def _delete_adapter(self, name: str) -> None:
+        self.view = None
+        with warnings.catch_warnings():  # peft's note that it activated another adapter: which one is active is ours
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.model.delete_adapter(name)
+        if self.model.active_adapter not in self.model.peft_config:  # peft leaves a deleted one active at times
+            self.model.set_adapter(IDLE_ADAPTER, inference_mode=True)
+
+    def room_for(self, what: str) -> None:
+        """Refuses one more training client or sampling session beyond the caps (429, not retried)."""
+        if what == "trainee" and len(self.trainees) >= self.max_trainees:
+            raise ServeError(429, f"this server holds {self.max_trainees} training clients already: finish a session "
+                                  "(ServiceClient.close) to free its clients")
+        if what == "sampler" and len(self.samplers) - len(self.unnamed) >= self.max_samplers:
+            raise ServeError(429, f"this server holds {self.max_samplers} sampling sessions already: finish a session "
+                                  "(ServiceClient.close) to free its samplers")
 
     def lora_config(self, spec: wire.LoraSpec) -> LoraConfig:
         targets = ((self.attn_targets if spec.train_attn else []) + (self.mlp_targets if spec.train_mlp else [])
@@ -101,7 +144,10 @@ class ModelWorker:
                           task_type="CAUSAL_LM")
 
     def _new_trainee(self, model_id: str, config: LoraConfig, seed: int | None) -> Trainee:
-        name = f"client_{len(self.trainees)}"
+        if model_id in self.trainees:
+            raise ServeError(409, f"training client '{model_id}' exists already")
+        self.room_for("trainee")
+        name = self._name("client")
         with torch.random.fork_rng(devices=[]):  # the adapter's initialisation, from its seed (else a fresh one)
             torch.manual_seed(seed if seed is not None else secrets.randbits(62))
             self._add_adapter(name, config)
@@ -112,6 +158,15 @@ class ModelWorker:
     def create_model(self, model_id: str, spec: wire.LoraSpec) -> dict:
         self._new_trainee(model_id, self.lora_config(spec), spec.seed)
         return {"model_id": model_id, "type": "create_model"}
+
+    def free_session(self, session_id: str) -> dict:
+        """A finished session's training clients (adapters, gradients, AdamW state) and samplers go."""
+        prefix = f"{session_id}:"
+        for model_id in [m for m in self.trainees if m.startswith(prefix)]:
+            self._delete_adapter(self.trainees.pop(model_id).peft_name)
+        for sampler_id in [s for s in list(self.samplers) if s.startswith(prefix)]:
+            self._drop_sampler(sampler_id)
+        return {}
 
     def trainee(self, model_id: str) -> Trainee:
         trainee = self.trainees.get(model_id)
@@ -169,41 +224,54 @@ class ModelWorker:
     def forward_backward(self, request: proto.ForwardBackward, config: dict[str, float]) -> bytes:
         trainee = self.trainee(request.model_id)
         loss = LOSSES[request.loss_fn]
-        device = next(self.model.parameters()).device
         outputs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(request.data)
-        total = 0.0
         train = not request.forward_only
-        with adapter_switched(self.model, trainee.peft_name, trainable=train), torch.set_grad_enabled(train):
-            for group in self._micro_batches(request.data):
-                data = [request.data[i] for i in group]
-                width = max(len(d.tokens) for d in data)
-                ids_BT = torch.full((len(data), width), self.tok.pad_id, dtype=torch.long)
-                mask_BT = torch.zeros(len(data), width, dtype=torch.long)
-                names = set(loss.inputs) | set(loss.optional)  # the ones it reads (the app checked they are there)
-                inputs = {name: torch.zeros(len(data), width, dtype=torch.float32) for name in names}
-                targets_BT = torch.zeros(len(data), width, dtype=torch.long)
-                for row, datum in enumerate(data):
-                    n = len(datum.tokens)
-                    ids_BT[row, :n], mask_BT[row, :n] = torch.tensor(datum.tokens), 1
-                    targets_BT[row, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
-                    for name in names:
-                        value = datum.inputs.get(name)
-                        inputs[name][row, :n] = (torch.full((n,), loss.optional[name]) if value is None
-                                                 else torch.from_numpy(value.astype(np.float32)))
-                ids_BT, mask_BT, targets_BT = ids_BT.to(device), mask_BT.to(device), targets_BT.to(device)
-                inputs = {k: v.to(device) for k, v in inputs.items()}
-                logp_BT = self.token_logprobs(ids_BT, mask_BT, targets_BT)
-                loss_BT = loss.fn(logp_BT, mask_BT.float(), inputs, config)
-                summed = torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT)).sum()
-                if train:
-                    summed.backward()
-                total += float(summed.detach())
-                logp = logp_BT.detach().float().cpu().numpy()
-                for row, i in enumerate(group):
-                    outputs[i] = logp[row, :len(request.data[i].tokens)].copy()
+        # a request that fails part-way has added its first micro-batches' gradients: they are taken back
+        before = [None if p.grad is None else p.grad.clone() for p in trainee.params] if train else []
+        try:
+            with adapter_switched(self.model, trainee.peft_name, trainable=train), torch.set_grad_enabled(train):
+                total = self._forward_backward(request, config, loss, train, outputs)
+        except BaseException:
+            for param, grad in zip(trainee.params, before):
+                param.grad = grad
+            raise
         if train:
             trainee.loss_since_step += total
         return proto.forward_backward_output(outputs, {"loss:sum": total})
+
+    def _forward_backward(self, request: proto.ForwardBackward, config: dict[str, float], loss, train: bool,
+                          outputs: list[np.ndarray]) -> float:
+        """Each micro-batch's forward (and backward): its log-probs into outputs; -> the summed loss."""
+        device = next(self.model.parameters()).device
+        total = 0.0
+        for group in self._micro_batches(request.data):
+            data = [request.data[i] for i in group]
+            width = max(len(d.tokens) for d in data)
+            ids_BT = torch.full((len(data), width), self.tok.pad_id, dtype=torch.long)
+            mask_BT = torch.zeros(len(data), width, dtype=torch.long)
+            names = set(loss.inputs) | set(loss.optional)  # the ones it reads (the app checked they are there)
+            inputs = {name: torch.zeros(len(data), width, dtype=torch.float32) for name in names}
+            targets_BT = torch.zeros(len(data), width, dtype=torch.long)
+            for row, datum in enumerate(data):
+                n = len(datum.tokens)
+                ids_BT[row, :n], mask_BT[row, :n] = torch.tensor(datum.tokens), 1
+                targets_BT[row, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+                for name in names:
+                    value = datum.inputs.get(name)
+                    inputs[name][row, :n] = (torch.full((n,), loss.optional[name]) if value is None
+                                             else torch.from_numpy(value.astype(np.float32)))
+            ids_BT, mask_BT, targets_BT = ids_BT.to(device), mask_BT.to(device), targets_BT.to(device)
+            inputs = {k: v.to(device) for k, v in inputs.items()}
+            logp_BT = self.token_logprobs(ids_BT, mask_BT, targets_BT)
+            loss_BT = loss.fn(logp_BT, mask_BT.float(), inputs, config)
+            summed = torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT)).sum()
+            if train:
+                summed.backward()
+            total += float(summed.detach())
+            logp = logp_BT.detach().float().cpu().numpy()
+            for row, i in enumerate(group):
+                outputs[i] = logp[row, :len(request.data[i].tokens)].copy()
+        return total
 
     def optim_step(self, model_id: str, adam: wire.Adam) -> dict:
         trainee = self.trainee(model_id)
@@ -220,63 +288,45 @@ class ModelWorker:
 
     # ------------------------------------------------------------------------------------------ training state
 
-    def _param_names(self, trainee: Trainee) -> list[str]:
-        """Its parameters' names without the adapter's name (as in a PEFT file), in trainee.params order."""
-        ids = {id(p) for p in trainee.params}
-        names = [n for n, p in self.model.named_parameters() if id(p) in ids]
-        return [n.replace(f".{trainee.peft_name}.", ".") for n in names]
-
     def _adapter_tensors(self, trainee: Trainee) -> dict[str, torch.Tensor]:
         weights = get_peft_model_state_dict(self.model, adapter_name=trainee.peft_name, save_embedding_layers=False)
         return {k: v.detach().cpu().clone() for k, v in weights.items()}
 
     def save_state(self, model_id: str, name: str, overwrite: bool) -> dict:
-        """save_weights (the SDK's save_state): the adapter and its AdamW state (moments and step count per
-        parameter, safetensors; the last step's hyper-parameters, JSON) under STATE_DIR/.../weights/NAME."""
+        """save_weights (the SDK's save_state): the adapter and its AdamW state under STATE_DIR/.../weights/NAME
+        (serve/trainstate.py)."""
         trainee = self.trainee(model_id)
         path = TinkerPath(model_id, "weights", name)
-        if self.state.folder(path).exists() and not overwrite:
+        if self.state.exists(path) and not overwrite:
             raise ServeError(400, f"{path} exists: save_state(..., overwrite=True) replaces it")
-        tensors, meta = {}, {"stepped": False}
-        if trainee.optimizer is not None:
-            group = trainee.optimizer.param_groups[0]
-            meta = {"stepped": True, "lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"],
-                    "weight_decay": group["weight_decay"]}
-            for key, param in zip(self._param_names(trainee), trainee.params):
-                state = trainee.optimizer.state.get(param)
-                if state:
-                    tensors[f"{key}.exp_avg"], tensors[f"{key}.exp_avg_sq"] = state["exp_avg"], state["exp_avg_sq"]
-                    tensors[f"{key}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1)
-        self.state.save_adapter(path, trainee.config, self._adapter_tensors(trainee), self.model_path, (tensors, meta))
+        adam = adam_state(trainee, param_names(self.model, trainee))
+        self.state.save_adapter(path, trainee.config, self._adapter_tensors(trainee), self.model_path, adam)
         return {"path": str(path), "type": "save_weights"}
 
-    def load_state(self, model_id: str, path: TinkerPath, optimizer: bool) -> dict:
-        """load_weights: the saved adapter into the training client `model_id` (made from the checkpoint's LoRA
-        config when it does not exist yet: create_training_client_from_state), its gradients cleared, and its
-        AdamW state restored (optimizer=True) or started afresh."""
+    def load_state(self, model_id: str, path: TinkerPath, optimizer: bool, new_client: bool) -> dict:
+        """load_weights: the saved adapter into the training client `model_id` (a new one made from the
+        checkpoint's LoRA config: create_training_client_from_state), its gradients cleared, and its AdamW
+        state restored (optimizer=True) or started afresh. Everything is checked before anything changes."""
         snapshot = self.state.snapshot(path, "weights")
-        saved_state = self.state.optimizer_state(path) if optimizer else None
-        trainee = self.trainees.get(model_id)
-        if trainee is None:
+        weights = snapshot.weights()
+        tensors, meta = self.state.optimizer_state(path) if optimizer else ({}, {"stepped": False})
+        if new_client:
             trainee = self._new_trainee(model_id, snapshot.config, seed=0)
-        elif (trainee.config.r, set(trainee.config.target_modules)) != (snapshot.config.r, set(snapshot.config.target_modules)):
-            raise ServeError(400, f"{path} is a rank-{snapshot.config.r} LoRA on {sorted(snapshot.config.target_modules)}; "
-                                  f"this training client's is rank {trainee.rank} on {sorted(trainee.config.target_modules)}")
-        set_peft_model_state_dict(self.model, snapshot.weights(), adapter_name=trainee.peft_name)
+        else:
+            trainee = self.trainee(model_id)
+        try:
+            moments = checked_state(trainee, param_names(self.model, trainee), path, snapshot.config, weights,
+                                    tensors if meta["stepped"] else None)
+        except ServeError:
+            if new_client:  # the client it was to become goes again
+                self._delete_adapter(self.trainees.pop(model_id).peft_name)
+            raise
+        set_peft_model_state_dict(self.model, weights, adapter_name=trainee.peft_name)
         for param in trainee.params:
             param.grad = None
         trainee.loss_since_step, trainee.optimizer = 0.0, None
-        if saved_state is not None and saved_state[1]["stepped"]:
-            tensors, meta = saved_state
-            trainee.optimizer = torch.optim.AdamW(trainee.params, lr=meta["lr"], betas=tuple(meta["betas"]),
-                                                  eps=meta["eps"], weight_decay=meta["weight_decay"])
-            state_dict = trainee.optimizer.state_dict()
-            keys = self._param_names(trainee)
-            if any(f"{key}.exp_avg" not in tensors for key in keys):
-                raise ServeError(400, f"{path}: its optimizer state does not cover this adapter's parameters")
-            state_dict["state"] = {i: {"step": tensors[f"{key}.step"].reshape(()).clone(), "exp_avg": tensors[f"{key}.exp_avg"],
-                                       "exp_avg_sq": tensors[f"{key}.exp_avg_sq"]} for i, key in enumerate(keys)}
-            trainee.optimizer.load_state_dict(state_dict)
+        if meta["stepped"]:
+            restore_adam(trainee, meta, moments)
         return {"path": str(path), "model_id": model_id, "type": "load_weights"}
 
     # ------------------------------------------------------------------------------------------ snapshots
@@ -290,20 +340,23 @@ class ModelWorker:
             path = TinkerPath(model_id, "sampler_weights", name)
             self.state.save_adapter(path, trainee.config, tensors, self.model_path)
             return {"path": sampler_path(model_id, name), "type": "save_weights_for_sampler"}
-        self.samplers[session_id] = Snapshot(trainee.config, tensors=tensors)
+        self.samplers[session_id] = Sampler(Snapshot(trainee.config, tensors=tensors), None)
         self.unnamed[session_id] = None
         while len(self.unnamed) > UNNAMED_SNAPSHOTS:  # the oldest unnamed snapshot goes; its session expires
-            old, _ = self.unnamed.popitem(last=False)
-            self._unload(self.samplers.pop(old, None))
+            self._drop_sampler(next(iter(self.unnamed)))
         return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
 
-    def add_sampler(self, session_id: str, snapshot: Snapshot | None) -> None:
-        self.samplers[session_id] = snapshot
+    def add_sampler(self, session_id: str, snapshot: Snapshot | None, model_path: str | None) -> None:
+        self.samplers[session_id] = Sampler(snapshot, model_path)
 
-    def _unload(self, snapshot: Snapshot | None) -> None:
-        name = None if snapshot is None else self.loaded.pop(snapshot.key, None)
-        if name is not None:
-            self.model.delete_adapter(name)
+    def _drop_sampler(self, session_id: str) -> None:
+        """A sampling session goes: its entry, its snapshot's tensors, its adapter and decoder if loaded."""
+        self.unnamed.pop(session_id, None)
+        sampler = self.samplers.pop(session_id, None)
+        if sampler is not None and sampler.snapshot is not None:
+            name = self.loaded.pop(sampler.snapshot.key, None)
+            if name is not None:
+                self._delete_adapter(name)
 
     def _loaded_adapter(self, snapshot: Snapshot) -> str:
         name = self.loaded.get(snapshot.key)
@@ -312,15 +365,19 @@ class ModelWorker:
             return name
         while len(self.loaded) >= LOADED_SAMPLERS:
             _, old = self.loaded.popitem(last=False)
-            self.model.delete_adapter(old)
-        name = f"sampler_{self.counter}"
-        self.counter += 1
+            self._delete_adapter(old)
+        weights = snapshot.weights()
+        name = self._name("sampler")
         self._add_adapter(name, snapshot.config)
-        result = set_peft_model_state_dict(self.model, snapshot.weights(), adapter_name=name)
-        unexpected = [k for k in getattr(result, "unexpected_keys", []) if name in k or "lora_" in k]
-        if unexpected:
-            self.model.delete_adapter(name)
-            raise ServeError(400, f"the saved adapter does not fit this base model (e.g. {unexpected[0]})")
+        try:
+            result = set_peft_model_state_dict(self.model, weights, adapter_name=name)
+            wrong = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+            wrong += [k for k in getattr(result, "missing_keys", []) if f".{name}." in k]
+        except RuntimeError as err:  # a tensor of another shape
+            wrong = [str(err).splitlines()[-1].strip()]
+        if wrong:
+            self._delete_adapter(name)
+            raise ServeError(400, f"the saved adapter does not fit this base model (e.g. {wrong[0]})")
         self.loaded[snapshot.key] = name
         return name
 
@@ -330,7 +387,7 @@ class ModelWorker:
         if session_id not in self.samplers:
             raise ServeError(404, f"unknown or expired sampling session '{session_id}' (rlora serve keeps the "
                                   f"{UNNAMED_SNAPSHOTS} newest unnamed snapshots; named ones stay on disk)")
-        snapshot = self.samplers[session_id]
+        snapshot = self.samplers[session_id].snapshot
         if snapshot is None:
             if isinstance(self.model, PeftModel):
                 with kept_flags(self.model), self.model.disable_adapter():
@@ -344,10 +401,19 @@ class ModelWorker:
 
     # ------------------------------------------------------------------------------------------ sampling
 
-    def _generator(self, eos_ids: list[int]):
-        if self.engine_refusal is None:
-            return BuiltinGenerator(self.tokenizer, eos_ids, self.tok.pad_id, merge=True, dtype=None, decode="auto")
-        return HFGenerator(self.tokenizer, eos_ids, self.tok.pad_id)
+    def _generator(self, session_id: str, model, eos_ids: list[int]):
+        """The sampler for the model as sampling_model switched it. rlora's keeps the last sampled snapshot's
+        decoder (its merged weight copies: one copy of the model's linear layers) for the next request: an RL
+        loop samples many prompts from one snapshot. Any adapter added or deleted drops it."""
+        if self.engine_refusal is not None:
+            return HFGenerator(self.tokenizer, eos_ids, self.tok.pad_id)
+        snapshot = self.samplers[session_id].snapshot
+        key = None if snapshot is None else snapshot.key
+        if self.view is None or self.view[0] != key:
+            self.view = None  # the old copy goes before the new one is made
+            self.view = (key, DecoderView.of(model, merge=True))
+        return _ViewGenerator(self.view[1], self.tokenizer, eos_ids, self.tok.pad_id, merge=True, dtype=None,
+                              decode="auto")
 
     def sample(self, session_id: str, request: wire.Sample) -> bytes:
         prompt = request.prompt.tokens()
@@ -365,7 +431,8 @@ class ModelWorker:
                                 top_p=sp.top_p, top_k=max(sp.top_k, 0), greedy=greedy, stop=stop_strings)
         seed = (sp.seed if sp.seed is not None else secrets.randbits(62)) % (2**63 - 1)
         with self.sampling_model(session_id) as model:
-            rollout = self._generator(eos_ids).sample(model, [prompt], request.num_samples, params, seed=seed)
+            rollout = self._generator(session_id, model, eos_ids).sample(model, [prompt], request.num_samples, params,
+                                                                         seed=seed)
             logp_BT = rollout.sampling_logp_BTc
             if logp_BT is None:  # transformers generate keeps no log-probs: the trainer's, at the same temperature
                 with torch.no_grad():

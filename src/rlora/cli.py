@@ -152,6 +152,23 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int, default=0, metavar="S", help="reply i is sampled with seed S + i (default 0)")
     chat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     chat.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
+    serve = commands.add_parser(
+        "serve", help="a local tinker-compatible training server: the tinker SDK trains LoRA adapters on one base",
+        description="Serve the tinker API (the official `tinker` SDK, 0.38.0) on one frozen base model: each training "
+                    "client is a LoRA adapter on it; sampling, saved adapters (PEFT folders under --state-dir). Point "
+                    "the SDK at it with TINKER_BASE_URL=http://HOST:PORT (docs/serve.md). Needs the serve extra: "
+                    "pip install 'rlora[serve]'.")
+    serve.add_argument("--model", metavar="PATH_OR_ALIAS",
+                       help="base model folder or alias (default: smollm2-135m-instruct); no model hub")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other "
+                                                          "needs --api-key)")
+    serve.add_argument("--port", type=int, default=8000, metavar="N", help="port (default 8000)")
+    serve.add_argument("--state-dir", default="runs/serve", metavar="DIR",
+                       help="where saved adapters go (default runs/serve)")
+    serve.add_argument("--api-key", metavar="KEY", help="the key clients must send (TINKER_API_KEY; starts with 'tml-')")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="the base model's dtype (default float32)")
+    serve.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
     plot = commands.add_parser(
         "plot", help="PNG figures of training runs' metrics (reward, KL, entropy, length, clip fraction, step time)",
         description="Plot RUN_DIR/metrics.jsonl against the step: one PNG per metric and overview.png. One run: "
@@ -182,6 +199,17 @@ def _chat(args: argparse.Namespace) -> int:
     from rlora.chat import chat_main  # torch: `rlora --help` and the other commands start without it
 
     return chat_main(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        # fastapi, uvicorn, tinker: the optional serve extra; torch too (`rlora --help` starts without them)
+        from rlora.serve.main import serve_main
+    except ImportError as err:
+        if err.name and err.name.split(".")[0] in ("fastapi", "uvicorn", "tinker", "starlette"):
+            raise UserError(f"rlora serve needs the serve extra ({err.name} is missing): pip install 'rlora[serve]'") from None
+        raise
+    return serve_main(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -274,12 +302,16 @@ def main(argv: list[str] | None = None) -> int:
             return _plot(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "serve":
+            return _serve(args)
     except UserError as err:
         if getattr(args, "debug", False):
             traceback.print_exc()
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
+        if args.command == "serve":
+            return 0
         saved = " (a run that had started training saved its adapter and summary.json)" if args.command in ("train", "sft", "rm") else ""
         print(f"rlora: interrupted{saved}", file=sys.stderr)
         return 130

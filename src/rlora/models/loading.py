@@ -121,10 +121,11 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def linear_module_names(base: torch.nn.Module) -> list[str]:
-    """Names of the linear layers inside the decoder layers (what peft's 'all-linear' selects there)."""
+def linear_module_names(base: torch.nn.Module, within: str = ".layers.") -> list[str]:
+    """Names of the linear layers inside the decoder layers (what peft's 'all-linear' selects there); within:
+    a narrower part of their path, e.g. '.self_attn.' for the attention projections only."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules()
-                   if isinstance(module, torch.nn.Linear) and ".layers." in name})
+                   if isinstance(module, torch.nn.Linear) and ".layers." in name and within in name})
 
 
 def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):

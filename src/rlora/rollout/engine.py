@@ -201,6 +201,11 @@ class BuiltinGenerator:
             raise ValueError("decode='graph' (CUDA graphs) needs the model on a CUDA GPU, its layers not streamed")
         return self.decode
 
+    def decoder_view(self, model) -> DecoderView:
+        """The decoder to sample with (a subclass may keep one between calls: `rlora serve` does, for its merged
+        weight copies)."""
+        return DecoderView.of(model, self.merge, self.dtype)
+
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,
                params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
@@ -238,7 +243,7 @@ class BuiltinGenerator:
         was_training = model.training
         model.eval()
         try:
-            view = DecoderView.of(model, self.merge, self.dtype)
+            view = self.decoder_view(model)
             max_new = max(p.max_new_tokens for p in per_prompt)
             longest = max(len(p) + (0 if past is None else c.length) for p, c in zip(prompts, past or [None] * len(prompts)))
             max_rows = self.max_rows or rows_that_fit(view, max_new, longest)

@@ -1,0 +1,82 @@
+"""The built-in losses of the tinker API, per token, on rlora's loss functions where they are the same.
+
+Tinker's losses are sums over every token of every datum (tinker-docs.thinkingmachines.ai/tinker/losses),
+with logp the training model's log-prob of target_tokens[i] and, for the RL losses, q the sampler's log-prob
+(loss_fn_inputs['logprobs']) and A the advantage:
+
+    cross_entropy        -sum(weights * logp)
+    importance_sampling  -sum(exp(logp - q) * A)
+    ppo                  -sum(min(r * A, clip(r, clip_low_threshold, clip_high_threshold) * A)),  r = exp(logp - q)
+                         (loss_fn_config thresholds; default 0.8 and 1.2)
+
+The two RL losses are rlora's PPO-clip surrogate (algos/losses.py grpo_token_loss), importance_sampling with
+the clip range open on both sides. Any other loss name is refused when the request arrives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlora.algos.losses import LossInputs, grpo_token_loss
+from rlora.serve.state import ServeError
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    inputs: tuple[str, ...]  # loss_fn_inputs it needs beside target_tokens
+    optional: dict[str, float]  # inputs it may do without, and the value they take then
+    config: dict[str, float]  # loss_fn_config keys it reads, and their defaults
+    fn: Callable[..., torch.Tensor]  # (logp_BT, mask_BT, inputs {name: [B, T]}, config) -> loss_BT
+
+
+def _cross_entropy(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
+    return -logp_BT * inputs["weights"]
+
+
+def _ratio_loss(logp_BT, mask_BT, inputs, low: float, high: float) -> torch.Tensor:
+    batch = LossInputs(logp_BT=logp_BT, old_logp_BT=inputs["logprobs"], advantages_BT=inputs["advantages"],
+                       mask_BT=mask_BT)
+    return grpo_token_loss(batch, clip_low=low, clip_high=high, beta=0.0).loss_BT
+
+
+def _importance_sampling(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
+    return _ratio_loss(logp_BT, mask_BT, inputs, math.inf, math.inf)
+
+
+def _ppo(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
+    return _ratio_loss(logp_BT, mask_BT, inputs, 1.0 - config["clip_low_threshold"], config["clip_high_threshold"] - 1.0)
+
+
+LOSSES = {
+    "cross_entropy": TokenLoss((), {"weights": 1.0}, {}, _cross_entropy),
+    "importance_sampling": TokenLoss(("logprobs", "advantages"), {}, {}, _importance_sampling),
+    "ppo": TokenLoss(("logprobs", "advantages"), {}, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, _ppo),
+}
+
+
+def check_loss(name: str, input_names: set[str], config: dict[str, float | str]) -> dict[str, float]:
+    """The loss's config with defaults filled in; a loss this server does not run, a missing input or an
+    unknown or non-numeric config key -> ServeError 400."""
+    loss = LOSSES.get(name)
+    if loss is None:
+        raise ServeError(400, f"loss_fn '{name}' is not served by rlora serve (served: {', '.join(LOSSES)}); "
+                              "forward_backward_custom runs any loss in the client on top of cross_entropy")
+    missing = [key for key in ("target_tokens", *loss.inputs) if key not in input_names]
+    if missing:
+        raise ServeError(400, f"loss_fn '{name}' needs loss_fn_inputs {', '.join(missing)}")
+    unknown = sorted(set(config) - set(loss.config))
+    if unknown:
+        known = ", ".join(loss.config) or "none"
+        raise ServeError(400, f"loss_fn '{name}': unknown loss_fn_config {', '.join(unknown)} (it takes: {known})")
+    resolved = dict(loss.config)
+    for key, value in config.items():
+        if isinstance(value, str) or not math.isfinite(value):
+            raise ServeError(400, f"loss_fn_config['{key}'] must be a finite number, not {value!r}")
+        resolved[key] = float(value)
+    if name == "ppo" and not resolved["clip_low_threshold"] <= 1.0 <= resolved["clip_high_threshold"]:
+        raise ServeError(400, "ppo: loss_fn_config needs clip_low_threshold <= 1 <= clip_high_threshold")
+    return resolved

@@ -1,0 +1,93 @@
+"""`rlora serve`: check the arguments, load the base model, serve it (uvicorn) until interrupted."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import warnings
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from rlora.config import ModelConfig
+from rlora.errors import UserError
+from rlora.logging.console import info
+from rlora.models.loading import add_model_eos_ids, causal_lm, load_base_model, load_tokenizer, resolve_model_path
+from rlora.serve.app import MAX_BODY, Served, build_app
+from rlora.serve.jobs import Jobs
+from rlora.serve.state import StateDir
+from rlora.serve.worker import ModelWorker
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only localhost is known to stay on this machine
+        return False
+
+
+def check_args(host: str, port: int, api_key: str | None) -> None:
+    """Before anything loads: where it binds and with what key."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port (0 .. 65535)")
+    if api_key is not None and not api_key.startswith("tml-"):
+        raise UserError("--api-key must start with 'tml-': the tinker SDK refuses to send any other key")
+    if not is_loopback(host) and api_key is None:
+        raise UserError(f"--host {host} would serve other machines: give an --api-key (clients send it as "
+                        "TINKER_API_KEY), or bind to 127.0.0.1")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A port another program holds is one line now, not a uvicorn traceback after the model has loaded."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: str = "float32",
+          max_body: int = MAX_BODY) -> tuple[FastAPI, Served]:
+    """The app serving `model` (a folder or an rlora alias), its state under `state_dir`."""
+    path = resolve_model_path(model)
+    if not Path(path).is_dir():
+        raise UserError(f"--model '{model}' is not a model folder here or an rlora alias (rlora serve runs offline: "
+                        "no model hub)")
+    path = str(Path(path).resolve())
+    state = StateDir(state_dir)
+    tokenizer, tok = load_tokenizer(path)
+    base = load_base_model(ModelConfig(path=path, dtype=dtype), path)
+    base.eval()
+    add_model_eos_ids(tok, base)
+    config = causal_lm(base).config
+    max_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    worker = ModelWorker(base, tokenizer, tok, path, max_length, state)
+    names = [path] + ([model] if model != path else [])
+    served = Served(names=names, arch=config.model_type, worker=worker, jobs=Jobs(), state=state, api_key=api_key,
+                    max_body=max_body)
+    return build_app(served), served
+
+
+def serve_main(args) -> int:
+    # peft warns, on every adapter with an output-layer LoRA on a model with tied embeddings, that merging it
+    # would change the embeddings too; the server never merges (docs/serve.md says what that means for merge)
+    warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+    check_args(args.host, args.port, args.api_key)
+    check_port_free(args.host, args.port)
+    app, served = build(args.model or DEFAULT_MODEL, args.state_dir, args.api_key, args.dtype)
+    if served.worker.engine_refusal is not None:
+        info(f"rlora serve: the built-in sampler does not run this model ({served.worker.engine_refusal}): sampling "
+             "with transformers generate")
+    info(f"rlora serve: {served.names[0]} on http://{args.host}:{args.port} (state: {served.state.root}); "
+         f"clients: TINKER_BASE_URL=http://{args.host}:{args.port} "  # the key itself is never printed (logs)
+         f"TINKER_API_KEY={'<the --api-key>' if args.api_key else 'tml-local'}")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        served.jobs.stop()
+    return 0

@@ -1,0 +1,456 @@
+"""The model side of `rlora serve`: one frozen base, each training client a peft named LoRA adapter on it.
+
+Everything here runs on the one worker thread (serve/jobs.py), one request at a time in arrival order: the
+model is not thread-safe, and a training client's requests must run in the order it sent them.
+
+- A training client (create_model) is an adapter `client_N` with its own rank and targets and its own AdamW.
+  forward_backward accumulates gradients into it (a sum over tokens, as tinker's losses are); optim_step
+  applies them with the request's Adam parameters and clears them (rlora's optimizer_step: clipping, a
+  non-finite update skipped).
+- A sampler samples from a snapshot of an adapter taken by save_weights_for_sampler (or from the base with
+  every adapter off). Snapshots are loaded as adapters `sampler_N` when sampled, the newest few kept loaded;
+  the decoder of the last one sampled (its merged weight copies) is kept for the next request.
+- A session's clients and samplers are freed when it finishes (free_session); their numbers are capped.
+- Log-probs come from the decoder's last hidden states and the output layer a chunk of positions at a time
+  (checkpointed when training), or from the model's full logits for a family rlora's chunked path does not
+  cover; sampling is rlora's built-in engine (transformers `generate` for the families it does not run).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import secrets
+import warnings
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
+from rlora.models.logprobs import completion_logprobs, supports_chunked, token_logprobs
+from rlora.models.named_adapters import adapter_switched, kept_flags
+from rlora.rollout.decoder import DecoderView, unsupported_reason
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.rollout.generator import HFGenerator
+from rlora.serve import proto, wire
+from rlora.serve.losses import LOSSES
+from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
+from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
+from rlora.tensors import position_ids_from_mask
+from rlora.train.optim import optimizer_step
+from rlora.types import SamplingParams
+
+LORA_ALPHA = 32
+MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward
+HEAD_CHUNK = 256  # positions per output-layer chunk
+LOADED_SAMPLERS = 4  # snapshots kept loaded as adapters
+UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one per step)
+IDLE_ADAPTER = "idle"  # the adapter that keeps the peft model from ever having none (_add_adapter)
+MAX_TRAINEES = 64  # training clients at once (each an adapter and its AdamW state in memory)
+MAX_SAMPLERS = 1024  # sampling sessions on saved snapshots or the base at once (each a config and a path)
+
+
+@dataclass
+class Sampler:
+    snapshot: Snapshot | None  # None: the base
+    model_path: str | None  # the tinker path it was made from (None: the base or an unnamed snapshot)
+
+
+class _ViewGenerator(BuiltinGenerator):
+    """rlora's sampler on a decoder built before: the same weights, so the same samples, without merging the
+    adapter into fresh weight copies again for every request."""
+
+    def __init__(self, view: DecoderView, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.view = view
+
+    def decoder_view(self, model) -> DecoderView:
+        return self.view
+
+
+class _NoSchedule:
+    """optimizer_step advances a schedule; here each optim_step brings its own learning rate."""
+
+    def step(self) -> None:
+        pass
+
+
+class ModelWorker:
+    def __init__(self, base: nn.Module, tokenizer, tok: TokenizerInfo, model_path: str, max_length: int,
+                 state: StateDir):
+        self.base, self.model = base, base  # self.model: the base, then the PeftModel holding every adapter
+        self.tokenizer, self.tok, self.model_path, self.max_length, self.state = tokenizer, tok, model_path, max_length, state
+        self.vocab_size = causal_lm(base).get_output_embeddings().weight.shape[0]
+        self.trainees: dict[str, Trainee] = {}
+        self.samplers: dict[str, Sampler] = {}  # sampling session id -> what it samples
+        self.unnamed: OrderedDict[str, None] = OrderedDict()  # sampling sessions whose snapshot is in memory
+        self.loaded: OrderedDict[int, str] = OrderedDict()  # snapshot.key -> its adapter's name
+        self.view: tuple[int | None, DecoderView] | None = None  # (snapshot.key, None: the base) of the last sampled
+        self.counter = 0  # numbers adapter names: never reused, also after one is deleted
+        self.max_trainees, self.max_samplers = MAX_TRAINEES, MAX_SAMPLERS
+        self.engine_refusal = unsupported_reason(base, max_length)  # None: rlora's built-in sampler runs it
+        self.attn_targets = linear_module_names(base, ".self_attn.")
+        self.mlp_targets = linear_module_names(base, ".mlp.")
+
+    # ------------------------------------------------------------------------------------------ adapters
+
+    def _name(self, kind: str) -> str:
+        self.counter += 1
+        return f"{kind}_{self.counter}"
+
+    def _add_adapter(self, name: str, config: LoraConfig) -> None:
+        self.view = None  # a decoder holds the model's modules as they were: built again after any change
+        if not isinstance(self.model, PeftModel):
+            # A peft model left with no adapter at all breaks (its active adapter names a deleted one): the first
+            # adapter is a frozen rank-1 one with B = 0 (the base exactly) that is never deleted, on its own seed
+            # so that a client's seed alone decides its adapter's initialisation.
+            idle = LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=(self.attn_targets or self.mlp_targets)[:1],
+                              bias="none", task_type="CAUSAL_LM", inference_mode=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.model = get_peft_model(self.base, idle, adapter_name=IDLE_ADAPTER)
+        self.model.add_adapter(name, copy.deepcopy(config))
+        self.model.eval()  # no dropout anywhere: the trainer's and the sampler's numbers agree
+
+    def _delete_adapter(self, name: str) -> None:
+        self.view = None
+        with warnings.catch_warnings():  # peft's note that it activated another adapter: which one is active is ours
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.model.delete_adapter(name)
+        if self.model.active_adapter not in self.model.peft_config:  # peft leaves a deleted one active at times
+            self.model.set_adapter(IDLE_ADAPTER, inference_mode=True)
+
+    def room_for(self, what: str) -> None:
+        """Refuses one more training client or sampling session beyond the caps (429, not retried)."""
+        if what == "trainee" and len(self.trainees) >= self.max_trainees:
+            raise ServeError(429, f"this server holds {self.max_trainees} training clients already: finish a session "
+                                  "(ServiceClient.close) to free its clients")
+        if what == "sampler" and len(self.samplers) - len(self.unnamed) >= self.max_samplers:
+            raise ServeError(429, f"this server holds {self.max_samplers} sampling sessions already: finish a session "
+                                  "(ServiceClient.close) to free its samplers")
+
+    def lora_config(self, spec: wire.LoraSpec) -> LoraConfig:
+        targets = ((self.attn_targets if spec.train_attn else []) + (self.mlp_targets if spec.train_mlp else [])
+                   + (["lm_head"] if spec.train_unembed else []))
+        if not targets:
+            raise ServeError(400, "lora_config: train_attn, train_mlp and train_unembed are all off: nothing to train")
+        return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none",
+                          task_type="CAUSAL_LM")
+
+    def _new_trainee(self, model_id: str, config: LoraConfig, seed: int | None) -> Trainee:
+        if model_id in self.trainees:
+            raise ServeError(409, f"training client '{model_id}' exists already")
+        self.room_for("trainee")
+        name = self._name("client")
+        with torch.random.fork_rng(devices=[]):  # the adapter's initialisation, from its seed (else a fresh one)
+            torch.manual_seed(seed if seed is not None else secrets.randbits(62))
+            self._add_adapter(name, config)
+        params = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
+        trainee = self.trainees[model_id] = Trainee(model_id, name, config.r, config, params)
+        return trainee
+
+    def create_model(self, model_id: str, spec: wire.LoraSpec) -> dict:
+        self._new_trainee(model_id, self.lora_config(spec), spec.seed)
+        return {"model_id": model_id, "type": "create_model"}
+
+    def free_session(self, session_id: str) -> dict:
+        """A finished session's training clients (adapters, gradients, AdamW state) and samplers go."""
+        prefix = f"{session_id}:"
+        for model_id in [m for m in self.trainees if m.startswith(prefix)]:
+            self._delete_adapter(self.trainees.pop(model_id).peft_name)
+        for sampler_id in [s for s in list(self.samplers) if s.startswith(prefix)]:
+            self._drop_sampler(sampler_id)
+        return {}
+
+    def trainee(self, model_id: str) -> Trainee:
+        trainee = self.trainees.get(model_id)
+        if trainee is None:
+            raise ServeError(404, f"unknown model_id '{model_id}' (training clients do not outlive the server: "
+                                  "save_state and create_training_client_from_state carry one over)")
+        return trainee
+
+    # ------------------------------------------------------------------------------------------ training
+
+    def _micro_batches(self, data: list[proto.Datum]) -> list[list[int]]:
+        """Datum indices in groups whose padded length fits MICRO_BATCH_TOKENS (one datum at least)."""
+        groups: list[list[int]] = [[]]
+        width = 0
+        for i, datum in enumerate(data):
+            grown = max(width, len(datum.tokens))
+            if groups[-1] and grown * (len(groups[-1]) + 1) > MICRO_BATCH_TOKENS:
+                groups.append([])
+                grown = len(datum.tokens)
+            groups[-1].append(i)
+            width = grown
+        return groups
+
+    def token_logprobs(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """log p(targets_BT[b, t] | ids_BT[b, :t + 1]) under the model as it is switched now, [B, T] float32
+        (0 on padding). Right padding; positions from the mask."""
+        hf = causal_lm(self.model)
+        position_ids = position_ids_from_mask(mask_BT)
+        keep_BT = mask_BT.bool()
+        if not supports_chunked(self.model):
+            logits = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids, use_cache=False).logits
+            logp_BT, _ = token_logprobs(logits, targets_BT, torch.ones_like(targets_BT, dtype=torch.float32), False)
+            return logp_BT * mask_BT
+        hidden_BTH = hf.get_decoder()(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids,
+                                      use_cache=False).last_hidden_state
+        hidden_NH, targets_N = hidden_BTH[keep_BT], targets_BT[keep_BT]
+        head = hf.get_output_embeddings()
+
+        def chunk_logp(h_CH, t_C):
+            return token_logprobs(head(h_CH), t_C, torch.ones(len(t_C), device=t_C.device), False)[0]
+
+        grad = torch.is_grad_enabled() and hidden_NH.requires_grad
+        parts = [checkpoint(chunk_logp, hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], use_reentrant=False)
+                 if grad else chunk_logp(hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK])
+                 for lo in range(0, len(targets_N), HEAD_CHUNK)]
+        logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
+        return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))
+
+    def check_tokens(self, tokens: list[int], what: str) -> None:
+        if len(tokens) > self.max_length:
+            raise ServeError(400, f"{what}: {len(tokens)} tokens, more than the model's {self.max_length} positions")
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+            raise ServeError(400, f"{what}: a token id outside the vocabulary (0 .. {self.vocab_size - 1})")
+
+    def forward_backward(self, request: proto.ForwardBackward, config: dict[str, float]) -> bytes:
+        trainee = self.trainee(request.model_id)
+        loss = LOSSES[request.loss_fn]
+        outputs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(request.data)
+        train = not request.forward_only
+        # a request that fails part-way has added its first micro-batches' gradients: they are taken back
+        before = [None if p.grad is None else p.grad.clone() for p in trainee.params] if train else []
+        try:
+            with adapter_switched(self.model, trainee.peft_name, trainable=train), torch.set_grad_enabled(train):
+                total = self._forward_backward(request, config, loss, train, outputs)
+        except BaseException:
+            for param, grad in zip(trainee.params, before):
+                param.grad = grad
+            raise
+        if train:
+            trainee.loss_since_step += total
+        return proto.forward_backward_output(outputs, {"loss:sum": total})
+
+    def _forward_backward(self, request: proto.ForwardBackward, config: dict[str, float], loss, train: bool,
+                          outputs: list[np.ndarray]) -> float:
+        """Each micro-batch's forward (and backward): its log-probs into outputs; -> the summed loss."""
+        device = next(self.model.parameters()).device
+        total = 0.0
+        for group in self._micro_batches(request.data):
+            data = [request.data[i] for i in group]
+            width = max(len(d.tokens) for d in data)
+            ids_BT = torch.full((len(data), width), self.tok.pad_id, dtype=torch.long)
+            mask_BT = torch.zeros(len(data), width, dtype=torch.long)
+            names = set(loss.inputs) | set(loss.optional)  # the ones it reads (the app checked they are there)
+            inputs = {name: torch.zeros(len(data), width, dtype=torch.float32) for name in names}
+            targets_BT = torch.zeros(len(data), width, dtype=torch.long)
+            for row, datum in enumerate(data):
+                n = len(datum.tokens)
+                ids_BT[row, :n], mask_BT[row, :n] = torch.tensor(datum.tokens), 1
+                targets_BT[row, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+                for name in names:
+                    value = datum.inputs.get(name)
+                    inputs[name][row, :n] = (torch.full((n,), loss.optional[name]) if value is None
+                                             else torch.from_numpy(value.astype(np.float32)))
+            ids_BT, mask_BT, targets_BT = ids_BT.to(device), mask_BT.to(device), targets_BT.to(device)
+            inputs = {k: v.to(device) for k, v in inputs.items()}
+            logp_BT = self.token_logprobs(ids_BT, mask_BT, targets_BT)
+            loss_BT = loss.fn(logp_BT, mask_BT.float(), inputs, config)
+            summed = torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT)).sum()
+            if train:
+                summed.backward()
+            total += float(summed.detach())
+            logp = logp_BT.detach().float().cpu().numpy()
+            for row, i in enumerate(group):
+                outputs[i] = logp[row, :len(request.data[i].tokens)].copy()
+        return total
+
+    def optim_step(self, model_id: str, adam: wire.Adam) -> dict:
+        trainee = self.trainee(model_id)
+        hyper = {"lr": adam.lr, "betas": adam.betas, "eps": adam.eps, "weight_decay": adam.weight_decay}
+        if trainee.optimizer is None:
+            trainee.optimizer = torch.optim.AdamW(trainee.params, **hyper)
+        for group in trainee.optimizer.param_groups:
+            group.update(hyper)
+        stats = optimizer_step(trainee.params, trainee.optimizer, _NoSchedule(), adam.grad_clip_norm or None,
+                               trainee.loss_since_step)
+        trainee.loss_since_step = 0.0
+        return {"metrics": {"grad_norm:mean": stats["grad_norm"], "skipped_update:sum": float(stats["skipped_update"]),
+                            "learning_rate:mean": adam.lr}}
+
+    # ------------------------------------------------------------------------------------------ training state
+
+    def _adapter_tensors(self, trainee: Trainee) -> dict[str, torch.Tensor]:
+        weights = get_peft_model_state_dict(self.model, adapter_name=trainee.peft_name, save_embedding_layers=False)
+        return {k: v.detach().cpu().clone() for k, v in weights.items()}
+
+    def save_state(self, model_id: str, name: str, overwrite: bool) -> dict:
+        """save_weights (the SDK's save_state): the adapter and its AdamW state under STATE_DIR/.../weights/NAME
+        (serve/trainstate.py)."""
+        trainee = self.trainee(model_id)
+        path = TinkerPath(model_id, "weights", name)
+        if self.state.exists(path) and not overwrite:
+            raise ServeError(400, f"{path} exists: save_state(..., overwrite=True) replaces it")
+        adam = adam_state(trainee, param_names(self.model, trainee))
+        self.state.save_adapter(path, trainee.config, self._adapter_tensors(trainee), self.model_path, adam)
+        return {"path": str(path), "type": "save_weights"}
+
+    def load_state(self, model_id: str, path: TinkerPath, optimizer: bool, new_client: bool) -> dict:
+        """load_weights: the saved adapter into the training client `model_id` (a new one made from the
+        checkpoint's LoRA config: create_training_client_from_state), its gradients cleared, and its AdamW
+        state restored (optimizer=True) or started afresh. Everything is checked before anything changes."""
+        snapshot = self.state.snapshot(path, "weights")
+        weights = snapshot.weights()
+        tensors, meta = self.state.optimizer_state(path) if optimizer else ({}, {"stepped": False})
+        if new_client:
+            trainee = self._new_trainee(model_id, snapshot.config, seed=0)
+        else:
+            trainee = self.trainee(model_id)
+        try:
+            moments = checked_state(trainee, param_names(self.model, trainee), path, snapshot.config, weights,
+                                    tensors if meta["stepped"] else None)
+        except ServeError:
+            if new_client:  # the client it was to become goes again
+                self._delete_adapter(self.trainees.pop(model_id).peft_name)
+            raise
+        set_peft_model_state_dict(self.model, weights, adapter_name=trainee.peft_name)
+        for param in trainee.params:
+            param.grad = None
+        trainee.loss_since_step, trainee.optimizer = 0.0, None
+        if meta["stepped"]:
+            restore_adam(trainee, meta, moments)
+        return {"path": str(path), "model_id": model_id, "type": "load_weights"}
+
+    # ------------------------------------------------------------------------------------------ snapshots
+
+    def save_for_sampler(self, model_id: str, name: str | None, session_id: str | None) -> dict:
+        """A snapshot of the training client's adapter: a PEFT folder (named) or tensors in memory (unnamed,
+        answered with a new sampling session's id)."""
+        trainee = self.trainee(model_id)
+        tensors = self._adapter_tensors(trainee)
+        if name is not None:
+            path = TinkerPath(model_id, "sampler_weights", name)
+            self.state.save_adapter(path, trainee.config, tensors, self.model_path)
+            return {"path": sampler_path(model_id, name), "type": "save_weights_for_sampler"}
+        self.samplers[session_id] = Sampler(Snapshot(trainee.config, tensors=tensors), None)
+        self.unnamed[session_id] = None
+        while len(self.unnamed) > UNNAMED_SNAPSHOTS:  # the oldest unnamed snapshot goes; its session expires
+            self._drop_sampler(next(iter(self.unnamed)))
+        return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
+
+    def add_sampler(self, session_id: str, snapshot: Snapshot | None, model_path: str | None) -> None:
+        self.samplers[session_id] = Sampler(snapshot, model_path)
+
+    def _drop_sampler(self, session_id: str) -> None:
+        """A sampling session goes: its entry, its snapshot's tensors, its adapter and decoder if loaded."""
+        self.unnamed.pop(session_id, None)
+        sampler = self.samplers.pop(session_id, None)
+        if sampler is not None and sampler.snapshot is not None:
+            name = self.loaded.pop(sampler.snapshot.key, None)
+            if name is not None:
+                self._delete_adapter(name)
+
+    def _loaded_adapter(self, snapshot: Snapshot) -> str:
+        name = self.loaded.get(snapshot.key)
+        if name is not None:
+            self.loaded.move_to_end(snapshot.key)
+            return name
+        while len(self.loaded) >= LOADED_SAMPLERS:
+            _, old = self.loaded.popitem(last=False)
+            self._delete_adapter(old)
+        weights = snapshot.weights()
+        name = self._name("sampler")
+        self._add_adapter(name, snapshot.config)
+        try:
+            result = set_peft_model_state_dict(self.model, weights, adapter_name=name)
+            wrong = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+            wrong += [k for k in getattr(result, "missing_keys", []) if f".{name}." in k]
+        except RuntimeError as err:  # a tensor of another shape
+            wrong = [str(err).splitlines()[-1].strip()]
+        if wrong:
+            self._delete_adapter(name)
+            raise ServeError(400, f"the saved adapter does not fit this base model (e.g. {wrong[0]})")
+        self.loaded[snapshot.key] = name
+        return name
+
+    @contextmanager
+    def sampling_model(self, session_id: str):
+        """The model as the sampling session samples: its snapshot's adapter, or the base (adapters off)."""
+        if session_id not in self.samplers:
+            raise ServeError(404, f"unknown or expired sampling session '{session_id}' (rlora serve keeps the "
+                                  f"{UNNAMED_SNAPSHOTS} newest unnamed snapshots; named ones stay on disk)")
+        snapshot = self.samplers[session_id].snapshot
+        if snapshot is None:
+            if isinstance(self.model, PeftModel):
+                with kept_flags(self.model), self.model.disable_adapter():
+                    yield self.model
+            else:
+                yield self.model
+            return
+        name = self._loaded_adapter(snapshot)
+        with adapter_switched(self.model, name):
+            yield self.model
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    def _generator(self, session_id: str, model, eos_ids: list[int]):
+        """The sampler for the model as sampling_model switched it. rlora's keeps the last sampled snapshot's
+        decoder (its merged weight copies: one copy of the model's linear layers) for the next request: an RL
+        loop samples many prompts from one snapshot. Any adapter added or deleted drops it."""
+        if self.engine_refusal is not None:
+            return HFGenerator(self.tokenizer, eos_ids, self.tok.pad_id)
+        snapshot = self.samplers[session_id].snapshot
+        key = None if snapshot is None else snapshot.key
+        if self.view is None or self.view[0] != key:
+            self.view = None  # the old copy goes before the new one is made
+            self.view = (key, DecoderView.of(model, merge=True))
+        return _ViewGenerator(self.view[1], self.tokenizer, eos_ids, self.tok.pad_id, merge=True, dtype=None,
+                              decode="auto")
+
+    def sample(self, session_id: str, request: wire.Sample) -> bytes:
+        prompt = request.prompt.tokens()
+        sp = request.sampling_params
+        stop = sp.stop
+        eos_ids, stop_strings = list(self.tok.eos_ids), ()
+        if isinstance(stop, str):
+            stop_strings = (stop,)
+        elif isinstance(stop, list) and stop and isinstance(stop[0], str):
+            stop_strings = tuple(stop)
+        elif isinstance(stop, list):  # token ids (or []): they replace EOS
+            eos_ids = list(stop)
+        greedy = sp.temperature == 0
+        params = SamplingParams(max_new_tokens=sp.max_tokens, temperature=1.0 if greedy else sp.temperature,
+                                top_p=sp.top_p, top_k=max(sp.top_k, 0), greedy=greedy, stop=stop_strings)
+        seed = (sp.seed if sp.seed is not None else secrets.randbits(62)) % (2**63 - 1)
+        with self.sampling_model(session_id) as model:
+            rollout = self._generator(session_id, model, eos_ids).sample(model, [prompt], request.num_samples, params,
+                                                                         seed=seed)
+            logp_BT = rollout.sampling_logp_BTc
+            if logp_BT is None:  # transformers generate keeps no log-probs: the trainer's, at the same temperature
+                with torch.no_grad():
+                    logp_BT = completion_logprobs(model, rollout.select(slice(None)))[0].float().cpu()
+            prompt_logprobs = self._prompt_logprobs(model, prompt) if request.prompt_logprobs else None
+        sequences = []
+        for row in range(rollout.num_completions):
+            n = int(rollout.completion_mask_BTc[row].sum())
+            sequences.append(proto.Sequence(rollout.completion_ids_BTc[row, :n].tolist(), logp_BT[row, :n].tolist(),
+                                            rollout.finish_reasons[row] == "stop"))
+        return proto.sample_response(sequences, prompt_logprobs)
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, model, prompt: list[int]) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1; NaN at 0, where nothing precedes the token."""
+        if len(prompt) < 2:
+            return [math.nan] * len(prompt)
+        device = next(model.parameters()).device
+        ids = torch.tensor([prompt[:-1]], device=device)
+        logp = self.token_logprobs(ids, torch.ones_like(ids), torch.tensor([prompt[1:]], device=device))
+        return [math.nan] + logp[0].float().cpu().tolist()

@@ -1,0 +1,152 @@
+"""`rlora serve`'s training and sampling, checked against what they must equal, through the official tinker SDK on a
+tiny random model: ppo's and importance_sampling's gradients are cross_entropy's weighted by ratio * advantage where
+ppo does not clip (0 where it does); a forward_backward split into micro-batches gives what one micro-batch gives; a
+forward_backward that fails part-way leaves the client exactly as if it had never been sent; the sampler's kept
+decoder samples what a fresh one samples."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from serve_helpers import KEY, running_server
+from tinker import types
+
+from rlora.models.tiny import build_random_model
+from rlora.serve import worker as worker_module
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")
+ADAM = types.AdamParams(learning_rate=1e-2)
+NO_STEP = types.AdamParams(learning_rate=0.0)  # an optim_step that clears the gradients and moves nothing
+SEQUENCES = [[5, 17, 33, 8, 41], [12, 7, 19, 60, 3, 27, 44, 9, 15], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = str(build_random_model(tmp_path_factory.mktemp("serve") / "model", seed=0))
+    with running_server(model_dir, tmp_path_factory.mktemp("serve-state")) as (url, served):
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        yield SimpleNamespace(url=url, model=model_dir, served=served, worker=served.worker, service=service)
+        service.close("success").result(timeout=30)
+
+
+def ce_datum(ids: list[int], weights=None) -> types.Datum:
+    inputs = {"target_tokens": ids[1:]}
+    if weights is not None:
+        inputs["weights"] = np.asarray(weights, dtype=np.float32)
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
+
+
+def trained_client(server, seed: int):
+    """A client one cross-entropy step in: its LoRA B is no longer 0, so every parameter gets a gradient."""
+    client = server.service.create_lora_training_client(base_model=server.model, rank=4, seed=seed).result()
+    client.forward_backward([ce_datum(s) for s in SEQUENCES], "cross_entropy")
+    client.optim_step(ADAM).result()
+    return client
+
+
+def gradients(server, client, data, loss_fn, config=None) -> list[torch.Tensor]:
+    """The gradients a forward_backward leaves, read off the server's adapter (cleared again afterwards)."""
+    out = client.forward_backward(data, loss_fn, config).result()
+    grads = [p.grad.clone() for p in server.worker.trainees[client.model_id].params]
+    client.optim_step(NO_STEP).result()
+    return out, grads
+
+
+def test_ppo_and_importance_sampling_gradients_are_ratio_weighted_cross_entropy(server):
+    client = trained_client(server, seed=1)
+    ids = SEQUENCES[2]
+    logp = client.forward([ce_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    rng = np.random.default_rng(0)
+    sampler_logp = (logp + rng.uniform(-0.4, 0.4, len(logp))).astype(np.float32)  # ratios 0.67 .. 1.5
+    advantages = rng.choice([-1.0, 0.5, 2.0], len(logp)).astype(np.float32)
+    rl = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": ids[1:], "logprobs": sampler_logp, "advantages": advantages})
+    ratio = np.exp(logp.astype(np.float64) - sampler_logp)
+    # d/dtheta of -min(r A, clip(r) A) is -r A dlogp where the unclipped term is the smaller, 0 where the clipped is
+    for loss_fn, config, low, high in [("importance_sampling", None, -np.inf, np.inf), ("ppo", None, 0.8, 1.2),
+                                       ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}, 0.9, 1.05)]:
+        clipped = ((advantages > 0) & (ratio > high)) | ((advantages < 0) & (ratio < low))
+        if loss_fn == "ppo":
+            assert clipped.any() and not clipped.all(), (loss_fn, config)
+        weights = np.where(clipped, 0.0, ratio * advantages)
+        _, rl_grads = gradients(server, client, [rl], loss_fn, config)
+        _, ce_grads = gradients(server, client, [ce_datum(ids, weights)], "cross_entropy")
+        assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
+        for rl_grad, ce_grad in zip(rl_grads, ce_grads):
+            scale = float(ce_grad.abs().max())
+            np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
+
+
+def test_micro_batches_give_what_one_batch_gives(server, monkeypatch):
+    client = trained_client(server, seed=2)
+    data = [ce_datum(s) for s in SEQUENCES]
+    one, one_grads = gradients(server, client, data, "cross_entropy")
+    calls = []
+    real = server.worker.token_logprobs
+    monkeypatch.setattr(server.worker, "token_logprobs", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 12)  # each datum its own micro-batch
+    split, split_grads = gradients(server, client, data, "cross_entropy")
+    assert len(calls) == 3
+    assert split.metrics["loss:sum"] == pytest.approx(one.metrics["loss:sum"], abs=1e-6 * abs(one.metrics["loss:sum"]))
+    for a, b in zip(split.loss_fn_outputs, one.loss_fn_outputs):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), rtol=0, atol=1e-6)
+    for a, b in zip(split_grads, one_grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6 * float(b.abs().max()) + 1e-9)
+
+
+def test_a_forward_backward_that_fails_part_way_leaves_the_client_as_if_never_sent(server, monkeypatch):
+    data = [ce_datum(s) for s in SEQUENCES]
+    failed, untouched = trained_client(server, seed=3), trained_client(server, seed=3)
+    for client in (failed, untouched):  # gradients already pending: they must stay, exactly
+        client.forward_backward(data[:2], "cross_entropy").result()
+    monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 12)  # three micro-batches
+    calls = []
+    real = server.worker.token_logprobs
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:  # after the first micro-batch's backward has added its gradients
+            raise RuntimeError("injected failure in micro-batch 2")
+        return real(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server.worker, "token_logprobs", second_fails)
+        with pytest.raises(tinker.RequestFailedError, match="injected failure in micro-batch 2"):
+            failed.forward_backward(data, "cross_entropy").result()
+    assert len(calls) == 2
+    trainees = [server.worker.trainees[c.model_id] for c in (failed, untouched)]
+    assert trainees[0].loss_since_step == trainees[1].loss_since_step
+    for client in (failed, untouched):
+        client.optim_step(ADAM).result()
+    tensors = [server.worker._adapter_tensors(t) for t in trainees]
+    assert tensors[0].keys() == tensors[1].keys()
+    assert all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
+    assert all(p.grad is None for t in trainees for p in t.params)
+
+
+def test_the_kept_decoder_samples_what_a_fresh_one_samples(server):
+    client = trained_client(server, seed=4)
+    worker = server.worker
+    first = client.save_weights_and_get_sampling_client().result()
+    first_key = worker.samplers[next(reversed(worker.unnamed))].snapshot.key  # the newest unnamed snapshot
+    client.forward_backward([ce_datum(s) for s in SEQUENCES], "cross_entropy")
+    client.optim_step(ADAM).result()
+    second = client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(SEQUENCES[1][:4])
+    params = types.SamplingParams(max_tokens=8, seed=5, temperature=0.9)
+
+    def sample(sampler):
+        seqs = sampler.sample(prompt, 3, params).result().sequences
+        return [(s.tokens, s.logprobs) for s in seqs]
+
+    fresh = sample(first)
+    key, view = worker.view
+    assert key == first_key
+    assert sample(first) == fresh and worker.view[1] is view  # the kept decoder, the same samples
+    other = sample(second)
+    assert other != fresh and worker.view[0] != first_key  # another snapshot: its own decoder
+    assert sample(first) == fresh
+    worker.view = None  # built afresh: the same again
+    assert sample(first) == fresh

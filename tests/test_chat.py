@@ -11,8 +11,9 @@ import torch
 from rich.console import Console
 from test_policy_model import make_policy, perturb_adapter
 
-from rlora.chat import (ChatState, Command, ContextFull, Conversation, Settings, apply_command, check_base_matches,
-                        fit_context, load_chat_model, parse_command, run_chat, user_text)
+from rlora.chat import (ChatState, Command, ContextFull, Conversation, NoTools, Settings, apply_command,
+                        chat_tools, check_base_matches, fit_context, load_chat_model, parse_command, run_chat,
+                        user_text)
 from rlora.cli import main
 from rlora.errors import UserError
 from rlora.models.loading import save_adapter
@@ -132,6 +133,7 @@ class ScriptedBot:
 
     max_length = 100
     streams = False
+    tools = NoTools()
 
     def reply(self, state, on_token=None):
         from rlora.chat import Reply
@@ -141,8 +143,8 @@ class ScriptedBot:
         return Reply(f"{state.active}-{len(state.conv.turns)}", "stop", 0)
 
 
-def _drive(lines, state):
-    out = Console(record=True, width=200, force_terminal=False)
+def _reader(lines):
+    """input() for run_chat: these lines, then end of input."""
     feed = iter(lines)
 
     def read(prompt):
@@ -151,7 +153,12 @@ def _drive(lines, state):
         except StopIteration:
             raise EOFError from None
 
-    assert run_chat(ScriptedBot(), state, out, read) == 0
+    return read
+
+
+def _drive(lines, state):
+    out = Console(record=True, width=200, force_terminal=False)
+    assert run_chat(ScriptedBot(), state, out, _reader(lines)) == 0
     return out.export_text()
 
 
@@ -341,23 +348,66 @@ def test_chat_streams_the_reply_it_would_print_whole(tiny_model_dir, adapters, m
     assert bot.streams
     state = ChatState(tiny_model_dir, adapters, "a", Settings(MAX_NEW, 0.0), Conversation())
     out = Console(record=True, width=500, force_terminal=False)
-    feed = iter(["Hello, how are you today?"])
-
-    def read(prompt):
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
-
-    assert run_chat(bot, state, out, read) == 0
+    assert run_chat(bot, state, out, _reader(["Hello, how are you today?"])) == 0
     expected = _reference(tiny_model_dir, adapters)([{"role": "user", "content": "Hello, how are you today?"}], "a")
     assert f"a> {expected.strip()}\n" in out.export_text()
     assert len(writes) > 1 and writes[-1] == expected.strip()
     # a message too long to send: the notice alone, no reply label
     bot.max_length = MAX_NEW + 4
     out = Console(record=True, width=500, force_terminal=False)
-    feed = iter(["a long message " * 20])
-    assert run_chat(bot, state, out, read) == 0
+    assert run_chat(bot, state, out, _reader(["a long message " * 20])) == 0
     text = out.export_text()
     assert "message too long" in text and "a> " not in text.replace("a long", "")
 
+
+
+# ------------------------------------------------------------------------- tools ------------------------------
+
+
+def test_tool_turns_stay_with_their_exchange_when_the_context_is_cut():
+    conv = Conversation()
+    for text in ("u1", "call", "5", "r1", "u2"):
+        if text.startswith("u"):
+            conv.add_user(text)
+        elif text == "5":
+            conv.add_tool(text)
+        else:
+            conv.add_reply(text, None, 0)
+    assert [m["role"] for m in conv.messages()] == ["user", "assistant", "tool", "assistant", "user"]
+    assert conv.drop_oldest() and conv.messages() == [{"role": "user", "content": "u2"}]
+    assert not conv.drop_oldest()
+
+
+class FirstReplyCalls:
+    """The calculator; the (random) model's first reply is taken as a call of "2 + 3", later ones as they are."""
+
+    def __init__(self):
+        from rlora.envs.calculator import calculator
+        from rlora.envs.tools import ToolEnvironment
+
+        self.inner = ToolEnvironment([calculator])
+        self.schemas, self.fmt, self.replies = self.inner.schemas, self.inner.fmt, 0
+
+    def step(self, text):
+        self.replies += 1
+        first = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+        return self.inner.step(first if self.replies == 1 else text.replace("<tool_call>", ""))
+
+
+def test_a_reply_that_calls_a_tool_gets_its_result_and_is_answered_again(tiny_model_dir, adapters):
+    bot = load_chat_model(tiny_model_dir, adapters, "float32", MAX_NEW, tools=FirstReplyCalls())
+    state = ChatState(tiny_model_dir, adapters, "a", Settings(max_new_tokens=MAX_NEW), Conversation())
+    out = Console(record=True, width=200, force_terminal=False)
+    assert run_chat(bot, state, out, _reader(["What is 2 + 3?"])) == 0
+    assert [t["role"] for t in state.conv.turns] == ["user", "assistant", "tool", "assistant"]
+    assert state.conv.turns[2]["content"] == "5" and "tool> 5" in out.export_text()
+    prompt = bot.tokenizer.decode(bot.render(state.conv.messages()))  # what the second reply was sampled from
+    assert prompt.startswith("<|im_start|>system\nTools:\n") and "<|im_start|>tool\n5<|im_end|>" in prompt
+
+
+def test_chat_tools_are_checked_before_the_model_loads(tmp_path, capsys):
+    assert isinstance(chat_tools([]), NoTools) and chat_tools(["calculator"]).tools.keys() == {"calculator"}
+    with pytest.raises(UserError, match="no docstring"):
+        chat_tools(["envs_for_tests.no_docstring"])
+    assert main(["chat", "--model", str(tmp_path / "missing"), "--tool", "envs_for_tests.no_docstring"]) == 2
+    assert "tool 'no_docstring' has no docstring" in capsys.readouterr().err

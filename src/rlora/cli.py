@@ -146,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="a PEFT adapter folder (repeatable; a bare PATH is named after its folder); the first is "
                            "active at the start")
     chat.add_argument("--system", metavar="TEXT", help="system prompt")
+    chat.add_argument("--tool", action="append", default=[], metavar="calculator|MODULE.FN|FILE.py:FN",
+                      help="a tool the model may call (repeatable): its results come back as tool messages "
+                           "(docs/environments.md)")
     chat.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="longest reply in tokens (default 256)")
     chat.add_argument("--temperature", type=float, default=0.7, metavar="T", help="0: greedy (default 0.7)")
     chat.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1.0: off)")

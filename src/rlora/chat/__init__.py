@@ -27,10 +27,12 @@ from rlora.chat.conversation import (
     user_text,
 )
 from rlora.chat.loop import ReplyStream, chat_main, run_chat
-from rlora.chat.model import DEFAULT_MODEL, ChatModel, Reply, check_base_matches, choose_model, load_chat_model
+from rlora.chat.model import (DEFAULT_MODEL, ChatModel, NoTools, Reply, chat_tools, check_base_matches, choose_model,
+                              load_chat_model)
 
 __all__ = [
-    "DEFAULT_MODEL", "HELP", "ChatModel", "ChatState", "Command", "ContextFull", "Conversation", "Outcome", "Reply",
+    "DEFAULT_MODEL", "HELP", "ChatModel", "ChatState", "Command", "ContextFull", "Conversation", "NoTools", "Outcome",
+    "Reply", "chat_tools",
     "ReplyStream", "Settings", "apply_command", "chat_main", "check_base_matches", "choose_model", "fit_context",
     "load_chat_model", "parse_command", "run_chat", "save_conversation", "user_text",
 ]

@@ -70,11 +70,17 @@ class Conversation:
             self.turns.pop()
         self.start = min(self.start, len(self.turns))
 
+    def add_tool(self, text: str) -> None:
+        """A tool's result (rlora chat --tool), answered by the next reply."""
+        self.turns.append({"role": "tool", "content": text})
+
     def drop_oldest(self) -> bool:
-        """Move the oldest user turn and its reply out of the context; False when only the newest user turn is left."""
-        if len(self.turns) - self.start <= 1:
+        """Move the oldest exchange (a user turn and what followed it up to the next user turn: the reply, tool
+        results and replies to them) out of the context; False when only the newest exchange is left."""
+        later_users = [i for i in range(self.start + 1, len(self.turns)) if self.turns[i]["role"] == "user"]
+        if not later_users:
             return False
-        self.start += 2 if self.turns[self.start + 1]["role"] == "assistant" else 1
+        self.start = later_users[0]
         return True
 
     def reset(self) -> None:

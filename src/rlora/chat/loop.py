@@ -21,6 +21,7 @@ from rlora.chat.conversation import (
 )
 from rlora.chat.model import (
     ChatModel,
+    chat_tools,
     check_base_matches,
     choose_model,
     load_chat_model,
@@ -89,10 +90,30 @@ def run_chat(bot: ChatModel, state: ChatState, out, read: Callable[[str], str] =
         _answer(bot, state, user_text(line), out)
 
 
+MAX_TOOL_ROUNDS = 4  # replies to tool results after one user message, at most
+
+
 def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
-    """Sample and print the reply to `text`: streamed after the label as it is generated (the built-in sampler),
-    else printed whole once it is done (a spinner meanwhile, on a terminal)."""
+    """Reply to `text`; a reply that calls tools gets their results (printed, kept as tool turns) and is followed
+    by another reply, up to MAX_TOOL_ROUNDS times."""
     state.conv.add_user(text)
+    for _ in range(MAX_TOOL_ROUNDS + 1):
+        reply_text = _reply(bot, state, out)
+        if reply_text is None:
+            return
+        result = bot.tools.step(reply_text)
+        if result.done:
+            return
+        for message in result.messages:
+            state.conv.add_tool(message["content"])
+            out.print(f"tool> {message['content']}", style="magenta", markup=False, highlight=False, soft_wrap=True)
+    out.print(f"(stopped after {MAX_TOOL_ROUNDS} rounds of tool calls)", style="dim", markup=False)
+
+
+def _reply(bot: ChatModel, state: ChatState, out) -> str | None:
+    """Sample and print the reply to the conversation: streamed after the label as it is generated (the built-in
+    sampler), else printed whole once it is done (a spinner meanwhile, on a terminal). -> its text (None: it failed,
+    and a user message that got no reply leaves the conversation)."""
     label = f"{_label(state.active)}> "
     labelled = []  # the label goes out with the first piece (a message refused as too long shows none)
 
@@ -120,7 +141,7 @@ def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
         if labelled:
             out.print()  # end the line the label and the streamed text started
         out.print(failure[0], style=failure[1], markup=False)
-        return
+        return None
     state.conv.add_reply(reply.text, state.active, state.settings.seed + state.replies)
     state.replies += 1
     if stream is not None:
@@ -136,6 +157,7 @@ def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
                   f"{reply.dropped} exchange(s) from the context; /save still writes them)", style="yellow", markup=False)
     if reply.finish_reason == "length":
         out.print(f"(cut at --max-new-tokens {state.settings.max_new_tokens})", style="dim", markup=False)
+    return reply.text
 
 
 def _enable_line_editing() -> None:
@@ -152,9 +174,10 @@ def chat_main(args) -> int:
     settings = Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     settings.check()
     adapters = parse_named_adapters(args.adapter or [])
+    tools = chat_tools(args.tool or [])  # a tool without a docstring: one line, before the model loads
     model_path = choose_model(args.model, adapters)
     with console.status(f"loading {model_path} ...") if console.is_terminal else nullcontext():
-        bot = load_chat_model(model_path, adapters, args.dtype, settings.max_new_tokens)
+        bot = load_chat_model(model_path, adapters, args.dtype, settings.max_new_tokens, tools)
     for notice in check_base_matches(adapters, model_path):  # after loading: a misfit is an error, not this
         info(notice)
     state = ChatState(model_path, adapters, next(iter(adapters), None), settings, Conversation(system=args.system))

@@ -9,6 +9,11 @@ from pathlib import Path
 
 from rlora.chat.conversation import ChatState, fit_context
 from rlora.config import ModelConfig, RolloutConfig
+from rlora.envs.calculator import calculator
+from rlora.envs.protocol import StepResult
+from rlora.envs.registry import tools_env
+from rlora.envs.render import EpisodeRenderer
+from rlora.envs.tools import CallFormat, ToolEnvironment
 from rlora.errors import UserError
 from rlora.models.loading import add_model_eos_ids, causal_lm, load_base_model, load_tokenizer, resolve_model_path
 from rlora.models.named_adapters import activated, attach_named, recorded_base
@@ -43,15 +48,37 @@ class Reply:
     dropped: int  # user turns dropped from the context for this reply
 
 
-class ChatModel:
-    """The base model with its adapters, its tokenizer and rlora's sampler."""
+class NoTools:
+    """A chat without tools: no tool is described, and every reply ends the model's turn."""
 
-    def __init__(self, model, tokenizer, generator, max_length: int):
+    schemas: tuple[dict, ...] = ()
+    fmt = CallFormat()
+
+    def step(self, assistant_text: str) -> StepResult:
+        return StepResult(done=True)
+
+
+NO_TOOLS = NoTools()
+
+
+def chat_tools(specs: list[str], timeout_s: float = 10.0) -> ToolEnvironment | NoTools:
+    """--tool values (calculator, module.function or FILE.py:function) -> the tools the model may call."""
+    if not specs:
+        return NO_TOOLS
+    return tools_env([calculator if spec == "calculator" else spec for spec in specs], timeout_s=timeout_s)
+
+
+class ChatModel:
+    """The base model with its adapters, its tokenizer, rlora's sampler and the tools it may call."""
+
+    def __init__(self, model, tokenizer, generator, max_length: int, tools: ToolEnvironment | NoTools = NO_TOOLS):
         self.model, self.tokenizer, self.generator, self.max_length = model, tokenizer, generator, max_length
+        self.tools = tools
+        # the conversation as the chat template writes it, the tools described where the template cannot
+        self.renderer = EpisodeRenderer(tokenizer, tools.schemas, tools.fmt)
 
     def render(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.renderer.first_prompt(messages)
 
     @property
     def streams(self) -> bool:
@@ -78,7 +105,8 @@ def model_max_length(model, tokenizer) -> int:
     return int(limit)
 
 
-def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_new_tokens: int) -> ChatModel:
+def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_new_tokens: int,
+                    tools: ToolEnvironment | NoTools = NO_TOOLS) -> ChatModel:
     tokenizer, tok = load_tokenizer(model_path)
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"the tokenizer of '{model_path}' has no chat template: rlora chat needs a chat (instruct) model")
@@ -91,7 +119,7 @@ def load_chat_model(model_path: str, adapters: dict[str, str], dtype: str, max_n
                         f"{max_length} positions")
     exact = RolloutConfig(sampler_dtype="model")  # the same replies for a seed on every machine
     generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, max_length, batch_size=1)
-    return ChatModel(model, tokenizer, generator, max_length)
+    return ChatModel(model, tokenizer, generator, max_length, tools)
 
 
 def check_base_matches(adapters: dict[str, str], model_path: str) -> list[str]:

@@ -69,6 +69,20 @@ def test_tool_messages_reach_the_policy_and_reinforce_pp_trains_on_episodes(tiny
     assert all(r["episode/turns_mean"] > 1 and r["loss"] is not None for r in rows)
 
 
+def test_ppo_trains_on_episodes(tiny_model_dir, prompts_file, tmp_path, capsys):
+    """PPO's critic on episodes: GAE steps from one policy token to the next over the environment's tokens
+    (tests/test_ppo.py), the value loss covers the policy's tokens only, and the episode counters are reported."""
+    code, err, out = train(tmp_path, "ppo", tiny_model_dir, prompts_file, capsys,
+                           **{"env": "{fn: envs_for_tests.always_calls, max_turns: 2}", "rollout.stop": "[' ']",
+                              "algo.name": "ppo"})
+    assert code == 0, err
+    rows = metrics(out)
+    # the critic's tokens are the policy's: the environment's (the tool's result, the headers) are left out
+    assert all(r["episode/turns_mean"] > 1 and r["episode/env_tokens_mean"] > 0 for r in rows)
+    assert all(r["value_tokens"] == r["gen_tokens"] for r in rows)
+    assert all(r["value_loss"] is not None and r["episodes"] == 8 for r in rows)
+
+
 @pytest.mark.parametrize("env, message", [
     ("{fn: no_such_env}", "env fn 'no_such_env' is neither"),
     ("{fn: tools, args: {tools: [envs_for_tests.no_docstring]}}", "tool 'no_docstring' has no docstring"),

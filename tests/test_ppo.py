@@ -57,6 +57,22 @@ def test_gae_hand_computed_with_a_ragged_row():
     assert torch.allclose(ret, torch.tensor([[0.6606, 0.855, 1.0], [1.53, 2.0, 0.0]], dtype=torch.float64), atol=1e-12)
 
 
+def test_gae_steps_over_an_episodes_environment_tokens():
+    """An episode's row: policy tokens at 0 and 3, the environment's at 1-2 (mask 0), padding at 4. The policy's
+    steps are t0 -> t3 (the environment's tokens are part of that transition): exactly the contiguous row [0, 3]."""
+    mask = torch.tensor([[1, 0, 0, 1, 0]])
+    values = torch.tensor([[0.5, 7.0, 7.0, 0.25, 9.0]])  # 7.0 on the environment's tokens, 9.0 on padding: unread
+    rewards = token_rewards(torch.tensor([1.0]), mask, None, 0.0)
+    assert rewards.tolist() == [[0, 0, 0, 1, 0]]  # the outcome on the policy's last token
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # t3: delta = 1 - 0.25 = 0.75 = A3; t0: delta = 0.9 * 0.25 - 0.5 = -0.275, A0 = -0.275 + 0.72 * 0.75 = 0.265
+    assert torch.allclose(adv, torch.tensor([[0.265, 0, 0, 0.75, 0]], dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(ret, torch.tensor([[0.765, 0, 0, 1.0, 0]], dtype=torch.float64), atol=1e-12)
+    contiguous, _ = gae(token_rewards(torch.tensor([1.0]), torch.tensor([[1, 1]]), None, 0.0),
+                        torch.tensor([[0.5, 0.25]]), torch.tensor([[1, 1]]), gamma=0.9, lam=0.8)
+    assert torch.allclose(adv[:, [0, 3]], contiguous, atol=1e-12)
+
+
 def test_kl_folded_into_the_token_rewards():
     mask = torch.tensor([[1, 1, 1]])
     kl = torch.tensor([[0.1, 0.2, 0.3]])

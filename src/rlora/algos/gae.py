@@ -1,5 +1,7 @@
 """PPO with a learned critic: token rewards, generalized advantage estimation, the clipped value loss and
 the critic's explained variance. Pure tensor math over [B, T] completion positions.
+(An episode's mask has gaps where the environment's tokens are: the recursion below steps from one masked
+position to the next.)
 
 Position t of a completion is the state s_t before its token t (prompt + tokens 0..t-1); V_t = V(s_t) is
 the critic's value there. Masks are right-padded (ones, then zeros): a row's real tokens are 0..L-1 and the
@@ -30,7 +32,9 @@ class GAEResult:
 def gae(token_rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (advantages_BT, returns_BT) in float64, 0 on padding. One backward sweep over the T positions,
-    all rows at once; the successor of a row's last real token is masked, so its value counts 0."""
+    all rows at once. The successor of a position is the row's next masked one: after a row's last real token
+    there is none (its value counts 0), and an episode's environment tokens (mask 0 inside the row) are part of
+    the transition from one policy token to the next, not steps of their own."""
     mask = mask_BT.double()
     rewards, values = token_rewards_BT.double() * mask, values_BT.double() * mask
     advantages = torch.zeros_like(mask)
@@ -38,8 +42,11 @@ def gae(token_rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.
     next_advantage_B = torch.zeros_like(mask[:, 0])
     for t in reversed(range(mask.shape[1])):
         delta_B = rewards[:, t] + gamma * next_value_B - values[:, t]
-        advantages[:, t] = (delta_B + gamma * lam * next_advantage_B) * mask[:, t]
-        next_value_B, next_advantage_B = values[:, t], advantages[:, t]  # both 0 beyond a row's end
+        advantage_B = delta_B + gamma * lam * next_advantage_B
+        advantages[:, t] = advantage_B * mask[:, t]
+        step_B = mask[:, t].bool()  # a masked position passes its successor's value and advantage on unchanged
+        next_value_B = torch.where(step_B, values[:, t], next_value_B)
+        next_advantage_B = torch.where(step_B, advantage_B, next_advantage_B)
     return advantages, (advantages + values) * mask
 
 

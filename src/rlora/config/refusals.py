@@ -170,9 +170,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("no-rewards", ("train",), lambda cfg: not cfg.rewards and cfg.env is None,
             "no reward functions: add e.g. `rewards: [{fn: gym}]` to the config", ("rewards=[]",)),
     # ---- environments (multi-turn episodes)
-    Refusal("env-ppo", ("train",), lambda cfg: cfg.env is not None and _traits(cfg).critic,
-            "algo.name=ppo does not train on episodes yet (its critic reads every completion token): use a group "
-            "algorithm (e.g. grpo) with env", ENV + ("algo.name=ppo",)),
     Refusal("env-molora", ("train",), lambda cfg: cfg.env is not None and cfg.molora is not None,
             "molora routes by the prompt, which an episode extends turn by turn: train a LoRA policy with env",
             ENV + MOLORA),

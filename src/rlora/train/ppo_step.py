@@ -97,6 +97,7 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
     optimizer, scheduler = policy.optimizer, policy.scheduler
     t_start, timings = time.perf_counter(), Timings()
     batch, stats = collect_batch(s, step, None, timings)
+    sampled = s.source.take_metrics().get(policy.index, {})  # episodes: turns, tool calls, ... of this step
     if batch is None:  # only dynamic sampling drops groups, and the config refuses it with ppo
         raise RuntimeError("ppo collected no samples")
     t_collected = time.perf_counter()
@@ -142,7 +143,7 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
         "value_mean": _masked_mean(old_values_BT, mask_BT), "return_mean": _masked_mean(targets.returns_BT, mask_BT),
         "advantage_mean": _masked_mean(targets.advantages_BT, mask_BT), "value_tokens": int(mask_BT.sum()),
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-        "values_s": t_values - t_collected, "train_s": t_end - t_values,
+        "values_s": t_values - t_collected, "train_s": t_end - t_values, **sampled,
     }
     if cfg.rollout.num_generations == 1:  # one sample per prompt: every "group" is trivially flat
         for key in ("frac_groups_zero_std", "frac_zero_var_first"):

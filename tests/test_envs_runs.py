@@ -109,3 +109,30 @@ def test_textarena_guess_the_number_runs_offline(tiny_model_dir, tmp_path, capsy
     # every game started (a failed reset would count as failed) and the policy's replies reached it
     assert row["episodes"] == 8 and row["episode/failed_frac"] == 0 and row["episode/turns_mean"] >= 1
     assert row["reward_count"] == 8 and "reward/env" in row
+
+
+@pytest.mark.parametrize("game", ["TowerOfHanoi-v0", "Minesweeper-v0", "Sudoku-v0", "FrozenLake-v0", "Mastermind-v0"])
+def test_more_textarena_games_start_and_take_a_move_offline(game):
+    from rlora.envs.protocol import StepResult, checked_messages
+    from rlora.envs.textarena import TextArenaEnvironment
+
+    env = TextArenaEnvironment(game=game)
+    [opening] = checked_messages(env.reset({"prompt": "x", "seed": 3}), "reset()")
+    assert opening["role"] == "user" and len(opening["content"]) > 50
+    result = env.step("[1]")
+    assert isinstance(result, StepResult) and (result.done or result.messages[0]["content"])
+
+
+@pytest.mark.parametrize("extra", [{"algo.name": "dapo", "algo.max_extra_rounds": 1, "algo.overlong_buffer": 0},
+                                   {"algo.name": "adaptive_grpo"},
+                                   {"algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "train.steps": 3}],
+                         ids=["dynamic_sampling", "adaptive", "replay"])
+def test_resampling_and_replay_run_on_episodes(extra, tiny_model_dir, prompts_file, tmp_path, capsys):
+    """The collector's resampling rounds and replayed groups go through the episode source like any other rows."""
+    code, err, out = train(tmp_path, "r", tiny_model_dir, prompts_file, capsys,
+                           **{"env": "{fn: envs_for_tests.scripted, args: {turns: 2}}", "rollout.stop": "[' ']", **extra})
+    assert code == 0, err
+    rows = metrics(out)
+    assert all(r["episodes"] >= 8 for r in rows)  # every sampling round's episodes are counted
+    if "algo.replay.enabled" in extra:
+        assert sum(r.get("replay_groups", 0) for r in rows) > 0  # stored episodes were trained on again

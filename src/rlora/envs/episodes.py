@@ -97,13 +97,9 @@ class EpisodeRunner:
             self._reset(ep, make_env, rows[b // G])
         self._first_turn(model, episodes, G, params, seeds, keys, policies)
         for turn in range(1, self.limits.max_turns):
-            running = [b for b, ep in enumerate(episodes) if ep.status == "running"]
-            if not running:
+            if not any(ep.status == "running" for ep in episodes):
                 break
-            turn_params = [self._turn_params(params[b // G], episodes[b]) for b in running]
-            turn_keys = [turn * TURN_KEY_STRIDE + keys[b // G] * G + b % G for b in running]
-            self._sample_turn(model, [episodes[b] for b in running], 1, turn_params, [seeds[b // G] for b in running],
-                              turn_keys, None if policies is None else [policies[b // G] for b in running])
+            self._each_alone(model, episodes, turn, G, params, seeds, keys, policies)
         for ep in episodes:
             if ep.status == "running":  # its last turn was sampled at max_turns
                 ep.status = "truncated"
@@ -124,16 +120,22 @@ class EpisodeRunner:
     def _first_turn(self, model, episodes: list[Episode], G: int, params, seeds, keys, policies) -> None:
         """Turn 0. Where each prompt's G episodes start alike (the usual case), the prompt is sampled once with G
         samples, exactly as a single-turn step samples it; otherwise each episode alone, with the same keys."""
-        P = len(episodes) // G
-        first = [turn_params for turn_params in (self._turn_params(params[i], episodes[i * G]) for i in range(P))]
-        groups = [episodes[i * G:(i + 1) * G] for i in range(P)]
+        groups = [episodes[i * G:(i + 1) * G] for i in range(len(episodes) // G)]
         if all(ep.status == "running" and ep.prompt_ids == group[0].prompt_ids for group in groups for ep in group):
+            first = [self._turn_params(params[i], group[0]) for i, group in enumerate(groups)]
             self._sample_turn(model, episodes, G, first, seeds, keys, policies)
-            return
+        else:
+            self._each_alone(model, episodes, 0, G, params, seeds, keys, policies)
+
+    def _each_alone(self, model, episodes: list[Episode], turn: int, G: int, params, seeds, keys, policies) -> None:
+        """The running episodes' turn `turn`, each its own prompt: episode g of prompt i draws with key
+        turn x TURN_KEY_STRIDE + key_i x G + g (turn 0: the row key a shared prompt's G samples get)."""
         running = [b for b, ep in enumerate(episodes) if ep.status == "running"]
         if running:
-            self._sample_turn(model, [episodes[b] for b in running], 1, [first[b // G] for b in running],
-                              [seeds[b // G] for b in running], [keys[b // G] * G + b % G for b in running],
+            self._sample_turn(model, [episodes[b] for b in running], 1,
+                              [self._turn_params(params[b // G], episodes[b]) for b in running],
+                              [seeds[b // G] for b in running],
+                              [turn * TURN_KEY_STRIDE + keys[b // G] * G + b % G for b in running],
                               None if policies is None else [policies[b // G] for b in running])
 
     def _turn_params(self, params: SamplingParams, ep: Episode) -> SamplingParams:

@@ -9,7 +9,7 @@ model is not thread-safe, and a training client's requests must run in the order
   non-finite update skipped).
 - A sampler samples from a snapshot of an adapter taken by save_weights_for_sampler (or from the base with
   every adapter off). Snapshots are loaded as adapters `sampler_N` when sampled, the newest few kept loaded;
-  the decoder of the last one sampled (its merged weight copies) is kept for the next request.
+  the decoder of the last one sampled (its merged weight copies) is kept for the next request (serve/sampling.py).
 - A session's clients and samplers are freed when it finishes (free_session); their numbers are capped.
 - Log-probs come from the decoder's last hidden states and the output layer a chunk of positions at a time
   (checkpointed when training), or from the model's full logits for a family rlora's chunked path does not
@@ -24,7 +24,6 @@ import secrets
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,15 +35,14 @@ from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
 from rlora.models.logprobs import completion_logprobs, supports_chunked, token_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.rollout.decoder import DecoderView, unsupported_reason
-from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.losses import LOSSES
+from rlora.serve.sampling import Sampler, ViewGenerator, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
 from rlora.tensors import position_ids_from_mask
 from rlora.train.optim import optimizer_step
-from rlora.types import SamplingParams
 
 LORA_ALPHA = 32
 MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward
@@ -54,24 +52,6 @@ UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one
 IDLE_ADAPTER = "idle"  # the adapter that keeps the peft model from ever having none (_add_adapter)
 MAX_TRAINEES = 64  # training clients at once (each an adapter and its AdamW state in memory)
 MAX_SAMPLERS = 1024  # sampling sessions on saved snapshots or the base at once (each a config and a path)
-
-
-@dataclass
-class Sampler:
-    snapshot: Snapshot | None  # None: the base
-    model_path: str | None  # the tinker path it was made from (None: the base or an unnamed snapshot)
-
-
-class _ViewGenerator(BuiltinGenerator):
-    """rlora's sampler on a decoder built before: the same weights, so the same samples, without merging the
-    adapter into fresh weight copies again for every request."""
-
-    def __init__(self, view: DecoderView, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.view = view
-
-    def decoder_view(self, model) -> DecoderView:
-        return self.view
 
 
 class _NoSchedule:
@@ -412,24 +392,12 @@ class ModelWorker:
         if self.view is None or self.view[0] != key:
             self.view = None  # the old copy goes before the new one is made
             self.view = (key, DecoderView.of(model, merge=True))
-        return _ViewGenerator(self.view[1], self.tokenizer, eos_ids, self.tok.pad_id, merge=True, dtype=None,
-                              decode="auto")
+        return ViewGenerator(self.view[1], self.tokenizer, eos_ids, self.tok.pad_id, merge=True, dtype=None,
+                             decode="auto")
 
     def sample(self, session_id: str, request: wire.Sample) -> bytes:
         prompt = request.prompt.tokens()
-        sp = request.sampling_params
-        stop = sp.stop
-        eos_ids, stop_strings = list(self.tok.eos_ids), ()
-        if isinstance(stop, str):
-            stop_strings = (stop,)
-        elif isinstance(stop, list) and stop and isinstance(stop[0], str):
-            stop_strings = tuple(stop)
-        elif isinstance(stop, list):  # token ids (or []): they replace EOS
-            eos_ids = list(stop)
-        greedy = sp.temperature == 0
-        params = SamplingParams(max_new_tokens=sp.max_tokens, temperature=1.0 if greedy else sp.temperature,
-                                top_p=sp.top_p, top_k=max(sp.top_k, 0), greedy=greedy, stop=stop_strings)
-        seed = (sp.seed if sp.seed is not None else secrets.randbits(62)) % (2**63 - 1)
+        params, eos_ids, seed = sampling_settings(request.sampling_params, self.tok.eos_ids)
         with self.sampling_model(session_id) as model:
             rollout = self._generator(session_id, model, eos_ids).sample(model, [prompt], request.num_samples, params,
                                                                          seed=seed)

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from rlora.serve import proto, wire
-from rlora.serve.jobs import LONG_POLL, RETRIEVED_GRACE, UNRETRIEVED_TTL, Jobs
+from rlora.serve.jobs import LONG_POLL, RETRIEVED_GRACE, UNRETRIEVED_TTL, Batchable, Jobs
 from rlora.serve.limits import Limits
 from rlora.serve.losses import check_loss
 from rlora.serve.state import ServeError, StateDir, check_name, parse_path
@@ -203,7 +203,11 @@ def build_app(served: Served) -> FastAPI:
             for name, values in datum.inputs.items():
                 if values.dtype.kind == "f" and not np.isfinite(values).all():
                     raise ServeError(400, f"datum {i}: loss_fn_inputs['{name}'] holds a NaN or an infinity")
-        job = jobs.submit(lambda: worker.forward_backward(fb, config), key=resent(fb.model_id, fb.seq_id, "fb"))
+        # other clients' forward_backward queued right behind it run in the same pass (serve/batched.py)
+        batch = Batchable(("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,
+                          tokens=sum(len(d.tokens) for d in fb.data))
+        job = jobs.submit(lambda: worker.forward_backward(fb, config), key=resent(fb.model_id, fb.seq_id, "fb"),
+                          batch=batch)
         return wire.untyped_future(job, fb.model_id)
 
     @app.post(f"{API}/optim_step")

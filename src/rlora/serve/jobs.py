@@ -7,12 +7,13 @@ with ServeError is the client's mistake (category 'user'); any other exception i
 (category 'server', the traceback printed): either way the worker goes on with the next job.
 
 Batching: a job may say how it runs in one pass with others (Batchable: serve/batched.py runs several
-clients' forward_backward through one base forward). When the worker takes such a job it also takes the jobs
-queued right behind it of the same group and of other members (a contiguous run at the head of the queue: it
-stops at the first job that is anything else or whose member is in the batch already, so no member's requests
-are reordered and nothing passes a job of another kind), up to MAX_BATCH_MEMBERS jobs and MAX_BATCH_TOKENS. The
-batch's runner gives each job its own outcome; a runner that raises leaves the batch to run job by job (each
-job's own run), so each still gets its own result or error. A batch of one is a plain job.
+clients' forward_backward through one base forward; the sampling requests of one session run as one sampler
+call). When the worker takes such a job it also takes the jobs queued right behind it of the same group and of
+other members (a contiguous run at the head of the queue: it stops at the first job that is anything else or
+whose member is in the batch already, so no member's requests are reordered and nothing passes a job of another
+kind), up to the first job's max_members jobs and MAX_BATCH_TOKENS. The batch's runner gives each job its own
+outcome; a runner that raises leaves the batch to run job by job (each job's own run), so each still gets its
+own result or error. A batch of one is a plain job.
 
 A finished job keeps only its result (its request is dropped when it has run). The result is kept by time,
 not by count, so that a busy server never forgets a slow client's future: RETRIEVED_GRACE seconds after it
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 
 from rlora.serve.state import ServeError
 
-LONG_POLL = 20.0  # seconds a retrieve_future waits for its job (the SDK's own timeout for it is 45 s)
+# seconds a retrieve_future waits for its job: below the SDK's own timeout for it (45 s), and long, since the SDK
+# logs a warning for every `try_again` (a queued RL step's requests wait for minutes on a CPU)
+LONG_POLL = 40.0
 RETRIEVED_GRACE = 60.0  # seconds a result is kept after its first retrieval
 UNRETRIEVED_TTL = 3600.0  # seconds a result nobody retrieves is kept
 SWEEP_EVERY = 1.0  # seconds between looks for expired results
@@ -59,6 +62,7 @@ class Batchable:
     payload: object  # what the runner gets for this job
     runner: Callable[[list], list]  # [payload] -> per payload its result body or the exception it failed with
     tokens: int = 0  # its share of MAX_BATCH_TOKENS
+    max_members: int = MAX_BATCH_MEMBERS  # jobs in a batch led by this one
 
 
 class Job:
@@ -185,7 +189,7 @@ class Jobs:
             if first.batch is None:
                 return batch
             members, tokens = {first.batch.member}, first.batch.tokens
-            while self._queue and len(batch) < MAX_BATCH_MEMBERS:
+            while self._queue and len(batch) < first.batch.max_members:
                 part = getattr(self._queue[0], "batch", None)  # the stop marker has none
                 if (part is None or part.group != first.batch.group or part.member in members
                         or tokens + part.tokens > MAX_BATCH_TOKENS):

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from rlora.rollout.decoder import DecoderView
 from rlora.rollout.engine import BuiltinGenerator
-from rlora.serve import wire
+from rlora.serve import proto, wire
 from rlora.serve.state import Snapshot
-from rlora.types import SamplingParams
+from rlora.types import Rollout, SamplingParams
 
 
 @dataclass
@@ -46,3 +46,17 @@ def sampling_settings(sp: wire.SamplingParams, eos_ids: list[int]) -> tuple[Samp
                             top_p=sp.top_p, top_k=max(sp.top_k, 0), greedy=greedy, stop=stop_strings)
     seed = (sp.seed if sp.seed is not None else secrets.randbits(62)) % (2**63 - 1)
     return params, ends, seed
+
+
+def responses(rollout: Rollout, logp_BTc, G: int, prompt_logprobs: list[list[float] | None]) -> list[bytes]:
+    """The protobuf sample response of each request of a sampler call: its G rows (prompt-major), their tokens up to
+    and with the one that ended them, their log-probs, whether a stop ended them."""
+    results = []
+    for i, prompt_lp in enumerate(prompt_logprobs):
+        sequences = []
+        for row in range(i * G, (i + 1) * G):
+            n = int(rollout.completion_mask_BTc[row].sum())
+            sequences.append(proto.Sequence(rollout.completion_ids_BTc[row, :n].tolist(), logp_BTc[row, :n].tolist(),
+                                            rollout.finish_reasons[row] == "stop"))
+        results.append(proto.sample_response(sequences, prompt_lp))
+    return results

@@ -40,7 +40,7 @@ from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
 from rlora.serve.losses import LOSSES, TokenLoss
-from rlora.serve.sampling import Sampler, ViewGenerator, sampling_settings
+from rlora.serve.sampling import Sampler, ViewGenerator, responses, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
 from rlora.tensors import position_ids_from_mask
@@ -414,23 +414,28 @@ class ModelWorker:
         return ViewGenerator(self.view[1], self.tokenizer, eos_ids, self.tok.pad_id, merge=True, dtype=None,
                              decode="auto")
 
-    def sample(self, session_id: str, request: wire.Sample) -> bytes:
-        prompt = request.prompt.tokens()
-        params, eos_ids, seed = sampling_settings(request.sampling_params, self.tok.eos_ids)
+    def sample(self, session_id: str, requests: list[wire.Sample]) -> list[bytes]:
+        """Sampling requests of one session, with one num_samples and one set of ending tokens (app.py batches
+        only such), in one sampler call. Each prompt keeps its own settings and seed and the key 0 it has alone:
+        rlora's engine draws a row's tokens from (seed, key, sample index) only, so a request samples what it
+        samples alone (tested). One result each."""
+        settings = [sampling_settings(r.sampling_params, self.tok.eos_ids) for r in requests]
+        prompts = [r.prompt.tokens() for r in requests]
+        G = requests[0].num_samples
         with self.sampling_model(session_id) as model:
-            rollout = self._generator(session_id, model, eos_ids).sample(model, [prompt], request.num_samples, params,
-                                                                         seed=seed)
+            generator = self._generator(session_id, model, settings[0][1])
+            if isinstance(generator, HFGenerator) and len(requests) > 1:  # one seed a call: app.py never batches it
+                raise ValueError("transformers generate samples one request at a time")
+            rollout = generator.sample(model, prompts, G, [params for params, _, _ in settings],
+                                       seed=[seed for _, _, seed in settings] if len(requests) > 1 else settings[0][2],
+                                       keys=[0] * len(requests))
             logp_BT = rollout.sampling_logp_BTc
             if logp_BT is None:  # transformers generate keeps no log-probs: the trainer's, at the same temperature
                 with torch.no_grad():
                     logp_BT = completion_logprobs(model, rollout.select(slice(None)))[0].float().cpu()
-            prompt_logprobs = self._prompt_logprobs(model, prompt) if request.prompt_logprobs else None
-        sequences = []
-        for row in range(rollout.num_completions):
-            n = int(rollout.completion_mask_BTc[row].sum())
-            sequences.append(proto.Sequence(rollout.completion_ids_BTc[row, :n].tolist(), logp_BT[row, :n].tolist(),
-                                            rollout.finish_reasons[row] == "stop"))
-        return proto.sample_response(sequences, prompt_logprobs)
+            prompt_logprobs = [self._prompt_logprobs(model, p) if r.prompt_logprobs else None
+                               for p, r in zip(prompts, requests)]
+        return responses(rollout, logp_BT, G, prompt_logprobs)
 
     @torch.no_grad()
     def _prompt_logprobs(self, model, prompt: list[int]) -> list[float]:

@@ -1,0 +1,96 @@
+"""tinker-cookbook's recipes, unchanged, against `rlora serve` on the real embedded SmolLM2-135M-Instruct (slow).
+
+The server is the `rlora serve` command in its own process; each recipe runs as `python -m tinker_cookbook...` with
+command-line settings only (no code of the cookbook is changed): the model is the server's model folder (the
+cookbook loads the tokenizer from it), the renderer `qwen3_instruct` (ChatML, as SmolLM2's template writes it).
+
+- `recipes/math_rl/train.py env=arithmetic` (problems made locally) with `loss_fn=importance_sampling` (the
+  recipe's default `stable_reinforce` needs sampling provenance this server does not record yet): the reward rises.
+- `recipes/chat_sl/train.py` on the cookbook's own `example_data/conversations.jsonl`: the training NLL falls.
+The numbers of longer runs of both are in docs/serve.md."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+cookbook = pytest.importorskip("tinker_cookbook", reason="the cookbook extra: bash scripts/test.sh --slow installs it")
+
+KEY = "tml-rlora-cookbook"
+RENDERER = "qwen3_instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, model folder) of `rlora serve` on the embedded model, in its own process."""
+    from rlora.models.embedded import resolve_alias
+
+    folder = resolve_alias("smollm2-135m-instruct")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    state = tmp_path_factory.mktemp("cookbook-state")
+    log = open(state / "server.log", "w")
+    process = subprocess.Popen([str(Path(sys.executable).parent / "rlora"), "serve", "--model", folder, "--port", str(port),
+                                "--state-dir", str(state / "serve")], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, (state / "server.log").read_text()
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "rlora serve did not start"
+        time.sleep(0.5)
+    yield url, folder
+    process.terminate()
+    process.wait(timeout=60)
+    log.close()
+
+
+def recipe(module: str, args: list[str], url: str, log_path: Path) -> list[dict]:
+    """Runs a cookbook recipe against the server -> its metrics.jsonl rows."""
+    env = dict(os.environ, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
+    done = subprocess.run([sys.executable, "-m", module, *args, f"base_url={url}", f"log_path={log_path}",
+                           "behavior_if_log_dir_exists=delete"], env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def test_math_rl_arithmetic_reward_rises(server, tmp_path):
+    url, folder = server
+    rows = recipe("tinker_cookbook.recipes.math_rl.train",
+                  [f"model_name={folder}", f"renderer_name={RENDERER}", "env=arithmetic", "loss_fn=importance_sampling",
+                   "groups_per_batch=16", "group_size=8", "lora_rank=16", "learning_rate=4e-4", "max_steps=12",
+                   "eval_every=0", "save_every=0"], url, tmp_path / "math_rl")
+    steps = [r for r in rows if "env/all/reward/total" in r]
+    assert len(steps) == 12
+    reward = [r["env/all/reward/total"] for r in steps]
+    # the sampler's log-probs are the trainer's: the cookbook measures their KL on every batch it trains on
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in steps)
+    assert mean(reward[-4:]) > mean(reward[:4]) + 0.02, reward
+
+
+def test_chat_sl_on_the_cookbooks_conversations_lowers_the_nll(server, tmp_path):
+    url, folder = server
+    data = Path(cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    rows = recipe("tinker_cookbook.recipes.chat_sl.train",
+                  [f"model_name={folder}", f"renderer_name={RENDERER}", f"dataset={data}", "batch_size=32",
+                   "max_length=512", "lora_rank=16", "learning_rate=2e-4", "num_epochs=3", "eval_every=0",
+                   "save_every=0"], url, tmp_path / "chat_sl")
+    nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(nll) == 12  # 128 conversations, 32 a batch, 3 epochs
+    assert mean(nll[-4:]) < mean(nll[:4]) - 0.1, nll

@@ -1,12 +1,17 @@
 """`rlora serve`: K training clients' forward_backward in one batched pass (one base forward for all their rows,
-serve/batched.py) against the same requests one after another, through the worker directly (no HTTP, no queue).
+serve/batched.py) against the same requests one after another, through the worker directly (no HTTP, no queue);
+and N sample requests of one sampling session (an RL step sends one per group) in one sampler call against one
+after another.
 
 Each client is a LoRA of --rank on the attention, MLP and output layers (the SDK's default targets) with its own
 seed; each sends one cross_entropy forward_backward of --data random sequences of --tokens tokens. Both ways run
 on the same clients in the same round (a warm-up round first, not timed), their gradients dropped after each;
-reported: medians over --repeats rounds and sequential / batched.
+reported: medians over --repeats rounds and sequential / batched. The sample requests (--sample-requests prompts
+of --prompt-tokens random tokens, --samples each, --max-tokens, temperature 1, each its own seed) sample client
+0's adapter (a snapshot).
 
     .venv/bin/python bench/serve_batching.py [--model smollm2] [--clients 4] [--data 8] [--tokens 128] [--repeats 3]
+        [--sample-requests 16] [--samples 8] [--prompt-tokens 40] [--max-tokens 16]
 """
 
 from __future__ import annotations
@@ -41,6 +46,19 @@ def _requests(worker, clients: int, data: int, tokens: int, rank: int) -> list[t
     return requests
 
 
+def _sample_bodies(worker, count: int, samples: int, prompt_tokens: int, max_tokens: int) -> tuple[str, list]:
+    """A sampling session on a snapshot of client 0's adapter and `count` sample requests for it."""
+    session = "bench:sample:0"
+    worker.save_for_sampler("bench:train:0", None, session)
+    rng = np.random.default_rng(1)
+    bodies = [wire.Sample.model_validate({
+        "sampling_session_id": session, "num_samples": samples,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": rng.integers(0, worker.vocab_size, prompt_tokens).tolist()}]},
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stop": []}})
+        for i in range(count)]
+    return session, bodies
+
+
 def _timed(worker, run) -> float:
     start = time.perf_counter()
     outcomes = run()
@@ -65,6 +83,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sample-requests", type=int, default=16, help="sample requests of one session (0: none)")
+    parser.add_argument("--samples", type=int, default=8, help="num_samples of each")
+    parser.add_argument("--prompt-tokens", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens sampled (stop=[]: exactly these)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings")
     with tempfile.TemporaryDirectory(prefix="rlora-bench-serve-") as state_dir:
@@ -74,6 +96,10 @@ def main() -> int:
         requests = _requests(worker, args.clients, args.data, args.tokens, args.rank)
         ways = {"sequential": lambda: [worker.forward_backward(r, c) for r, c in requests],
                 "batched": lambda: worker.forward_backward_batch(requests)}
+        if args.sample_requests:
+            session, bodies = _sample_bodies(worker, args.sample_requests, args.samples, args.prompt_tokens, args.max_tokens)
+            ways["sample sequential"] = lambda: [worker.sample(session, [body])[0] for body in bodies]
+            ways["sample batched"] = lambda: worker.sample(session, bodies)
         times: dict[str, list[float]] = {way: [] for way in ways}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for way, run in ways.items():
@@ -86,9 +112,14 @@ def main() -> int:
     print(f"# serve batching: {served.names[0]}, {args.clients} clients x {args.data} sequences x {args.tokens} tokens, "
           f"rank {args.rank}, cross_entropy; {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}; CPU flags: {flags}; medians of {args.repeats}")
+    if args.sample_requests:
+        print(f"# sampling: {args.sample_requests} requests x {args.samples} samples, {args.prompt_tokens} prompt tokens, "
+              f"{args.max_tokens} tokens sampled, temperature 1")
     for way, values in times.items():
-        print(f"{way:<11} {statistics.median(values):8.3f} s   (runs {', '.join(f'{v:.3f}' for v in values)})")
-    print(f"sequential / batched: {statistics.median(times['sequential']) / statistics.median(times['batched']):.2f}x")
+        print(f"{way:<18} {statistics.median(values):8.3f} s   (runs {', '.join(f'{v:.3f}' for v in values)})")
+    for prefix in ("", "sample ")[:1 + bool(args.sample_requests)]:
+        ratio = statistics.median(times[f"{prefix}sequential"]) / statistics.median(times[f"{prefix}batched"])
+        print(f"{prefix or 'forward_backward '}sequential / batched: {ratio:.2f}x")
     return 0
 
 

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,17 @@ def test_episodes_bench_times_both_ways_of_continuing(tiny_model_dir):
     lines = done.stdout.splitlines()
     assert any(line.startswith("continued") for line in lines) and any(line.startswith("history") for line in lines)
     assert float(lines[-1].split()[-1].rstrip("x")) > 0
+
+
+def test_serve_batching_bench_times_both_ways_of_both_kinds(tiny_model_dir):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_batching.py"), "--model", str(tiny_model_dir),
+                           "--clients", "2", "--data", "2", "--tokens", "8", "--rank", "2", "--repeats", "1",
+                           "--sample-requests", "3", "--samples", "2", "--prompt-tokens", "5", "--max-tokens", "3"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for way in ("sequential", "batched", "sample sequential", "sample batched"):
+        [seconds] = [re.match(rf"{way} +([0-9.]+) s ", line) for line in lines if re.match(rf"{way} +[0-9]", line)]
+        assert float(seconds.group(1)) > 0, way
+    ratios = [line for line in lines if "sequential / batched" in line]
+    assert len(ratios) == 2 and all(float(line.split()[-1].rstrip("x")) > 0 for line in ratios)

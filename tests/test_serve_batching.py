@@ -317,25 +317,28 @@ def test_the_queue_batches_a_contiguous_run_of_other_members_of_one_group():
         batches.append(payloads)
         return [{"ran": p} if p != "bad" else ServeError(404, "unknown") for p in payloads]
 
-    def fb(member, name, group="fb", tokens=1):
+    def fb(member, name, group="fb", tokens=1, **caps):
         return jobs.submit(lambda: batches.append([name]) or {"ran": name},
-                           batch=Batchable(group, member, name, runner, tokens))
+                           batch=Batchable(group, member, name, runner, tokens, **caps))
 
     try:
         jobs.submit(lambda: release.wait(30) and {})
         ids = [fb("A", "A1"), fb("B", "B1"), jobs.submit(lambda: batches.append(["A-optim"]) or {}),
                fb("A", "A2"), fb("C", "C1"), fb("A", "A3"), fb("B", "B2"), fb("D", "D1", group="fwd"),
                *[fb(f"M{i}", f"M{i}") for i in range(MAX_BATCH_MEMBERS + 1)],
-               fb("X", "bad"), fb("Y", "Y1", tokens=10**9)]
+               fb("X", "bad"), fb("Y", "Y1", tokens=10**9),
+               # the first job's own caps (rlora serve's CPU cap on forward_backward tokens, its sampling's members)
+               fb("P", "P1", "small", 3, max_tokens=5), fb("Q", "Q1", "small", 2), fb("R", "R1", "small", 1),
+               fb("S", "S1", "two", max_members=2), fb("T", "T1", "two"), fb("U", "U1", "two")]
         release.set()
         wait_for(lambda: all(jobs.get(j).result is not None for j in ids))
     finally:
         jobs.stop()
     members = [f"M{i}" for i in range(MAX_BATCH_MEMBERS + 1)]
     assert batches == [["A1", "B1"], ["A-optim"], ["A2", "C1"], ["A3", "B2"], ["D1"], members[:MAX_BATCH_MEMBERS],
-                       [members[-1], "bad"], ["Y1"]]
-    assert jobs.get(ids[-2]).result.error == "unknown" and jobs.get(ids[-2]).result.user_error
-    assert jobs.get(ids[-1]).result.body == {"ran": "Y1"}
+                       [members[-1], "bad"], ["Y1"], ["P1", "Q1"], ["R1"], ["S1", "T1"], ["U1"]]
+    assert jobs.get(ids[-8]).result.error == "unknown" and jobs.get(ids[-8]).result.user_error
+    assert jobs.get(ids[-7]).result.body == {"ran": "Y1"}
     assert all(jobs.get(j).run is None and jobs.get(j).batch is None for j in ids)
 
 

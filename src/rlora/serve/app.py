@@ -25,12 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from rlora.serve import proto, wire
-from rlora.serve.jobs import LONG_POLL, RETRIEVED_GRACE, UNRETRIEVED_TTL, Batchable, Jobs
+from rlora.serve.jobs import LONG_POLL, MAX_BATCH_TOKENS, RETRIEVED_GRACE, UNRETRIEVED_TTL, Batchable, Jobs
 from rlora.serve.limits import Limits
 from rlora.serve.losses import check_loss
 from rlora.serve.sampling import sampling_settings
 from rlora.serve.state import ServeError, StateDir, check_name, parse_path
-from rlora.serve.worker import ModelWorker
+from rlora.serve.worker import CPU_MICRO_BATCH_TOKENS, ModelWorker
 
 API = "/api/v1"
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request
@@ -191,6 +191,11 @@ def build_app(served: Served) -> FastAPI:
                 "model_name": served.names[0], "optimizer_config": {"type": "adamw"},
                 "model_data": {"arch": served.arch, "model_name": served.names[0], "tokenizer_id": worker.model_path}}
 
+    # on a CPU the base forward is compute-bound from a few hundred tokens on, so batching clients only pays while
+    # their requests together fit one CPU forward (bench/serve_batching.py: 1.24x for 4 clients x 64 tokens, 0.92x
+    # for 4 clients x 1024); a GPU batches up to the jobs' cap
+    fb_batch_tokens = CPU_MICRO_BATCH_TOKENS if worker.base.device.type == "cpu" else MAX_BATCH_TOKENS
+
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request):
         if request.headers.get("content-encoding", "identity") != "identity":
@@ -207,7 +212,7 @@ def build_app(served: Served) -> FastAPI:
                     raise ServeError(400, f"datum {i}: loss_fn_inputs['{name}'] holds a NaN or an infinity")
         # other clients' forward_backward queued right behind it run in the same pass (serve/batched.py)
         batch = Batchable(("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,
-                          tokens=sum(len(d.tokens) for d in fb.data))
+                          tokens=sum(len(d.tokens) for d in fb.data), max_tokens=fb_batch_tokens)
         job = jobs.submit(lambda: worker.forward_backward(fb, config), key=resent(fb.model_id, fb.seq_id, "fb"),
                           batch=batch)
         return wire.untyped_future(job, fb.model_id)

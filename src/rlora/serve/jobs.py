@@ -11,7 +11,7 @@ clients' forward_backward through one base forward; the sampling requests of one
 call). When the worker takes such a job it also takes the jobs queued right behind it of the same group and of
 other members (a contiguous run at the head of the queue: it stops at the first job that is anything else or
 whose member is in the batch already, so no member's requests are reordered and nothing passes a job of another
-kind), up to the first job's max_members jobs and MAX_BATCH_TOKENS. The batch's runner gives each job its own
+kind), up to the first job's max_members jobs and max_tokens tokens. The batch's runner gives each job its own
 outcome; a runner that raises leaves the batch to run job by job (each job's own run), so each still gets its
 own result or error. A batch of one is a plain job.
 
@@ -61,8 +61,9 @@ class Batchable:
     member: Hashable  # who sent it: one job per member in a batch, so no member's requests are reordered
     payload: object  # what the runner gets for this job
     runner: Callable[[list], list]  # [payload] -> per payload its result body or the exception it failed with
-    tokens: int = 0  # its share of MAX_BATCH_TOKENS
+    tokens: int = 0  # its share of the first job's max_tokens
     max_members: int = MAX_BATCH_MEMBERS  # jobs in a batch led by this one
+    max_tokens: int = MAX_BATCH_TOKENS  # their tokens
 
 
 class Job:
@@ -192,7 +193,7 @@ class Jobs:
             while self._queue and len(batch) < first.batch.max_members:
                 part = getattr(self._queue[0], "batch", None)  # the stop marker has none
                 if (part is None or part.group != first.batch.group or part.member in members
-                        or tokens + part.tokens > MAX_BATCH_TOKENS):
+                        or tokens + part.tokens > first.batch.max_tokens):
                     break
                 batch.append(self._queue.popleft())
                 members.add(part.member)

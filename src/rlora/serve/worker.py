@@ -47,7 +47,8 @@ from rlora.tensors import position_ids_from_mask
 from rlora.train.optim import optimizer_step
 
 LORA_ALPHA = 32
-MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward
+MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward (on a GPU)
+CPU_MICRO_BATCH_TOKENS = 1024  # on a CPU: forwards of 4096 tokens were 1.5x slower per token (docs/serve.md)
 HEAD_CHUNK = 256  # positions per output-layer chunk
 LOADED_SAMPLERS = 4  # snapshots kept loaded as adapters
 UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one per step)
@@ -166,12 +167,13 @@ class ModelWorker:
 
     def micro_batches(self, data: list[proto.Datum]) -> list[list[int]]:
         """Datum indices in groups of consecutive data whose padded length fits MICRO_BATCH_TOKENS (one datum at
-        least)."""
+        least; CPU_MICRO_BATCH_TOKENS on a CPU)."""
+        limit = MICRO_BATCH_TOKENS if self.base.device.type != "cpu" else min(MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS)
         groups: list[list[int]] = [[]]
         width = 0
         for i, datum in enumerate(data):
             grown = max(width, len(datum.tokens))
-            if groups[-1] and grown * (len(groups[-1]) + 1) > MICRO_BATCH_TOKENS:
+            if groups[-1] and grown * (len(groups[-1]) + 1) > limit:
                 groups.append([])
                 grown = len(datum.tokens)
             groups[-1].append(i)

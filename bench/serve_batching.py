@@ -6,7 +6,9 @@ after another.
 Each client is a LoRA of --rank on the attention, MLP and output layers (the SDK's default targets) with its own
 seed; each sends one cross_entropy forward_backward of --data random sequences of --tokens tokens. Both ways run
 on the same clients in the same round (a warm-up round first, not timed), their gradients dropped after each;
-reported: medians over --repeats rounds and sequential / batched. The sample requests (--sample-requests prompts
+reported: medians over --repeats rounds and sequential / batched. The pass is timed as serve/batched.py runs it
+whatever its size: on a CPU `rlora serve` itself batches clients only while their tokens together fit one CPU
+forward (1024; app.py), so the defaults (4 x 1024 tokens) time a batch it forms only on a GPU. The sample requests (--sample-requests prompts
 of --prompt-tokens random tokens, --samples each, --max-tokens, temperature 1, each its own seed) sample client
 0's adapter (a snapshot).
 

@@ -5,7 +5,7 @@ command-line settings only (no code of the cookbook is changed): the model is th
 cookbook loads the tokenizer from it), the renderer `qwen3_instruct` (ChatML, as SmolLM2's template writes it).
 
 - `recipes/math_rl/train.py env=arithmetic` (problems made locally) with `loss_fn=importance_sampling` (the
-  recipe's default `stable_reinforce` needs sampling provenance this server does not record yet): the reward rises.
+  recipe's default `stable_reinforce` is not served: docs/serve.md): the reward rises.
 - `recipes/chat_sl/train.py` on the cookbook's own `example_data/conversations.jsonl`: the training NLL falls.
 The numbers of longer runs of both are in docs/serve.md."""
 
@@ -41,20 +41,22 @@ def server(tmp_path_factory):
     process = subprocess.Popen([str(Path(sys.executable).parent / "rlora"), "serve", "--model", folder, "--port", str(port),
                                 "--state-dir", str(state / "serve")], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, (state / "server.log").read_text()
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "rlora serve did not start"
-        time.sleep(0.5)
-    yield url, folder
-    process.terminate()
-    process.wait(timeout=60)
-    log.close()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, (state / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "rlora serve did not start"
+            time.sleep(0.5)
+        yield url, folder
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
 
 
 def recipe(module: str, args: list[str], url: str, log_path: Path) -> list[dict]:
@@ -74,14 +76,19 @@ def test_math_rl_arithmetic_reward_rises(server, tmp_path):
     url, folder = server
     rows = recipe("tinker_cookbook.recipes.math_rl.train",
                   [f"model_name={folder}", f"renderer_name={RENDERER}", "env=arithmetic", "loss_fn=importance_sampling",
-                   "groups_per_batch=16", "group_size=8", "lora_rank=16", "learning_rate=4e-4", "max_steps=12",
+                   "groups_per_batch=8", "group_size=8", "lora_rank=16", "learning_rate=4e-4", "max_steps=8",
                    "eval_every=0", "save_every=0"], url, tmp_path / "math_rl")
     steps = [r for r in rows if "env/all/reward/total" in r]
-    assert len(steps) == 12
+    assert len(steps) == 8
     reward = [r["env/all/reward/total"] for r in steps]
+    answered = [r["env/all/format"] for r in steps]  # the answer ended (stop token) within max_tokens
     # the sampler's log-probs are the trainer's: the cookbook measures their KL on every batch it trains on
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in steps)
-    assert mean(reward[-4:]) > mean(reward[:4]) + 0.02, reward
+    # SmolLM2-135M rarely adds two 2-digit numbers right (greedy: 1 in 40), so the reward rises through the
+    # format: the base ends its answer in time for about a third of the samples, a few steps later nearly all do
+    # (docs/serve.md: 0.33 -> 0.98 in two steps)
+    assert mean(answered[-3:]) > answered[0] + 0.2, answered
+    assert mean(reward[-3:]) > reward[0] + 0.03, reward
 
 
 def test_chat_sl_on_the_cookbooks_conversations_lowers_the_nll(server, tmp_path):

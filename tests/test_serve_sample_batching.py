@@ -1,5 +1,5 @@
-"""`rlora serve` runs the sample requests of one sampling session queued back to back (same num_samples, same ending
-tokens) as one call of rlora's sampler, and each request samples exactly what it samples alone: the engine draws a
+"""`rlora serve` runs the sample requests of one sampling session queued back to back (same num_samples, max_tokens and
+ending tokens) as one call of rlora's sampler, and each request samples exactly what it samples alone: the engine draws a
 row's tokens from (seed, key, sample index) only, and each prompt keeps its own seed, settings and key. Compared
 token for token, with log-probs within 1e-5 (the same math in another batch shape: float32 rounding only)."""
 
@@ -8,15 +8,20 @@ import pytest
 from test_serve_batching import ADAM, ce_datum, held, server, wait_for  # noqa: F401 - server: the module's fixture
 from tinker import types
 
+from rlora.rollout import engine as engine_module
+
 pytestmark = pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")
 TOL = 1e-5
 
-# (prompt, num_samples, sampling params, prompt log-probs): the first four share num_samples and ending tokens
+# (prompt, num_samples, sampling params, prompt log-probs): all but the last share num_samples, max_tokens and ending
+# tokens; the first and the fifth are the same request (the same draws); the sixth gets a stop string below
 REQUESTS = [
     ([5, 17, 33, 8], 3, types.SamplingParams(max_tokens=6, temperature=1.0, seed=11), False),
-    ([30, 31, 32, 33, 34, 35, 36, 37, 38], 3, types.SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=12), False),
-    ([9, 2], 3, types.SamplingParams(max_tokens=5, temperature=0.0), False),
-    ([12, 7, 19, 60, 3], 3, types.SamplingParams(max_tokens=6, temperature=1.0, seed=13), True),
+    ([30, 31, 32, 33, 34, 35, 36, 37, 38], 3, types.SamplingParams(max_tokens=6, temperature=0.7, top_p=0.9, seed=12), False),
+    ([9, 2], 3, types.SamplingParams(max_tokens=6, temperature=0.0), False),
+    ([12, 7, 19, 60, 3], 3, types.SamplingParams(max_tokens=6, temperature=1.0, top_k=5, seed=13), True),
+    ([5, 17, 33, 8], 3, types.SamplingParams(max_tokens=6, temperature=1.0, seed=11), False),
+    ([21, 22, 23], 3, types.SamplingParams(max_tokens=6, temperature=1.0, seed=15), False),
     ([44, 45, 46], 2, types.SamplingParams(max_tokens=6, temperature=1.0, seed=14), False),  # another num_samples
 ]
 
@@ -31,26 +36,36 @@ def test_one_sessions_sample_requests_run_as_one_call_and_each_samples_what_it_d
     client.optim_step(ADAM).result()  # the adapter is no longer the base
     sampler = client.save_weights_and_get_sampling_client()
     sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    # the sixth request stops at the text its first sample has after two tokens (a stop string that is met)
+    prompt, n, params, _ = REQUESTS[5]
+    first = sampled(sampler, prompt, n, params, False).result(timeout=60).sequences[0].tokens
+    stop = client.get_tokenizer().decode(first[:3])[len(client.get_tokenizer().decode(first[:2])):]
+    assert stop, "the third token decodes to no text: pick another seed"
+    requests = list(REQUESTS)
+    requests[5] = (prompt, n, params.model_copy(update={"stop": [stop]}), False)
+    monkeypatch.setattr(engine_module, "MAX_ROWS", {"cpu": 6, "cuda": 6})  # 2 prompts a chunk: the call spans 3
     worker, calls = server.worker, []
     sample = worker.sample
 
-    def counted(session_id, requests):
-        calls.append(len(requests))
-        return sample(session_id, requests)
+    def counted(session_id, batch):
+        calls.append(len(batch))
+        return sample(session_id, batch)
 
     monkeypatch.setattr(worker, "sample", counted)
     jobs = server.served.jobs
-    with held(server, queued=len(REQUESTS)):
-        futures = [sampled(sampler, *request) for request in REQUESTS[:4]]
-        wait_for(lambda: jobs.queued() >= 4)  # the SDK sends concurrently: the odd one goes last
-        futures.append(sampled(sampler, *REQUESTS[4]))
+    with held(server, queued=len(requests)):
+        futures = [sampled(sampler, *request) for request in requests[:-1]]
+        wait_for(lambda: jobs.queued() >= len(requests) - 1)  # the SDK sends concurrently: the odd one goes last
+        futures.append(sampled(sampler, *requests[-1]))
     batched = [future.result(timeout=60) for future in futures]
-    assert calls == [4, 1]
-    alone = [sampled(sampler, *request).result(timeout=60) for request in REQUESTS]
-    assert calls == [4, 1, 1, 1, 1, 1, 1]
-    for (prompt, n, params, with_prompt), together, single in zip(REQUESTS, batched, alone):
+    assert calls == [len(requests) - 1, 1]
+    alone = [sampled(sampler, *request).result(timeout=60) for request in requests]
+    assert calls == [len(requests) - 1, 1] + [1] * len(requests)
+    for (prompt, n, params, with_prompt), together, single in zip(requests, batched, alone):
         assert len(together.sequences) == len(single.sequences) == n
         for a, b in zip(together.sequences, single.sequences):
+            # the same draws; tokens equal unless float rounding of the other batch shape moves a draw across a
+            # boundary, which float32 on a CPU does not here
             assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
             assert 0 < len(a.tokens) <= params.max_tokens
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOL)
@@ -61,3 +76,5 @@ def test_one_sessions_sample_requests_run_as_one_call_and_each_samples_what_it_d
     # the greedy request's three samples are one and the same; the seeded ones differ between samples
     assert len({tuple(s.tokens) for s in batched[2].sequences}) == 1
     assert len({tuple(s.tokens) for s in batched[0].sequences}) > 1
+    assert [s.tokens for s in batched[0].sequences] == [s.tokens for s in batched[4].sequences]  # same request
+    assert batched[5].sequences[0].tokens == first[:3] and batched[5].sequences[0].stop_reason == "stop"

@@ -36,16 +36,20 @@ class AdapterRoutes:
     def __init__(self, names: list[str]):
         self.names = list(names)  # peft adapter names; a run's adapter index points here
         self.runs: Runs | None = None
+        self.dims = 0  # the inputs' number of dimensions the runs are for
 
     @contextmanager
-    def routed(self, runs: Runs):
+    def routed(self, runs: Runs, dims: int):
         """The forwards inside send their inputs along dim 0 through these runs' adapters (then the runs before).
-        Anything that runs the layers again (a checkpointed function recomputed in backward) must run inside."""
-        previous, self.runs = self.runs, list(runs)
+        dims: the adapted layers' inputs have so many dimensions (3: rows [B, T, I]; 2: positions [N, H]); a layer
+        fed anything else (a mixture-of-experts layer, fed the tokens it got) refuses to run rather than route by
+        coincidence of counts. Anything that runs the layers again (a checkpointed function recomputed in
+        backward) must run inside."""
+        previous, self.runs, self.dims = (self.runs, self.dims), list(runs), dims
         try:
             yield
         finally:
-            self.runs = previous
+            self.runs, self.dims = previous
 
 
 def _routed_forward(module: nn.Module, routes: AdapterRoutes):
@@ -54,8 +58,9 @@ def _routed_forward(module: nn.Module, routes: AdapterRoutes):
         runs = routes.runs
         if runs is None:
             raise RuntimeError("a forward through routed adapters without its inputs' adapters (AdapterRoutes.routed)")
-        if sum(count for _, count in runs) != x.shape[0]:  # e.g. tokens fed where rows were routed: never guess
-            raise RuntimeError(f"{x.shape[0]} inputs along dim 0, runs over {sum(c for _, c in runs)}")
+        if x.dim() != routes.dims or sum(count for _, count in runs) != x.shape[0]:  # never guess
+            raise RuntimeError(f"inputs {tuple(x.shape)} where runs over {sum(c for _, c in runs)} inputs of "
+                               f"{routes.dims} dimensions were routed")
         if not any(routes.names[k] in module.lora_A for k, _ in runs):  # no adapter of this forward is on this layer
             return result
         parts, start = [], 0

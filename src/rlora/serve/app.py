@@ -326,11 +326,11 @@ def build_app(served: Served) -> FastAPI:
         if isinstance(params.stop, list) and params.stop and isinstance(params.stop[0], int):
             worker.check_tokens(params.stop, "sampling_params.stop")
         sampler_id = body.sampling_session_id
-        # this session's requests queued right behind it with the same num_samples and ending tokens run in the same
-        # sampler call (worker.sample: each samples what it samples alone); transformers generate takes one at a time
+        # this session's requests queued right behind it with the same num_samples, ending tokens and max_tokens (a
+        # batch ends together) run in the same sampler call (worker.sample); transformers generate takes one at a time
         ends = sampling_settings(params, worker.tok.eos_ids)[1]
         batch = None if worker.engine_refusal is not None else Batchable(
-            ("sample", sampler_id, body.num_samples, tuple(ends)), object(), body,
+            ("sample", sampler_id, body.num_samples, tuple(ends), params.max_tokens), object(), body,
             lambda bodies: worker.sample(sampler_id, bodies), tokens=len(prompt) + params.max_tokens * body.num_samples,
             max_members=SAMPLES_BATCHED)
         job = jobs.submit(lambda: worker.sample(sampler_id, [body])[0], key=resent(sampler_id, body.seq_id, "sample"),

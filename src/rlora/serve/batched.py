@@ -41,7 +41,8 @@ class _Member:
 def forward_backward_batch(worker, requests: list[tuple[proto.ForwardBackward, dict[str, float]]],
                            ) -> list[bytes | Exception]:
     """worker: the ModelWorker. One outcome per request, in order: its forward_backward result, or the error it
-    alone failed with. Raises when the pass fails (every member's gradients taken back first)."""
+    alone failed with. Raises only when the pass fails, every member's gradients taken back first (jobs.py then
+    runs each request alone: a runner that raises must have changed nothing)."""
     if len({r.model_id for r, _ in requests}) < len(requests) or len({r.forward_only for r, _ in requests}) > 1:
         raise ValueError("a batched pass takes one request per training client, all of one kind")  # as jobs.py forms
     outcomes: dict[int, bytes | Exception] = {}
@@ -60,10 +61,14 @@ def forward_backward_batch(worker, requests: list[tuple[proto.ForwardBackward, d
     elif members:
         train = not requests[0][0].forward_only
         _run_pass(worker, list(members.values()), train)
+        # the gradients are in: from here nothing may raise (jobs.py would run each member again, adding them twice)
         for i, member in members.items():
             if train:
                 member.trainee.loss_since_step += member.total
-            outcomes[i] = proto.forward_backward_output(member.outputs, {"loss:sum": member.total})
+            try:
+                outcomes[i] = proto.forward_backward_output(member.outputs, {"loss:sum": member.total})
+            except Exception as err:  # noqa: BLE001 - this member's answer failed, not the pass
+                outcomes[i] = err
     return [outcomes[i] for i in range(len(requests))]
 
 
@@ -108,9 +113,9 @@ def _micro_batch(worker, routes: AdapterRoutes, members: list[_Member], rows: li
     token_runs = [(k, int(p[1].sum())) for (k, _), p in zip(runs, padded)]  # the output layer's inputs: kept positions
 
     def head_routed(lo: int, hi: int):
-        return routes.routed(_clipped(token_runs, lo, hi))
+        return routes.routed(_clipped(token_runs, lo, hi), dims=2)
 
-    with routes.routed(runs):
+    with routes.routed(runs, dims=3):
         logp_BT = worker.token_logprobs(ids_BT, mask_BT, targets_BT, head_routed)
         losses, start = [], 0
         for (k, count), (_, _, _, inputs) in zip(runs, padded):

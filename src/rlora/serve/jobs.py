@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 from rlora.serve.state import ServeError
 
-# seconds a retrieve_future waits for its job: below the SDK's own timeout for it (45 s), and long, since the SDK
-# logs a warning for every `try_again` (a queued RL step's requests wait for minutes on a CPU)
-LONG_POLL = 40.0
+# seconds a retrieve_future waits for its job: well below the SDK's own timeout for it (45 s; the event loop may
+# answer late while the worker holds the GIL), and long, since the SDK logs a warning for every `try_again`
+LONG_POLL = 30.0
 RETRIEVED_GRACE = 60.0  # seconds a result is kept after its first retrieval
 UNRETRIEVED_TTL = 3600.0  # seconds a result nobody retrieves is kept
 SWEEP_EVERY = 1.0  # seconds between looks for expired results
@@ -60,7 +60,9 @@ class Batchable:
     group: Hashable  # jobs of one group only, run by the first one's runner
     member: Hashable  # who sent it: one job per member in a batch, so no member's requests are reordered
     payload: object  # what the runner gets for this job
-    runner: Callable[[list], list]  # [payload] -> per payload its result body or the exception it failed with
+    # [payload] -> per payload its result body or the exception it failed with; a runner that raises must have
+    # changed nothing, since each job then runs alone
+    runner: Callable[[list], list]
     tokens: int = 0  # its share of the first job's max_tokens
     max_members: int = MAX_BATCH_MEMBERS  # jobs in a batch led by this one
     max_tokens: int = MAX_BATCH_TOKENS  # their tokens
@@ -204,21 +206,26 @@ class Jobs:
         while batch := self._take():
             if len(batch) == 1:
                 self._run_alone(batch[0])
-                continue
-            runner, payloads = batch[0].batch.runner, [job.batch.payload for job in batch]
-            try:
-                outcomes = runner(payloads)
-                if len(outcomes) != len(batch):
-                    raise RuntimeError(f"a batch runner gave {len(outcomes)} outcomes for {len(batch)} jobs")
-            except Exception:  # noqa: BLE001 - the pass failed as a whole: each job runs alone
-                traceback.print_exc(file=sys.stderr)
-                for job in batch:
-                    self._run_alone(job)
-                continue
+            else:
+                self._run_batch(batch)
+            del batch  # nothing of a finished request stays referenced while the worker waits
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        runner, payloads = batch[0].batch.runner, [job.batch.payload for job in batch]
+        try:
+            outcomes = runner(payloads)
+        except Exception:  # noqa: BLE001 - the pass failed as a whole, having changed nothing: each job runs alone
+            traceback.print_exc(file=sys.stderr)
             del payloads
-            for job, outcome in zip(batch, outcomes):
-                job.run = job.batch = None
-                self._finish(job, _result(outcome))
+            for job in batch:
+                self._run_alone(job)
+            return
+        del payloads
+        if len(outcomes) != len(batch):  # the pass ran: running its jobs again could apply them twice
+            outcomes = [RuntimeError(f"a batch runner gave {len(outcomes)} outcomes for {len(batch)} jobs")] * len(batch)
+        for job, outcome in zip(batch, outcomes):
+            job.run = job.batch = None
+            self._finish(job, _result(outcome))
 
     def _run_alone(self, job: Job) -> None:
         run, job.run, job.batch = job.run, None, None  # the request (a closure over its parsed body) goes once it has run

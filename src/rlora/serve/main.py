@@ -87,7 +87,8 @@ def serve_main(args) -> int:
          f"clients: TINKER_BASE_URL=http://{args.host}:{args.port} "  # the key itself is never printed (logs)
          f"TINKER_API_KEY={'<the --api-key>' if args.api_key else 'tml-local'}")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=5)  # Ctrl-C does not wait out the clients' long polls
     finally:
         served.jobs.stop()
     return 0

@@ -148,3 +148,15 @@ def test_serve_batching_bench_times_both_ways_of_both_kinds(tiny_model_dir):
         assert float(seconds.group(1)) > 0, way
     ratios = [line for line in lines if "sequential / batched" in line]
     assert len(ratios) == 2 and all(float(line.split()[-1].rstrip("x")) > 0 for line in ratios)
+
+
+def test_sft_output_layer_bench_times_both_ways_at_the_same_loss(tiny_model_dir):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_output_layer.py"), "--model", str(tiny_model_dir),
+                           "--rows", "3", "--micro", "2", "--rank", "2", "--repeats", "1"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert done.returncode == 0, done.stderr
+    lines = {line.split("  ")[0]: line for line in done.stdout.splitlines() if " s   loss " in line}
+    assert set(lines) == {"full logits", "labelled positions"}
+    losses = [float(line.split("loss")[1].split()[0]) for line in lines.values()]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] > 0
+    assert float(done.stdout.splitlines()[-1].split()[3].rstrip("x")) > 0  # "labelled / full: 0.82x the time"

@@ -114,6 +114,30 @@ def test_loss_equals_naive_per_row_reference(tiny_model_dir, tiny_tokenizer):
     assert mean_loss(model, rows, 3, tiny_tokenizer.pad_token_id) == pytest.approx(nll / total, abs=1e-10)
 
 
+def test_the_output_layer_runs_only_where_a_token_is_trained_with_the_full_logits_loss_and_gradient(
+        tiny_model_dir, tiny_tokenizer):
+    """labelled_nll_sum against token_nll_sum of the model's full logits on one padded batch with prompts, in
+    float64 (so 1e-10 means the same computation up to summation order): the same loss, the same gradient, and
+    the output layer fed exactly the positions that predict a trained token."""
+    rows = _rows(tiny_tokenizer)
+    ids, mask, labels = sft.collate(rows, tiny_tokenizer.pad_token_id)
+    results = []
+    for labelled_only in (True, False):
+        model = _lora_model(tiny_model_dir).double()
+        fed = []
+        hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].shape[:-1]))
+        nll = (sft.labelled_nll_sum(model, ids, mask, labels) if labelled_only
+               else sft.token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels))
+        nll.backward()
+        hook.remove()
+        results.append((nll.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, fed))
+    (labelled, grads, fed), (full, full_grads, full_fed) = results
+    assert fed == [(sum(num_targets(r) for r in rows),)] and full_fed == [tuple(ids.shape)]
+    assert labelled == pytest.approx(full, abs=1e-10)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-10, rtol=0)
+
+
 def test_micro_batching_does_not_change_the_gradient(tiny_model_dir, tiny_tokenizer):
     rows = _rows(tiny_tokenizer)
     grads = []

@@ -24,9 +24,10 @@ from rlora.errors import UserError
 from rlora.logging.console import info, print_summary
 from rlora.models import molora as ml
 from rlora.models.loading import (
-    attach_lora, load_base_model, load_tokenizer, model_device, resolve_model_path, save_adapter,
+    attach_lora, causal_lm, load_base_model, load_tokenizer, model_device, resolve_model_path, save_adapter,
     trainable_parameters,
 )
+from rlora.models.logprobs import supports_chunked
 from rlora.tensors import right_padded
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor, on_every_rank
 from rlora.train.optim import build_optimizer
@@ -54,6 +55,22 @@ def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     flat = logits[:, :-1].reshape(-1, logits.shape[-1])
     flat = flat.to(torch.promote_types(flat.dtype, torch.float32))  # half precision up, float64 kept
     return F.cross_entropy(flat, shifted.reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def labelled_nll_sum(model, ids_BT: torch.Tensor, mask_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """token_nll_sum of one forward, the output layer run only at the positions that predict a labelled token
+    where the family's logits are the output layer of the last hidden state (supports_chunked): prompt and
+    padding positions get no logits (most of a chat row's positions; the output layer of a small model is a
+    large share of its compute). Other families: the model's full logits."""
+    if not supports_chunked(model):
+        return token_nll_sum(model(input_ids=ids_BT, attention_mask=mask_BT).logits, labels_BT)
+    hf = causal_lm(model)
+    hidden_BTH = hf.get_decoder()(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+    targets_BT = labels_BT[:, 1:]
+    keep_BT = targets_BT != IGNORE
+    logits_NV = hf.get_output_embeddings()(hidden_BTH[:, :-1][keep_BT])
+    logits_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))  # half precision up
+    return F.cross_entropy(logits_NV, targets_BT[keep_BT], reduction="sum")
 
 
 def prompt_ids(row: TokenizedRow) -> list[int]:
@@ -95,10 +112,10 @@ def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int
     device = model_device(model)
 
     def forward(index: int):
-        """Micro-batch `index`'s forward in its routing context -> (output, attention mask, labels)."""
+        """Micro-batch `index`'s forward in its routing context -> (its summed token loss, attention mask)."""
         ids, mask, labels = (t.to(device) for t in batches[index])
         with nullcontext() if summaries is None else ml.sequence_routing(model, summaries[index]):
-            return model(input_ids=ids, attention_mask=mask), mask, labels
+            return labelled_nll_sum(model, ids, mask, labels), mask
 
     aux = None
     if ml.has_molora(model):
@@ -106,8 +123,7 @@ def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int
                               (lambda t: all_reduce_tensor(world, t)) if world.active else None)
     loss_sum = 0.0
     for index in range(len(batches)):
-        out, mask, labels = forward(index)
-        nll = token_nll_sum(out.logits, labels)
+        nll, mask = forward(index)
         loss = nll / total
         if aux is not None:
             loss = loss + aux.share(mask)
@@ -132,7 +148,7 @@ def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int, wor
     for chunk, context in zip(chunks, routing_contexts(model, chunks)):
         ids, mask, labels = (t.to(model_device(model)) for t in collate(chunk, pad_id))
         with context:
-            loss_sum += token_nll_sum(model(input_ids=ids, attention_mask=mask).logits, labels).item()
+            loss_sum += labelled_nll_sum(model, ids, mask, labels).item()
         total += sum(num_targets(r) for r in chunk)
     loss_sum, total = all_reduce_sums(world, [loss_sum, total])
     return loss_sum / total

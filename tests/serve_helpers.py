@@ -8,9 +8,12 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
+import tinker
 import uvicorn
 
+from rlora.models.tiny import build_random_model
 from rlora.serve.main import build
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's own event reports: the server accepts and drops them
@@ -38,3 +41,13 @@ def running_server(model_dir: str, state_dir, **options):
         thread.join(timeout=10)
         served.jobs.stop()
         sock.close()
+
+
+def sdk_server(tmp_path_factory):
+    """A module fixture's body: the server on a tiny random model and an SDK ServiceClient on it -> (url, model
+    folder, Served, its worker, the service), the service closed afterwards."""
+    model_dir = str(build_random_model(tmp_path_factory.mktemp("serve") / "model", seed=0))
+    with running_server(model_dir, tmp_path_factory.mktemp("serve-state")) as (url, served):
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        yield SimpleNamespace(url=url, model=model_dir, served=served, worker=served.worker, service=service)
+        service.close("success").result(timeout=30)

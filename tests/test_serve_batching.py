@@ -13,16 +13,14 @@ so the batch really forms (the worker counts its batched passes and the members 
 import threading
 import time
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import tinker
 import torch
-from serve_helpers import KEY, running_server
+from serve_helpers import sdk_server
 from tinker import types
 
-from rlora.models.tiny import build_random_model
 from rlora.serve import losses as losses_module
 from rlora.serve import worker as worker_module
 from rlora.serve.jobs import MAX_BATCH_MEMBERS, Batchable, Jobs
@@ -44,11 +42,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = str(build_random_model(tmp_path_factory.mktemp("serve") / "model", seed=0))
-    with running_server(model_dir, tmp_path_factory.mktemp("serve-state")) as (url, served):
-        service = tinker.ServiceClient(base_url=url, api_key=KEY)
-        yield SimpleNamespace(url=url, model=model_dir, served=served, worker=served.worker, service=service)
-        service.close("success").result(timeout=30)
+    yield from sdk_server(tmp_path_factory)
 
 
 def wait_for(predicate, timeout: float = 30.0) -> None:

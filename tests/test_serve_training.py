@@ -4,16 +4,14 @@ ppo does not clip (0 where it does); a forward_backward split into micro-batches
 forward_backward that fails part-way leaves the client exactly as if it had never been sent; the sampler's kept
 decoder samples what a fresh one samples."""
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import tinker
 import torch
-from serve_helpers import KEY, running_server
+from serve_helpers import sdk_server
 from tinker import types
 
-from rlora.models.tiny import build_random_model
 from rlora.serve import worker as worker_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")
@@ -24,11 +22,7 @@ SEQUENCES = [[5, 17, 33, 8, 41], [12, 7, 19, 60, 3, 27, 44, 9, 15], [30, 31, 32,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = str(build_random_model(tmp_path_factory.mktemp("serve") / "model", seed=0))
-    with running_server(model_dir, tmp_path_factory.mktemp("serve-state")) as (url, served):
-        service = tinker.ServiceClient(base_url=url, api_key=KEY)
-        yield SimpleNamespace(url=url, model=model_dir, served=served, worker=served.worker, service=service)
-        service.close("success").result(timeout=30)
+    yield from sdk_server(tmp_path_factory)
 
 
 def ce_datum(ids: list[int], weights=None) -> types.Datum:

@@ -24,6 +24,7 @@ from rlora.config import LoraConfig, ModelConfig
 from rlora.models.loading import add_model_eos_ids, attach_lora, load_base_model, load_tokenizer
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
+from rlora.rollout.packed import packed_fp16_available
 from rlora.types import SamplingParams
 
 
@@ -82,7 +83,8 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--natural", action="store_true", help="let completions end at EOS")
     parser.add_argument("--sides", default="builtin,builtin-bf16,hf",
-                        help="comma-separated subset of builtin, builtin-eager, builtin-unmerged, builtin-bf16, hf")
+                        help="comma-separated subset of builtin, builtin-eager, builtin-unmerged, builtin-bf16, "
+                        "builtin-fp16w (float32 compute from float16 base weights, x86 CPUs), hf")
     args = parser.parse_args()
     _quiet_libraries()
     tokenizer, tok, model = build(args.model, args.dtype)
@@ -98,8 +100,13 @@ def main() -> int:
         "builtin-eager": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, decode="eager"),
         "builtin-unmerged": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False),
         "builtin-bf16": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, dtype=torch.bfloat16),
+        "builtin-fp16w": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, fp16_weights=True)
+        if packed_fp16_available() else None,
         "hf": HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=args.prompts * args.G),
     }
+    unknown = set(args.sides.split(",")) - sides.keys()
+    if unknown or any(sides[k] is None for k in args.sides.split(",")):
+        parser.error(f"unknown or unavailable sides: {sorted(unknown) or 'builtin-fp16w (no fbgemm in this torch)'}")
     sides = {k: v for k, v in sides.items() if k in args.sides.split(",")}
     print(f"# sampling: {args.model} {args.dtype}, {args.prompts} prompts x G={args.G} x {args.tokens} tokens "
           f"({'to EOS' if args.natural else 'fixed length'}), prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "

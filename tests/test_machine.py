@@ -8,9 +8,11 @@ import yaml
 from conftest import tiny_overrides
 from rlora import machine
 from rlora.cli import main
+from rlora.rollout.packed import packed_fp16_available
 
 NO_BF16 = frozenset({"sse4_2", "avx", "avx2", "fma", "avx512f"})  # AVX512 without its BF16 extension counts as none
 BF16 = NO_BF16 | {"avx512_bf16"}
+AVX2_F16C = NO_BF16 | {"f16c"}  # what fbgemm's float16-weight products need (a common x86 CPU without native bf16)
 AMX = NO_BF16 | {"amx_tile", "amx_bf16"}
 
 
@@ -18,12 +20,17 @@ AMX = NO_BF16 | {"amx_tile", "amx_bf16"}
     (NO_BF16, [], "model"), (BF16, [], "bfloat16"), (AMX, [], "bfloat16"),
     (BF16, ["model.dtype=bfloat16"], "model"), (BF16, ["algo.sampler_is_cap=null"], "model"),  # no correction
     (BF16, ["rollout.engine=hf", "algo.sampler_is_cap=null"], "model"), (frozenset(), [], "model"),
-    (NO_BF16, ["rollout.sampler_dtype=bfloat16"], "bfloat16")])  # an explicit choice is kept
+    (NO_BF16, ["rollout.sampler_dtype=bfloat16"], "bfloat16"),  # an explicit choice is kept
+    (AVX2_F16C, [], "float16_weights"), (AVX2_F16C, ["algo.sampler_is_cap=null"], "model"),
+    (AVX2_F16C, ["rollout.merge_adapter=false"], "model"), (AVX2_F16C, ["model.dtype=bfloat16"], "model"),
+    (AVX2_F16C | {"amx_bf16"}, [], "bfloat16")])
 def test_auto_sampler_dtype_on_a_cpu(flags, overrides, want, monkeypatch):
     """The demo config (float32 model, algo.sampler_is_cap 2.0) on CPUs with and without native bf16."""
     from rlora.config import load_config
     from rlora.train.session import resolve_machine_settings
 
+    if "float16_weights" in want and not packed_fp16_available():
+        pytest.skip("torch without the fbgemm engine")
     monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
     cfg = load_config(None, ["model.device=cpu", *overrides])
     resolve_machine_settings(cfg)
@@ -43,10 +50,12 @@ def test_cpu_flags_are_this_machines():
     assert ("avx512_bf16" in flags) == ("avx512_bf16" in words)
 
 
-@pytest.mark.parametrize("flags,want", [(NO_BF16, "model"), (BF16, "bfloat16")])
+@pytest.mark.parametrize("flags,want", [(NO_BF16, "model"), (BF16, "bfloat16"), (AVX2_F16C, "float16_weights")])
 def test_a_run_with_auto_prints_and_saves_the_choice(flags, want, monkeypatch, tiny_model_dir, prompts_file, tmp_path,
                                                      capsys):
     """The choice is printed once and written to config.yaml, which a resume compares against."""
+    if want == "float16_weights" and not packed_fp16_available():
+        pytest.skip("torch without the fbgemm engine")
     monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
     out = tmp_path / "run"
     args = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{

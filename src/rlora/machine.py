@@ -1,8 +1,8 @@
 """What the machine computes fast, and the `auto` settings that follow from it.
 
 The same command can be 3x slower on one CPU than another: a bfloat16 sampler is ~2.5x faster than float32 on
-CPUs with AVX512-BF16 or AMX, and ~2x slower on AVX2-only CPUs, where bf16 matmuls are emulated
-(docs/benchmarks.md). Settings that depend on this default to `auto`, resolved from these facts once per run,
+CPUs with AVX512-BF16 or AMX, and ~2x slower on AVX2-only CPUs, where bf16 matmuls are emulated; there a
+float32 sampler from float16 weight copies (fbgemm) is ~2x faster instead (docs/benchmarks.md). Settings that depend on this default to `auto`, resolved from these facts once per run,
 printed, and written to the run's config.yaml as the value chosen (train/session.py: resolve_machine_settings).
 """
 
@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import torch
 
+FP16_WEIGHT_FLAGS = ("avx2", "fma", "f16c")  # what fbgemm's float16-weight products need (x86)
 HALF_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 
 
@@ -38,3 +39,13 @@ def native_half(device: torch.device | str, half: str, flags: frozenset[str] | N
         return False  # mps and others: not measured here, so never chosen automatically
     flags = cpu_flags() if flags is None else flags
     return any(flag in flags for flag in HALF_FLAGS[half])  # x86 names; other CPUs: never chosen automatically
+
+
+def fast_fp16_weights(device: torch.device | str, flags: frozenset[str] | None = None) -> bool:
+    """Does a float32 product from float16 weight copies (fbgemm, rollout/packed.py) beat plain float32 here?
+    On x86 CPUs with AVX2/FMA/F16C and torch's fbgemm engine: measured ~2x for the sampler's few-row products
+    (docs/benchmarks.md). Not on GPUs (they use bf16/fp16 natively) nor on other CPUs (no fbgemm)."""
+    if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    flags = cpu_flags() if flags is None else flags
+    return all(flag in flags for flag in FP16_WEIGHT_FLAGS)

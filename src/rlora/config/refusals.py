@@ -214,6 +214,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only: set "
             "rollout.sampler_dtype=model (and merge_adapter=true) with rollout.engine=hf",
             ("rollout.engine=hf", "algo.sampler_is_cap=null", "rollout.sampler_dtype=bfloat16")),
+    Refusal("float16-weights-needs-a-float32-cpu-model", ("train",),
+            lambda cfg: cfg.rollout.sampler_dtype == "float16_weights" and (
+                cfg.model.dtype != "float32" or cfg.model.device.startswith("cuda") or not cfg.rollout.merge_adapter),
+            "rollout.sampler_dtype=float16_weights samples a float32 model on a CPU from float16 base-weight copies "
+            "with the LoRA beside them (merge_adapter=true): use it with model.dtype=float32, model.device=cpu and "
+            "rollout.merge_adapter=true, or set rollout.sampler_dtype=auto",
+            ("rollout.sampler_dtype=float16_weights", "rollout.merge_adapter=false")),
     # ---- algorithms
     Refusal("overlong-buffer-over-length", ("train",), lambda cfg: cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens,
             lambda cfg: f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds rollout.max_new_tokens="

@@ -148,11 +148,13 @@ class RolloutConfig(Section):
     cuda_graphs: bool = Field(
         True, description="builtin engine on a GPU: decode with fixed shapes, each step replayed as a CUDA graph (one "
         "launch instead of ~30 per layer); false: the eager step that drops finished rows. No effect on CPUs")
-    sampler_dtype: Literal["auto", "model", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="builtin engine compute dtype. auto: bfloat16 for a float32 model where the device computes "
-        "it natively (GPUs from Ampere; CPUs with AVX512-BF16/AMX) and algo.sampler_is_cap is set, else model; a "
-        "resumed run keeps its checkpoint's; the choice is printed and saved in config.yaml. "
-        "bfloat16 on a float32 model is ~2.2-2.6x faster on such CPUs (~2x slower on AVX2-only ones) and samples "
+    sampler_dtype: Literal["auto", "model", "bfloat16", "float16", "float32", "float16_weights"] = Field(
+        "auto", description="builtin engine compute dtype. auto (when algo.sampler_is_cap is set and the model is "
+        "float32): bfloat16 where the device computes it natively (GPUs from Ampere; CPUs with AVX512-BF16/AMX), "
+        "float16_weights on other x86 CPUs with AVX2, else model; a resumed run keeps its checkpoint's; the choice "
+        "is printed and saved in config.yaml. bfloat16 on a float32 model is ~2.2-2.6x faster on such CPUs (~2x "
+        "slower on AVX2-only ones). float16_weights (float32 models on x86 CPUs): float32 compute from float16 "
+        "copies of the base weights (fbgemm), the LoRA unmerged, ~2x faster on AVX2-only CPUs. Both sample "
         "slightly off-policy (pair with algo.sampler_is_cap)")
     think: ThinkConfig | None = Field(
         None, description="builtin engine: sample the thinking span (start..end) with its own temperature/top_p; the "

@@ -13,6 +13,7 @@ from rlora.models.loading import DTYPES
 from rlora.rollout.decoder import unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import Generator, HFGenerator
+from rlora.rollout.packed import packed_fp16_available
 
 
 def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pad_id: int, max_length: int,
@@ -23,12 +24,17 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
             parameter = next(model.parameters())
             # `rlora train` resolves auto before this (train/session.py); elsewhere it means exact sampling
             setting = "model" if cfg.sampler_dtype == "auto" else cfg.sampler_dtype
-            dtype = None if setting == "model" else DTYPES[setting]
+            fp16_weights = setting == "float16_weights"
+            if fp16_weights and (parameter.device.type != "cpu" or not packed_fp16_available()):
+                raise UserError(f"rollout.sampler_dtype=float16_weights needs the model on an x86 CPU and torch's fbgemm "
+                                f"engine (here: {parameter.device.type}, torch {torch.__version__}): set "
+                                "rollout.sampler_dtype=auto")
+            dtype = None if setting in ("model", "float16_weights") else DTYPES[setting]
             if dtype in (torch.bfloat16, torch.float16) and not native_half(parameter.device, setting):
                 info(f"rollout.sampler_dtype={setting} on a device without native support for it: sampling "
                      "will be slower, not faster")
             return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype,
-                                    decode="auto" if cfg.cuda_graphs else "eager")
+                                    decode="auto" if cfg.cuda_graphs else "eager", fp16_weights=fp16_weights)
         if cfg.think is not None:
             raise UserError(f"rollout.think (phase-aware sampling) needs the built-in engine, which does not support "
                             f"this model ({reason}): remove rollout.think to sample with transformers generate")

@@ -20,6 +20,7 @@ from rlora.models.loading import causal_lm
 from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
 from rlora.models.sharded_base import StreamedLayers, sharded_base
 from rlora.rollout.layouts import LAYOUTS, SUPPORTED_MODEL_TYPES, Layout, layout_refusal
+from rlora.rollout.packed import PackCache, PackedLinear, linear_parts
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderView", "LayerView", "decode_layers", "unsupported_reason"]
 
@@ -43,34 +44,20 @@ def unsupported_reason(model: nn.Module, max_length: int | None = None) -> str |
     return None
 
 
-def _plain_linear(module: nn.Module) -> nn.Linear | None:
-    return module if type(module) is nn.Linear and module.weight.dtype.is_floating_point else None
-
-
 def merged_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight, bias) of the module's linear map with its active LoRA merged (summed in float32, rounded
     once to the base dtype: equal to the unmerged map up to that rounding), or None when the module must
     be called as is. Returns the base tensors themselves (no copy) when no LoRA is active."""
-    plain = _plain_linear(module)
-    if plain is not None:
-        return plain.weight, plain.bias
-    if not hasattr(module, "lora_A") or getattr(module, "merged", False):
+    parts = linear_parts(module)
+    if parts is None:
         return None
-    base = _plain_linear(module.get_base_layer())
-    if base is None:
-        return None
-    if module.disable_adapters:
-        return base.weight, base.bias
-    active = [name for name in module.active_adapters if name in module.lora_A]
-    if any(name in module.lora_variant or module.lora_B[name].bias is not None for name in active):
-        return None
-    if not active:
+    base, factors = parts
+    if not factors:
         return base.weight, base.bias
     # Sum in float32, round once to the base dtype; a new tensor, the base weight is only read.
     merged = base.weight.float()
-    for name in active:
-        delta = module.lora_B[name].weight.float() @ module.lora_A[name].weight.float()
-        merged = merged + delta * module.scaling[name]
+    for A_RI, B_OR, scale in factors:
+        merged = merged + (B_OR.float() @ A_RI.float()) * scale
     return merged.to(base.weight.dtype), base.bias
 
 
@@ -120,10 +107,11 @@ class PolicyFusedLinear:
     adapter, batched over the policies. The rows' policies are the state's current RowBlocks, set by the
     sampler before each forward."""
 
-    def __init__(self, modules: list[nn.Module], state: PolicyState, dtype: torch.dtype):
+    def __init__(self, modules: list[nn.Module], state: PolicyState, dtype: torch.dtype, packs: PackCache | None):
         bases = [m.get_base_layer() if hasattr(m, "lora_A") else m for m in modules]
-        self.base = FusedLinear(bases, merge=True, dtype=dtype)
-        if self.base.modules is not None:
+        packed = PackedLinear.of(bases, packs) if packs is not None else None
+        self.base = packed or FusedLinear(bases, merge=True, dtype=dtype)
+        if isinstance(self.base, FusedLinear) and self.base.modules is not None:
             raise ValueError("several policies need plain floating-point linear layers under their adapters")
         self.sizes = self.base.sizes
         self.factors = [stacked_factors(m, state.names, dtype) if hasattr(m, "lora_A") else None for m in modules]
@@ -148,7 +136,7 @@ class Split:
     module's output (Phi-3's qkv_proj, gate_up_proj) split by sizes. A LoRA on a fused module covers its
     whole output, so it is merged (or called) as one module and split afterwards."""
 
-    def __init__(self, linear: FusedLinear | PolicyFusedLinear, sizes: list[int]):
+    def __init__(self, linear: FusedLinear | PackedLinear | PolicyFusedLinear, sizes: list[int]):
         self.linear, self.sizes = linear, sizes
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -258,22 +246,29 @@ class DecoderView:
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     @classmethod
-    def of(cls, model: nn.Module, merge: bool, dtype: torch.dtype | None = None) -> "DecoderView":
+    def of(cls, model: nn.Module, merge: bool, dtype: torch.dtype | None = None,
+           packs: PackCache | None = None) -> "DecoderView":
         """dtype: the sampler's compute dtype (default: the model's). A lower one, e.g. bfloat16 for a
-        float32 model, samples from merged weight copies in that dtype. A model with several policy adapters
-        gets each row's own adapter (PolicyFusedLinear; merge does not apply)."""
+        float32 model, samples from merged weight copies in that dtype. packs (float32 models on a CPU): the
+        linear maps run from float16 copies of the base weights packed for fbgemm (kept in `packs` between
+        calls), their LoRA unmerged beside them (rollout/packed.py); layers that cannot be packed run as with
+        merge. A model with several policy adapters gets each row's own adapter (PolicyFusedLinear; merge does
+        not apply)."""
         hf = causal_lm(model)
         config, inner = hf.config, hf.model
         layout = LAYOUTS[config.model_type]
         dtype = dtype or inner.embed_tokens.weight.dtype
         policies = policy_state(model)
+        if packs is not None and inner.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("float16 weight packs (fbgemm) run on the CPU only")
         H, K = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
 
         def fused(modules: list[nn.Module]):
             if policies is not None:
-                return PolicyFusedLinear(modules, policies, dtype)
-            return FusedLinear(modules, merge, dtype)
+                return PolicyFusedLinear(modules, policies, dtype, packs)
+            packed = PackedLinear.of(modules, packs) if packs is not None and merge else None
+            return packed or FusedLinear(modules, merge, dtype)
 
         def norm(module: nn.Module, name: str | None) -> Cast | None:
             return None if name is None else Cast(getattr(module, name), dtype)

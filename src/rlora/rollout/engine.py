@@ -22,6 +22,7 @@ from rlora.models.multi_lora import SamplerPolicies
 from rlora.models.sharded_base import StreamedLayers
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers
 from rlora.rollout.graphed import StaticDecoder
+from rlora.rollout.packed import PackCache, packed_fp16_available
 from rlora.rollout.generator import StopStrings
 from rlora.rollout.phase import ChunkPhases, think_phases
 from rlora.rollout.sampling import RowParams, counter_uniform, sample_tokens
@@ -182,16 +183,21 @@ class BuiltinGenerator:
 
     decode: 'eager' drops finished rows from the dense layers each step (CPUs); 'static' keeps every row and
     fixed shapes (graphed.py); 'graph' is 'static' replayed as a CUDA graph (GPUs only); 'auto' is 'graph'
-    on a GPU and 'eager' elsewhere. max_rows: rows decoded together (None: rows_that_fit)."""
+    on a GPU and 'eager' elsewhere. max_rows: rows decoded together (None: rows_that_fit).
+    fp16_weights (float32 models on x86 CPUs): the linear maps run from float16 copies of the frozen base
+    weights, packed once per base and kept here between calls, the LoRA unmerged (rollout/packed.py)."""
 
     name = "builtin"
 
     def __init__(self, tokenizer, eos_ids: list[int], pad_id: int, merge: bool = True, max_rows: int | None = None,
-                 dtype: torch.dtype | None = None, decode: str = "auto"):
+                 dtype: torch.dtype | None = None, decode: str = "auto", fp16_weights: bool = False):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, not {decode!r}")
+        if fp16_weights and not packed_fp16_available():
+            raise ValueError("fp16_weights needs torch's fbgemm engine (x86 CPU builds)")
         self.tokenizer, self.eos_ids, self.pad_id = tokenizer, eos_ids, pad_id
         self.merge, self.max_rows, self.dtype, self.decode = merge, max_rows, dtype, decode
+        self.packs = PackCache() if fp16_weights else None
 
     def _decode_mode(self, view: DecoderView) -> str:
         streamed = isinstance(view.layers, StreamedLayers)  # its layers are gathered in each step: no graph
@@ -204,7 +210,7 @@ class BuiltinGenerator:
     def decoder_view(self, model) -> DecoderView:
         """The decoder to sample with (a subclass may keep one between calls: `rlora serve` does, for its merged
         weight copies)."""
-        return DecoderView.of(model, self.merge, self.dtype)
+        return DecoderView.of(model, self.merge, self.dtype, self.packs)
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int,

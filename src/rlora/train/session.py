@@ -23,7 +23,7 @@ from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.train.sinks import check_sinks
 from rlora.train.sources import RolloutSource, episode_renderer, longest_context, rollout_source
-from rlora.machine import native_half
+from rlora.machine import fast_fp16_weights, native_half
 from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
@@ -117,16 +117,26 @@ def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from:
         chosen, why = "model", "hf engine"
     elif cfg.model.dtype != "float32":
         chosen, why = "model", f"a {cfg.model.dtype} model"
-    elif not native_half(resolve_device(cfg.model.device), "bfloat16"):
-        chosen, why = "model", "no native bf16 on this device (AVX512-BF16/AMX absent, or a GPU before Ampere)"
-    elif cfg.algo.sampler_is_cap is None:
-        chosen, why = "model", "bf16 is native, but set algo.sampler_is_cap to sample from it with importance correction"
     else:
-        chosen, why = "bfloat16", "the device computes bf16 natively; algo.sampler_is_cap corrects for it"
+        chosen, why = _fastest_sampler(cfg, resolve_device(cfg.model.device))
     chosen, why = gather_objects(world, (chosen, why))[0]
     cfg.rollout.sampler_dtype = chosen
     if world.is_main:
         info(f"rollout.sampler_dtype=auto -> {chosen} ({why})")
+
+
+def _fastest_sampler(cfg: RLConfig, device) -> tuple[str, str]:
+    """(sampler_dtype, why) for a float32 model on the builtin engine: a lower precision only where the device runs
+    it faster (rlora.machine) and algo.sampler_is_cap corrects for the small difference it makes."""
+    if native_half(device, "bfloat16"):
+        faster, how = "bfloat16", "the device computes bf16 natively"
+    elif fast_fp16_weights(device) and cfg.rollout.merge_adapter:  # merge_adapter=false: the exact adapter layers
+        faster, how = "float16_weights", "x86 CPU without native bf16: float32 compute from float16 weight copies"
+    else:
+        return "model", "no native bf16 on this device (AVX512-BF16/AMX absent, or a GPU before Ampere)"
+    if cfg.algo.sampler_is_cap is None:
+        return "model", f"{how} would be faster; set algo.sampler_is_cap to sample from it with importance correction"
+    return faster, f"{how}; algo.sampler_is_cap corrects for it"
 
 
 def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:

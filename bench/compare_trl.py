@@ -3,7 +3,7 @@
     .venv/bin/pip install -e ".[bench]"                       # TRL 1.16 (optional extra)
     .venv/bin/python bench/compare_trl.py timing [--models smollm2,qwen2-0.1b] [--lengths 32,128]
         [--gens 4,16] [--betas 0,0.04] [--steps 3] [--warmup 1] [--repeats 2] [--out FILE.jsonl]
-    .venv/bin/python bench/compare_trl.py quality --budget-s 300
+    .venv/bin/python bench/compare_trl.py quality [--budget-s 300 | --steps 16] [--seeds 0,1,2]
 
 Each run is its own subprocess (so peak RSS is per side); runs alternate rlora, TRL, rlora, TRL. Both sides
 get the same model folder and tokenizer, the same chat prompts (reasoning-gym chain_sum), the same reward
@@ -129,6 +129,7 @@ def run_rlora(work: Work) -> dict:
         "completion_tokens": sum(r["gen_tokens"] for r in rows),
         "lora_params": summary["adapter_params"],
         "reward_mean": statistics.mean(r["reward_mean"] for r in rows),
+        "rewards": [r["reward_mean"] for r in rows],  # per optimizer step
         "adapter": str(Path(cfg.train.output_dir) / "adapter"),
     }
 
@@ -272,6 +273,7 @@ def run_trl(work: Work) -> dict:
         "completion_tokens": completion_tokens,
         "lora_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "reward_mean": statistics.mean(h["reward"] for h in logs) if logs else None,
+        "rewards": [h["reward"] for h in logs],  # per optimizer step (logging_steps=1)
         "adapter": str(adapter),
         "trl_pinned": trl_pinned(work),
     }
@@ -385,25 +387,11 @@ def timing(args) -> None:
 
 
 def quality(args) -> None:
-    """Both sides train for the same wall-clock budget on the demo task; one evaluator scores both adapters."""
-    from eval_adapters import evaluate_adapters
-    from rlora.cli import _quiet_libraries
+    """Both sides train the demo task, per seed, for --steps optimizer steps or a --budget-s of training time;
+    one evaluator scores every adapter (bench/trl_quality.py)."""
+    from trl_quality import quality_runs
 
-    _quiet_libraries()
-
-    work = Work(model=args.model, completion_len=args.completion_len, num_generations=8, prompts_per_step=args.prompts,
-                micro_batch_size=args.micro_batch_size, lr=args.lr, steps=10_000, warmup=0, fixed_length=False,
-                max_time_s=args.budget_s, threads=args.threads, train_size=args.train_size,
-                temperature=args.temperature, rlora_sampler_dtype=args.rlora_sampler_dtype)
-    with tempfile.TemporaryDirectory() as keep:
-        results = {}
-        for side in ("rlora", "trl"):
-            results[side] = spawn(side, work, Path(keep) / side)
-        scores = evaluate_adapters({s: r["adapter"] for s, r in results.items()}, args.eval_size, args.completion_len,
-                                   model=args.model)
-    print(f"| side | steps in {args.budget_s:.0f} s | accuracy before | accuracy after |\n|---|---|---|---|")
-    for side in ("rlora", "trl"):
-        print(f"| {side} | {len(results[side]['steps'])} | {scores['base']:.2f} | {scores[side]:.2f} |")
+    quality_runs(args, Work, spawn)
 
 
 def main() -> int:
@@ -425,8 +413,11 @@ def main() -> int:
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16"],
                    help="rlora's sampler compute dtype; bfloat16 is not identical work (flagged in the output)")
-    q = sub.add_parser("quality", help="held-out accuracy after equal wall-clock training")
-    q.add_argument("--budget-s", type=float, default=300)
+    q = sub.add_parser("quality", help="held-out accuracy after equal steps or equal wall-clock training, per seed")
+    q.add_argument("--budget-s", type=float, default=300, help="training time per side (unless --steps)")
+    q.add_argument("--steps", type=int, default=None, help="optimizer steps per side instead of a time budget")
+    q.add_argument("--seeds", default="0", help="comma-separated: each seed trains both sides (LoRA init, sampling)")
+    q.add_argument("--out", help="write every run's numbers as JSON")
     q.add_argument("--model", default="smollm2")
     q.add_argument("--completion-len", type=int, default=48)
     q.add_argument("--temperature", type=float, default=0.7)

@@ -160,3 +160,18 @@ def test_sft_output_layer_bench_times_both_ways_at_the_same_loss(tiny_model_dir)
     losses = [float(line.split("loss")[1].split()[0]) for line in lines.values()]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] > 0
     assert float(done.stdout.splitlines()[-1].split()[3].rstrip("x")) > 0  # "labelled / full: 0.82x the time"
+
+
+def test_trl_quality_summarises_reward_quarters_and_seed_medians():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from trl_quality import medians, quarter_means
+
+    assert quarter_means([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]) == (0.5, 6.5)  # two steps per quarter
+    assert quarter_means([0.25, 0.5, 1.0]) == (0.25, 1.0)  # fewer than 4 steps: one step each
+    assert quarter_means([]) == (None, None)
+    # reward_last_quarter None on every run: a number no run has
+    rows = [{"side": side, "steps": 12, "accuracy": acc, "reward_first_quarter": acc / 2, "reward_last_quarter": None,
+             "train_s": 10.0} for side, acc in (("rlora", 0.5), ("rlora", 0.7), ("rlora", 0.6), ("trl", 0.4))]
+    summary = medians(rows)
+    assert summary["rlora"]["accuracy"] == 0.6 and summary["rlora"]["reward_first_quarter"] == 0.3
+    assert summary["trl"]["accuracy"] == 0.4 and summary["rlora"]["reward_last_quarter"] is None

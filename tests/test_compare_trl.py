@@ -36,3 +36,22 @@ def test_cli_prints_a_table_row(tiny_model_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith(f"| {tiny_model_dir} |")]
     assert len(rows) == 1 and "work differs" not in done.stdout
+
+
+def test_one_update_has_trl_gradient(tiny_model_dir):
+    """rlora's GRPO update (the demo's settings) and TRL's compute_loss on one identical batch with completions of
+    different lengths: the same advantages, loss and LoRA gradient (bench/trl_grad_parity.py)."""
+    pytest.importorskip("trl")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from trl_grad_parity import parity_report
+
+    report = parity_report(tiny_model_dir, seed=0, lora_b_std=0.01)
+    assert len(set(report["completion_lengths"])) > 1  # token mean and sequence mean would differ
+    assert report["advantages_max_abs_diff"] < 1e-5
+    assert report["loss_rlora"] == pytest.approx(report["loss_trl"], abs=1e-6)
+    assert report["loss_rlora"] == pytest.approx(report["loss_expected"], abs=1e-6)
+    for kind in ("lora_A", "lora_B"):
+        grad = report["grad"][kind]
+        assert grad["norm_trl"] > 0
+        assert grad["cosine"] > 1 - 1e-6
+        assert grad["norm_ratio_rlora_over_trl"] == pytest.approx(1.0, abs=1e-5)

@@ -1,7 +1,8 @@
-"""A decode step's products on a CPU, both ways: x @ W^T (F.linear, what the sampler does) and W @ x^T, per
-layer shape of a model, side by side (medians); and whether a row's result equals the product of that row
-alone. The sampler keeps F.linear: W @ x^T is faster for a few rows on AVX2-only CPUs but made 1-rank and
-2-rank runs sample differently (docs/benchmarks.md, 2026-11-26).
+"""A decode step's products on a CPU, three ways: x @ W^T (F.linear, the float32 sampler), W @ x^T, and fbgemm's
+float16-weight product (rollout/packed.py, `rollout.sampler_dtype: float16_weights`), per layer shape of a model,
+side by side (medians); and whether a row's result equals the product of that row alone. The sampler keeps
+F.linear for float32: W @ x^T is faster for a few rows on AVX2-only CPUs but made 1-rank and 2-rank runs sample
+differently (docs/benchmarks.md, 2026-11-26).
 
     .venv/bin/python bench/cpu_linear.py [--model smollm2]
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from bench_common import model_folder
+from rlora.rollout.packed import packed_fp16_available
 
 
 def _ms(fn, repeats: int = 30) -> float:
@@ -45,7 +47,9 @@ def main() -> int:
     qkv = H + 2 * H // heads * kv
     print(f"# {args.model} shapes on {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
-    print("layer                 rows   x@W^T ms   W@x^T ms   ratio   row result independent of the row count")
+    fp16 = packed_fp16_available()
+    print("layer                 rows   x@W^T ms   W@x^T ms   ratio  fp16-w ms   ratio   row result independent of the "
+          "row count")
     shapes = {"q/k/v": (qkv, H), "gate/up": (2 * F_, H), "down": (H, F_), "output layer": (config.vocab_size, H)}
     g = torch.Generator().manual_seed(0)
     for name, (out, inp) in shapes.items():
@@ -55,8 +59,14 @@ def main() -> int:
             x = x16[:rows]
             a, b = _ms(lambda: F.linear(x, weight)), _ms(lambda: _weight_major(x, weight))
             same = [torch.equal(f(x, weight)[0], f(x16[:1], weight)[0]) for f in (F.linear, _weight_major)]
-            print(f"{name + f' ({out}x{inp})':<22}{rows:>5}{a:>11.3f}{b:>11.3f}{b / a:>8.2f}   "
-                  f"x@W^T {same[0]}, W@x^T {same[1]}")
+            c, same_c = float("nan"), None
+            if fp16:
+                packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
+                c = _ms(lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed))
+                same_c = torch.equal(torch.ops.quantized.linear_dynamic_fp16(x, packed)[0],
+                                     torch.ops.quantized.linear_dynamic_fp16(x16[:1], packed)[0])
+            print(f"{name + f' ({out}x{inp})':<22}{rows:>5}{a:>11.3f}{b:>11.3f}{b / a:>8.2f}{c:>11.3f}{c / a:>8.2f}   "
+                  f"x@W^T {same[0]}, W@x^T {same[1]}, fp16-w {same_c}")
     return 0
 
 

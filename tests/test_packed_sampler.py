@@ -105,3 +105,13 @@ def test_packs_refuse_a_model_off_the_cpu(tiny_model_dir):
     _, _, model, _ = policy(tiny_model_dir)
     with pytest.raises(ValueError, match="CPU only"):
         DecoderView.of(model.to("meta"), merge=True, packs=PackCache())
+
+
+def test_packs_refuse_a_sharded_base(tiny_model_dir, monkeypatch):
+    """A sharded base is gathered anew each pass: packs would be rebuilt every call (slower than float32)."""
+    from rlora.rollout import decoder
+
+    _, _, model, _ = policy(tiny_model_dir)
+    monkeypatch.setattr(decoder, "sharded_base", lambda m: object())
+    with pytest.raises(ValueError, match="stays put"):
+        DecoderView.of(model, merge=True, packs=PackCache())

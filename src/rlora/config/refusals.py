@@ -216,10 +216,11 @@ REFUSALS: tuple[Refusal, ...] = (
             ("rollout.engine=hf", "algo.sampler_is_cap=null", "rollout.sampler_dtype=bfloat16")),
     Refusal("float16-weights-needs-a-float32-cpu-model", ("train",),
             lambda cfg: cfg.rollout.sampler_dtype == "float16_weights" and (
-                cfg.model.dtype != "float32" or cfg.model.device.startswith("cuda") or not cfg.rollout.merge_adapter),
-            "rollout.sampler_dtype=float16_weights samples a float32 model on a CPU from float16 base-weight copies "
-            "with the LoRA beside them (merge_adapter=true): use it with model.dtype=float32, model.device=cpu and "
-            "rollout.merge_adapter=true, or set rollout.sampler_dtype=auto",
+                cfg.model.dtype != "float32" or cfg.model.device.startswith("cuda") or not cfg.rollout.merge_adapter
+                or cfg.train.fsdp),
+            "rollout.sampler_dtype=float16_weights samples a float32 model on a CPU from float16 copies of a base that "
+            "stays put, with the LoRA beside them: use it with model.dtype=float32, model.device=cpu, "
+            "rollout.merge_adapter=true and train.fsdp=false, or set rollout.sampler_dtype=auto",
             ("rollout.sampler_dtype=float16_weights", "rollout.merge_adapter=false")),
     # ---- algorithms
     Refusal("overlong-buffer-over-length", ("train",), lambda cfg: cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens,

@@ -261,6 +261,9 @@ class DecoderView:
         policies = policy_state(model)
         if packs is not None and inner.embed_tokens.weight.device.type != "cpu":
             raise ValueError("float16 weight packs (fbgemm) run on the CPU only")
+        if packs is not None and sharded_base(model) is not None:
+            raise ValueError("float16 weight packs need a base that stays put (a sharded base is gathered anew "
+                             "each pass: packing it every time would cost more than it saves)")
         H, K = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
 

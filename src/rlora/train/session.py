@@ -130,7 +130,8 @@ def _fastest_sampler(cfg: RLConfig, device) -> tuple[str, str]:
     it faster (rlora.machine) and algo.sampler_is_cap corrects for the small difference it makes."""
     if native_half(device, "bfloat16"):
         faster, how = "bfloat16", "the device computes bf16 natively"
-    elif fast_fp16_weights(device) and cfg.rollout.merge_adapter:  # merge_adapter=false: the exact adapter layers
+    elif fast_fp16_weights(device) and cfg.rollout.merge_adapter and not cfg.train.fsdp:
+        # not with merge_adapter=false (the exact adapter layers) nor a sharded base (gathered anew: repacked each call)
         faster, how = "float16_weights", "x86 CPU without native bf16: float32 compute from float16 weight copies"
     else:
         return "model", "no native bf16 on this device (AVX512-BF16/AMX absent, or a GPU before Ampere)"

@@ -154,7 +154,7 @@ class RolloutConfig(Section):
         "float16_weights on other x86 CPUs with AVX2, else model; a resumed run keeps its checkpoint's; the choice "
         "is printed and saved in config.yaml. bfloat16 on a float32 model is ~2.2-2.6x faster on such CPUs (~2x "
         "slower on AVX2-only ones). float16_weights (float32 models on x86 CPUs): float32 compute from float16 "
-        "copies of the base weights (fbgemm), the LoRA unmerged, ~2x faster on AVX2-only CPUs. Both sample "
+        "copies of the base weights (fbgemm), the LoRA unmerged, 1.5-2.3x faster on AVX2-only CPUs. Both sample "
         "slightly off-policy (pair with algo.sampler_is_cap)")
     think: ThinkConfig | None = Field(
         None, description="builtin engine: sample the thinking span (start..end) with its own temperature/top_p; the "

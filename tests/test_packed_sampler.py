@@ -115,3 +115,29 @@ def test_packs_refuse_a_sharded_base(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(decoder, "sharded_base", lambda m: object())
     with pytest.raises(ValueError, match="stays put"):
         DecoderView.of(model, merge=True, packs=PackCache())
+
+
+def test_several_policies_sample_from_the_packed_base_with_their_own_adapters(tiny_model_dir):
+    """A model with 3 policy adapters: each row's log-probs are its own policy's (float32 trainer, up to the float16
+    base weights), far from another policy's."""
+    from test_policies import policies_model
+
+    from rlora.models.loading import load_tokenizer
+    from rlora.models.multi_lora import policy_rows
+
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = policies_model(tiny_model_dir, dtype=torch.float32)
+    prompts = [tokenizer(t)["input_ids"] for t in ("What is 1 + 1?", "Hello there")]
+    K, G = 3, 4
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, fp16_weights=True)
+    rollout = engine.sample(model, prompts * K, G, SamplingParams(max_new_tokens=8, temperature=1.0), seed=0,
+                            keys=list(range(len(prompts))) * K, policies=[k for k in range(K) for _ in prompts])
+    policy_B = torch.arange(K).repeat_interleave(len(prompts) * G)
+    mask = rollout.completion_mask_BTc.bool()
+    gaps = []
+    for rows_policy in (policy_B, (policy_B + 1) % K):  # each row's own policy, then another one
+        with torch.no_grad(), policy_rows(model, rows_policy):
+            trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
+        gaps.append((trainer[mask] - rollout.sampling_logp_BTc[mask]).abs())
+    assert 1e-7 < gaps[0].mean() and gaps[0].max() < 5e-3 and gaps[1].mean() > 100 * gaps[0].mean()
+    assert len(engine.packs._entries) == 4 * len(model.get_base_model().model.layers) + 1  # q/k/v, o, gate/up, down; head

@@ -107,7 +107,7 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # A row's result depends on how many rows share the product at the level of float32 accumulation order
-        # (~1e-5 relative; fbgemm picks kernels by row count), as with MKL's float32 products (which differ for
+        # (~1e-6 relative; fbgemm picks kernels by row count), as with MKL's float32 products (which differ for
         # fewer than 12 rows): the sampler's tests compare rows across batchings at such a tolerance.
         x_NI = x.reshape(-1, x.shape[-1])
         y_NO = torch.ops.quantized.linear_dynamic_fp16(x_NI, self.packed)

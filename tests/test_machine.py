@@ -22,7 +22,8 @@ AMX = NO_BF16 | {"amx_tile", "amx_bf16"}
     (BF16, ["rollout.engine=hf", "algo.sampler_is_cap=null"], "model"), (frozenset(), [], "model"),
     (NO_BF16, ["rollout.sampler_dtype=bfloat16"], "bfloat16"),  # an explicit choice is kept
     (AVX2_F16C, [], "float16_weights"), (AVX2_F16C, ["algo.sampler_is_cap=null"], "model"),
-    (AVX2_F16C, ["rollout.merge_adapter=false"], "model"), (AVX2_F16C, ["train.fsdp=true"], "model"), (AVX2_F16C, ["model.dtype=bfloat16"], "model"),
+    (AVX2_F16C, ["rollout.merge_adapter=false"], "model"), (AVX2_F16C, ["train.fsdp=true"], "model"),
+    (AVX2_F16C, ["model.dtype=bfloat16"], "model"),
     (AVX2_F16C | {"amx_bf16"}, [], "bfloat16")])
 def test_auto_sampler_dtype_on_a_cpu(flags, overrides, want, monkeypatch):
     """The demo config (float32 model, algo.sampler_is_cap 2.0) on CPUs with and without native bf16."""

@@ -140,4 +140,5 @@ def test_several_policies_sample_from_the_packed_base_with_their_own_adapters(ti
             trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
         gaps.append((trainer[mask] - rollout.sampling_logp_BTc[mask]).abs())
     assert 1e-7 < gaps[0].mean() and gaps[0].max() < 5e-3 and gaps[1].mean() > 100 * gaps[0].mean()
-    assert len(engine.packs._entries) == 4 * len(model.get_base_model().model.layers) + 1  # q/k/v, o, gate/up, down; head
+    layers = len(model.get_base_model().model.layers)
+    assert len(engine.packs._entries) == 4 * layers + 1  # q/k/v, o, gate/up, down per layer; the output layer

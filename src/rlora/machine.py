@@ -45,7 +45,8 @@ def native_half(device: torch.device | str, half: str, flags: frozenset[str] | N
 def fast_fp16_weights(device: torch.device | str, flags: frozenset[str] | None = None) -> bool:
     """Does a float32 product from float16 weight copies (fbgemm, rollout/packed.py) beat plain float32 here?
     On x86 CPUs with AVX2/FMA/F16C and torch's fbgemm engine: measured 1.1-9x for few-row products, 1.5-2.3x
-    for whole sampling calls (docs/benchmarks.md). Not on GPUs (they use bf16/fp16 natively) nor on other CPUs (no fbgemm)."""
+    for whole sampling calls (docs/benchmarks.md). Not on GPUs (they use bf16/fp16 natively) nor on other CPUs
+    (no fbgemm)."""
     if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
     flags = cpu_flags() if flags is None else flags

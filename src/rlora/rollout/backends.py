@@ -26,8 +26,8 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
             setting = "model" if cfg.sampler_dtype == "auto" else cfg.sampler_dtype
             fp16_weights = setting == "float16_weights"
             if fp16_weights and (parameter.device.type != "cpu" or not packed_fp16_available()):
-                raise UserError(f"rollout.sampler_dtype=float16_weights needs the model on an x86 CPU and torch's fbgemm "
-                                f"engine (here: {parameter.device.type}, torch {torch.__version__}): set "
+                raise UserError(f"rollout.sampler_dtype=float16_weights needs the model on an x86 CPU and torch's "
+                                f"fbgemm engine (here: {parameter.device.type}, torch {torch.__version__}): set "
                                 "rollout.sampler_dtype=auto")
             dtype = None if setting in ("model", "float16_weights") else DTYPES[setting]
             if dtype in (torch.bfloat16, torch.float16) and not native_half(parameter.device, setting):

@@ -21,9 +21,9 @@ from rlora.models.molora_runtime import SamplerRouting, sampler_routing
 from rlora.models.multi_lora import SamplerPolicies
 from rlora.models.sharded_base import StreamedLayers
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers
+from rlora.rollout.generator import StopStrings
 from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.packed import PackCache, packed_fp16_available
-from rlora.rollout.generator import StopStrings
 from rlora.rollout.phase import ChunkPhases, think_phases
 from rlora.rollout.sampling import RowParams, counter_uniform, sample_tokens
 from rlora.tensors import left_padded
@@ -195,6 +195,8 @@ class BuiltinGenerator:
             raise ValueError(f"decode must be one of {DECODE_MODES}, not {decode!r}")
         if fp16_weights and not packed_fp16_available():
             raise ValueError("fp16_weights needs torch's fbgemm engine (x86 CPU builds)")
+        if fp16_weights and dtype not in (None, torch.float32):
+            raise ValueError("fp16_weights computes in float32: leave dtype unset")
         self.tokenizer, self.eos_ids, self.pad_id = tokenizer, eos_ids, pad_id
         self.merge, self.max_rows, self.dtype, self.decode = merge, max_rows, dtype, decode
         self.packs = PackCache() if fp16_weights else None

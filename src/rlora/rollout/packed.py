@@ -1,9 +1,9 @@
 """Float32 sampling from float16 weight copies (`rollout.sampler_dtype: float16_weights`), for x86 CPUs without
 native bf16 (AVX2 only).
 
-Decoding a few rows is bound by reading the weights: on a 2-core AVX2 CPU a float32 product of 16 rows with
-SmolLM2's layers reaches ~35 GFLOP/s, while fbgemm's float16-weight product (weights stored in half the bytes,
-converted in its kernel, activations and accumulation in float32) takes ~0.45x the time (docs/benchmarks.md).
+Decoding a few rows is mostly weight products, and on a 2-core AVX2 CPU MKL's float32 products of 16 rows run far
+below the cores' peak; fbgemm's float16-weight product (weights stored in half the bytes, converted in its kernel,
+activations and accumulation in float32) takes 0.26-0.68x their time for SmolLM2's layers (docs/benchmarks.md).
 Packing a weight for fbgemm is slow (~14 ms per SmolLM2 layer matrix), so only the frozen base is packed, once
 per base (PackCache), and each layer's LoRA runs unmerged beside it in float32 (two thin products): the base
 never changes, the adapter changes every step.
@@ -19,6 +19,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 
 def packed_fp16_available() -> bool:
     """Can this torch run fbgemm's float16-weight linear (x86 builds with the fbgemm engine)?"""

@@ -6,6 +6,10 @@ adapter, on the same model, adapter, prompts and settings, alternating A, B, A, 
 Work per call: P demo prompts (chat template) x G samples x `tokens` new tokens. EOS is suppressed until
 `tokens` (min_new_tokens = max_new_tokens) so both sides generate exactly the same number of tokens;
 --natural lets completions end at EOS instead (the engine then stops computing finished rows).
+--ragged LO,HI gives each prompt its own length, uniform in [LO, HI] (seeded; EOS suppressed until then), as
+long reasoning traces end at very different steps: use G=1 and many prompts. It also prints the lock-step
+occupancy, the generated tokens over rows x the longest row: the share of a fixed-shape step's rows that
+do useful work ('static'/'graph' decode compute every row until the longest ends; 'eager' drops them).
 The adapter is LoRA r16/alpha32 on all linear layers with random non-zero B, so it changes the outputs.
 """
 
@@ -82,8 +86,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--natural", action="store_true", help="let completions end at EOS")
+    parser.add_argument("--ragged", default=None, help="LO,HI: per-prompt lengths uniform in [LO, HI]")
     parser.add_argument("--sides", default="builtin,builtin-bf16,hf",
-                        help="comma-separated subset of builtin, builtin-eager, builtin-unmerged, builtin-bf16, "
+                        help="comma-separated subset of builtin, builtin-eager, builtin-static, builtin-unmerged, builtin-bf16, "
                         "builtin-fp16w (float32 compute from float16 base weights, x86 CPUs), hf")
     args = parser.parse_args()
     _quiet_libraries()
@@ -95,9 +100,15 @@ def main() -> int:
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature,
                             min_new_tokens=0 if args.natural else args.tokens)
+    if args.ragged:
+        low, high = (int(x) for x in args.ragged.split(","))
+        lengths = torch.randint(low, high + 1, (args.prompts,), generator=torch.Generator().manual_seed(0)).tolist()
+        params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, min_new_tokens=n) for n in lengths]
+        occupancy = sum(lengths) / (len(lengths) * max(lengths))
     sides = {
         "builtin": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True),  # GPU: CUDA graphs
         "builtin-eager": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, decode="eager"),
+        "builtin-static": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, decode="static"),
         "builtin-unmerged": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False),
         "builtin-bf16": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, dtype=torch.bfloat16),
         "builtin-fp16w": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, fp16_weights=True)
@@ -108,7 +119,8 @@ def main() -> int:
     if unknown or any(sides[k] is None for k in args.sides.split(",")):
         parser.error(f"unknown or unavailable sides: {sorted(unknown) or 'builtin-fp16w (no fbgemm in this torch)'}")
     sides = {k: v for k, v in sides.items() if k in args.sides.split(",")}
-    print(f"# sampling: {args.model} {args.dtype}, {args.prompts} prompts x G={args.G} x {args.tokens} tokens "
+    shape = f"ragged {args.ragged} tokens" if args.ragged else f"{args.tokens} tokens"
+    print(f"# sampling: {args.model} {args.dtype}, {args.prompts} prompts x G={args.G} x {shape} "
           f"({'to EOS' if args.natural else 'fixed length'}), prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
     times = {name: [] for name in sides}
@@ -131,8 +143,10 @@ def main() -> int:
         print(f"{name:<18} {med:9.2f} {min(times[name]):6.2f}-{max(times[name]):<6.2f} {statistics.median(tokens[name]):7.0f} "
               f"{tok_s:8.1f} {speedup:>15}")
     print("speed-up: median over repeats of (hf time / side time) within the same repeat")
+    if args.ragged:
+        print(f"lock-step occupancy (tokens / (rows x longest)): {occupancy:.2f}")
     device = next(model.parameters()).device
-    if device.type == "cuda" and not args.natural:
+    if device.type == "cuda" and not args.natural and not args.ragged:
         bandwidth = copy_bandwidth_gbs(device)
         floor_s = decode_bytes(model, [len(p) for p in prompts], args.G, args.tokens) / (bandwidth * 1e9)
         print(f"GPU {torch.cuda.get_device_name(device)}: copy bandwidth {bandwidth:.0f} GB/s; decode bandwidth floor "

@@ -105,6 +105,69 @@ def test_banned_tokens_leave_before_truncation():
     assert torch.isfinite(logp).all()
 
 
+def _full_cdf_draw(allowed_AV, u_A):
+    """The one-level reference: a float64 cumulative sum over the whole vocabulary."""
+    cdf_AV = torch.cumsum(allowed_AV.double().softmax(-1), -1)
+    return torch.searchsorted(cdf_AV, u_A[:, None] * cdf_AV[:, -1:], right=True).squeeze(-1)
+
+
+@pytest.mark.parametrize("V", [5, 1023, 1024, 1025, 3000, 49152])
+def test_the_two_level_draw_picks_the_full_cumulative_sums_token(V):
+    """Same u, same token as one cumulative sum over the vocabulary (only the order of float64 additions
+    differs, so a token could differ only for u within ~1e-16 of a boundary), over sharp and flat rows with
+    a third of the tokens removed (-inf); and its normaliser is logsumexp."""
+    g = torch.Generator().manual_seed(V)
+    logits_AV = torch.randn(256, V, generator=g) * torch.tensor([0.3, 3.0, 30.0, 100.0]).repeat(64)[:, None]
+    logits_AV[:, 1::3] = float("-inf")
+    u_A = sampling.counter_uniform(1, torch.arange(256), V)
+    token_A, log_normaliser_A = sampling.inverse_cdf_draw(logits_AV, u_A)
+    assert torch.equal(token_A, _full_cdf_draw(logits_AV, u_A))
+    assert torch.allclose(log_normaliser_A, logits_AV.logsumexp(-1), rtol=1e-6, atol=1e-5)
+
+
+def test_the_two_level_draw_never_takes_a_removed_token_at_the_edges():
+    """u at its extremes (the smallest and largest counter_uniform can return), blocks whose last tokens are
+    removed, a row whose only token is the vocabulary's last: always a token with probability > 0. Row 4: a
+    block whose sum (a vectorised reduction: 1 + 8.4e-14) exceeds its sequential cumulative sum (1.0: each
+    e^-37 is below half an ulp of 1), so near u = 1 the target lies past the block's last cumulative value."""
+    V = 2 * sampling.CDF_BLOCK + 10
+    logits_AV = torch.full((5, V), float("-inf"))
+    logits_AV[0, :5] = 0.0  # mass only at the start of block 0
+    logits_AV[1, sampling.CDF_BLOCK - 3:sampling.CDF_BLOCK + 2] = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
+    logits_AV[2, -1] = 0.0
+    logits_AV[3, ::977] = torch.linspace(-30, 0, len(range(0, V, 977)))
+    logits_AV[4, 0], logits_AV[4, 1:1001] = 0.0, -37.0
+    for u in (0.5 * 2.0**-52, 1 - 0.5 * 2.0**-52, 0.5):
+        token_A, _ = sampling.inverse_cdf_draw(logits_AV, torch.full((5,), u, dtype=torch.float64))
+        assert torch.isfinite(logits_AV.gather(-1, token_A[:, None])).all(), (u, token_A)
+    assert int(sampling.inverse_cdf_draw(logits_AV[2:3], torch.tensor([1 - 2.0**-53], dtype=torch.float64))[0]) == V - 1
+
+
+def test_draws_across_blocks_follow_the_distribution():
+    """Mass spread over four blocks: frequencies within ~4 standard errors of the probabilities."""
+    V, n = 4 * sampling.CDF_BLOCK, 40000
+    probs_V = torch.zeros(V)
+    probs_V[[3, 1500, 1501, 2047, 2048, 4095]] = torch.tensor([0.3, 0.2, 0.1, 0.25, 0.1, 0.05])
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=1)], n)
+    token, logp = sample_tokens(probs_V.log().expand(n, V), rows, sampling.counter_uniform(0, torch.arange(n), 0))
+    freq_V = torch.bincount(token, minlength=V).float() / n
+    assert (freq_V - probs_V).abs().max() < 4 * (0.25 / n) ** 0.5
+    assert torch.allclose(logp, probs_V.log()[token], atol=1e-6)
+
+
+def test_a_plan_decided_once_draws_what_a_plan_decided_per_call():
+    logits_AV = torch.randn(8, 300, generator=torch.Generator().manual_seed(4)) * 2
+    settings = [SamplingParams(max_new_tokens=3, temperature=0.8, min_new_tokens=2),
+                SamplingParams(max_new_tokens=3, greedy=True), SamplingParams(max_new_tokens=3, top_p=0.9),
+                SamplingParams(max_new_tokens=3, top_k=5)]
+    rows = RowParams.per_row(settings, 2)
+    u_A, banned_A = sampling.counter_uniform(2, torch.arange(8), 0), rows.min_new_A > 0
+    planned = sample_tokens(logits_AV, rows, u_A, banned_A, [4], sampling.DrawPlan.of(rows))
+    assert sampling.DrawPlan.of(rows) == sampling.DrawPlan(truncate=True, greedy=True, banned=True)
+    for got, want in zip(planned, sample_tokens(logits_AV, rows, u_A, banned_A, [4])):
+        assert torch.equal(got, want)
+
+
 # ---- the counter-based uniforms (seed, row key, token index) -> u -------------------------------------------
 
 def _ks_p(values: torch.Tensor) -> float:

@@ -21,11 +21,12 @@ from rlora.models.molora_runtime import SamplerRouting, sampler_routing
 from rlora.models.multi_lora import SamplerPolicies
 from rlora.models.sharded_base import StreamedLayers
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers
+from rlora.rollout.device_loop import decode_on_device
 from rlora.rollout.generator import StopStrings
 from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.packed import PackCache, packed_fp16_available
 from rlora.rollout.phase import ChunkPhases, think_phases
-from rlora.rollout.sampling import RowParams, counter_uniform, sample_tokens
+from rlora.rollout.sampling import DrawPlan, RowParams, counter_uniform, sample_tokens
 from rlora.tensors import left_padded
 from rlora.types import Rollout, SamplingParams
 
@@ -166,13 +167,13 @@ MAX_ROWS = {"cpu": 256, "cuda": 2048}
 
 def rows_that_fit(view: DecoderView, max_new: int, prompt_len: int, share: float = 0.25) -> int:
     """Rows to decode together: MAX_ROWS of the device, and on a GPU no more than let the generated KV
-    cache and the float32/float64 logits of the sampling step take `share` of the free memory."""
+    cache and the float32 logits of the sampling step take `share` of the free memory."""
     cap = MAX_ROWS.get(view.device.type, MAX_ROWS["cpu"])
     if view.device.type != "cuda":
         return cap
     itemsize = torch.empty((), dtype=view.dtype).element_size()
     kv_per_row = 2 * len(view.layers) * view.num_kv_heads * view.head_dim * itemsize * (max_new + prompt_len)
-    logits_per_row = 12 * view.lm_head.sizes[0]  # float32 scaled logits + the float64 cumulative sum
+    logits_per_row = 12 * view.lm_head.sizes[0]  # float32 scaled logits, their exponentials, the padded copy
     free, _ = torch.cuda.mem_get_info(view.device)
     return max(1, min(cap, int(share * free / (kv_per_row + logits_per_row))))
 
@@ -296,8 +297,12 @@ class BuiltinGenerator:
         logp_BT = torch.zeros(B, max_new)
         length_B = torch.full((B,), max_new, dtype=torch.long)
         reasons = ["length"] * B
+        mode = self._decode_mode(view)
+        if mode != "eager" and on_token is None and spans is None and not stops.any:
+            return self._chunk_on_device(view, cache, P, G, prompt_len_B, routing, logits_A, rows, seed, row_keys_B,
+                                         eos_V, max_new, mode), cache
         active_A = torch.arange(B, device=device)
-        decode = self._decoder(view, cache, P, G, prompt_len_B, routing)
+        decode = self._decoder(view, cache, P, G, prompt_len_B, routing, mode)
         for t in range(max_new):
             rows_now = rows.select(active_A)
             if spans is not None:
@@ -327,10 +332,28 @@ class BuiltinGenerator:
         return _Chunk(tokens_BT, logp_BT, length_B, reasons, rows.temperature_A.cpu(),
                       None if spans is None else spans.temperature_BT), cache
 
+    def _chunk_on_device(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor,
+                         routing: "_RowContexts", logits_BV: torch.Tensor, rows: RowParams, seed, row_keys_B,
+                         eos_V: torch.Tensor, max_new: int, mode: str) -> "_Chunk":
+        """A chunk without host-side checks in the fixed-shape step: device_loop.decode_on_device."""
+        plan = DrawPlan.of(rows)
+
+        def draw(logits_BV, t_1):
+            banned_B = rows.min_new_A > t_1 if plan.banned else None
+            u_B = counter_uniform(seed, row_keys_B, t_1)
+            return sample_tokens(logits_BV, rows, u_B, banned_B, eos_V, plan)
+
+        routing.rows(torch.arange(P * G))  # the static step runs every row, always
+        static = StaticDecoder(view, cache, P, G, graph=mode == "graph", draw=None if plan.truncate else draw)
+        done = decode_on_device(static, logits_BV, draw, not plan.truncate, prompt_len_B, rows.max_new_A, max_new,
+                                eos_V, self.pad_id)
+        reasons = ["stop" if stopped else "length" for stopped in done.stopped_B.tolist()]
+        return _Chunk(done.tokens_BT.cpu(), done.logp_BT.cpu(), done.length_B.cpu(), reasons,
+                      rows.temperature_A.cpu(), None)
+
     def _decoder(self, view: DecoderView, cache: KVCache, P: int, G: int, prompt_len_B: torch.Tensor,
-                 routing: "_RowContexts"):
+                 routing: "_RowContexts", mode: str):
         """-> step(token_A, active_A, t) -> logits of the active rows' next token [A, V]."""
-        mode = self._decode_mode(view)
         if mode == "eager":
             def eager_step(token_A, active_A, t):
                 routing.rows(active_A)

@@ -11,6 +11,8 @@ compute the same function; only the order of some float sums differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers
@@ -54,20 +56,25 @@ def static_decode_step(view: DecoderView, tokens_B: torch.Tensor, positions_B: t
 
 class StaticDecoder:
     """static_decode_step with its inputs in fixed tensors. graph=True records it once as a CUDA graph and
-    then replays it; the returned logits are then a buffer the next call overwrites (copy what you keep)."""
+    then replays it; the returned logits are then a buffer the next call overwrites (copy what you keep).
+    draw: (logits_BV, t_1) -> (token_B, logp_B), run inside the step on the logits of token t + 1 (t_1: a
+    one-element tensor holding t + 1); the step then returns the drawn tokens and their log-probs instead of
+    the logits. It must make no device-to-host sync (sampling.DrawPlan), as a graph records it."""
 
-    def __init__(self, view: DecoderView, cache, P: int, G: int, graph: bool):
+    def __init__(self, view: DecoderView, cache, P: int, G: int, graph: bool,
+                 draw: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
         device = view.device
-        self.view, self.cache, self.P, self.G = view, cache, P, G
+        self.view, self.cache, self.P, self.G, self.draw = view, cache, P, G, draw
         self.tokens_B = torch.zeros(P * G, dtype=torch.long, device=device)
         self.positions_B = torch.zeros(P * G, dtype=torch.long, device=device)
         self.t_1 = torch.zeros(1, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits_BV: torch.Tensor | None = None
+        self.out = None  # what the recorded graph writes: the logits, or the drawn tokens and log-probs
         self.use_graph = graph
 
-    def _run(self) -> torch.Tensor:
-        return static_decode_step(self.view, self.tokens_B, self.positions_B, self.t_1, self.cache, self.P, self.G)
+    def _run(self):
+        logits_BV = static_decode_step(self.view, self.tokens_B, self.positions_B, self.t_1, self.cache, self.P, self.G)
+        return logits_BV if self.draw is None else self.draw(logits_BV, self.t_1 + 1)
 
     def _record(self) -> None:
         # Warm-up on a side stream (lazy initialisation and allocations stay out of the graph), as torch asks.
@@ -79,9 +86,9 @@ class StaticDecoder:
         torch.cuda.current_stream(self.view.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits_BV = self._run()
+            self.out = self._run()
 
-    def __call__(self, tokens_B: torch.Tensor, positions_B: torch.Tensor, t: int) -> torch.Tensor:
+    def __call__(self, tokens_B: torch.Tensor, positions_B: torch.Tensor, t: int):
         self.tokens_B.copy_(tokens_B)
         self.positions_B.copy_(positions_B)
         self.t_1.fill_(t)
@@ -90,4 +97,4 @@ class StaticDecoder:
         if self.graph is None:
             self._record()
         self.graph.replay()
-        return self.logits_BV
+        return self.out

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from rlora.types import SamplingParams
 
@@ -69,17 +70,21 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 _SEED_MIX, _STEP_MIX = _signed(0xD1B54A32D192ED03), _signed(0x8CB92BA72F3D8DD7)
 
 
-def counter_uniform(seed: int | torch.Tensor, keys_A: torch.Tensor, t: int) -> torch.Tensor:
+def counter_uniform(seed: int | torch.Tensor, keys_A: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
     """One uniform in (0, 1) (float64) per row from (seed, row key, token index t): splitmix64 of a counter
     (int64 arithmetic wraps modulo 2^64, as the hash needs). A row's draws depend on nothing but its own
     key, so splitting a batch across processes or chunks never changes what is sampled. seed: one for all
-    rows, or one per row (int64 [A]: rows of several policies, each with its own seed).
+    rows, or one per row (int64 [A]: rows of several policies, each with its own seed). t: an int, or a
+    one-element int64 tensor on the rows' device (a CUDA graph replays it with any t).
 
     The counter gets splitmix64's increment before mixing: without it (seed 0, key 0, t 0) is the counter 0,
     which the mix maps to 0, so row 0 of every seed-0 run drew u = 0 (the lowest-index token with any
     probability) as its first token. u takes the top 52 bits, centred in their interval: (m + 0.5) / 2^52 is
     exact in float64 for every m < 2^52, so u is never 0 or 1 (with 53 bits the largest would round to 1)."""
-    if isinstance(seed, torch.Tensor):
+    if isinstance(t, torch.Tensor):
+        step = t.to(torch.int64) * _STEP_MIX + _GOLDEN
+        offset = step + (seed.to(torch.int64) * _SEED_MIX if isinstance(seed, torch.Tensor) else _signed(seed * _SEED_MIX))
+    elif isinstance(seed, torch.Tensor):
         offset = seed.to(torch.int64) * _SEED_MIX + _signed(t * _STEP_MIX + _GOLDEN)
     else:
         offset = _signed(seed * _SEED_MIX + t * _STEP_MIX + _GOLDEN)
@@ -141,30 +146,82 @@ def truncate_by_sort(scaled_AV: torch.Tensor, top_p_A: torch.Tensor) -> torch.Te
     return torch.empty_like(sorted_AV).scatter_(-1, order_AV, sorted_AV.masked_fill(drop_AV, float("-inf")))
 
 
+@dataclass(frozen=True)
+class DrawPlan:
+    """Which optional parts of a draw a batch of rows needs, decided once for a chunk of rows so that a draw
+    makes no device-to-host sync (a CUDA graph records it; the host does not wait on each token).
+    truncate: some row has top-k, top-p or min-p; greedy: some row is greedy; banned: some row has
+    min_new_tokens (its EOS is banned until then)."""
+
+    truncate: bool
+    greedy: bool
+    banned: bool
+
+    @classmethod
+    def of(cls, rows: RowParams) -> "DrawPlan":
+        return cls(truncate=bool(((rows.top_k_A > 0) | (rows.top_p_A < 1) | (rows.min_p_A > 0)).any()),
+                   greedy=bool(rows.greedy_A.any()), banned=bool((rows.min_new_A > 0).any()))
+
+
+CDF_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw
+
+
+def inverse_cdf_draw(allowed_AV: torch.Tensor, u_A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first token whose cumulative probability exceeds u (float64 [A], in (0, 1)) under softmax(allowed),
+    and the log of the row's normaliser sum(exp(allowed)) -> (token_A, log_normaliser_A).
+
+    Two levels instead of one float64 cumulative sum over the vocabulary: sums of blocks of CDF_BLOCK tokens
+    (float64), the block where u falls, then a cumulative sum inside that block only. Only the order of the
+    float64 additions differs from a full cumulative sum. A token with probability 0 (-inf) is never drawn:
+    its cumulative mass equals its predecessor's, and where rounding puts the target past the block's last
+    sum the draw takes the block's last token with probability > 0."""
+    A, V = allowed_AV.shape
+    blocks = -(-V // CDF_BLOCK)
+    peak_A1 = allowed_AV.amax(-1, keepdim=True)
+    weights_ANB = F.pad((allowed_AV - peak_A1).exp(), (0, blocks * CDF_BLOCK - V)).view(A, blocks, CDF_BLOCK)
+    cum_blocks_AN = weights_ANB.sum(-1, dtype=torch.float64).cumsum(-1)
+    target_A1 = u_A.to(cum_blocks_AN)[:, None] * cum_blocks_AN[:, -1:]
+    block_A1 = torch.searchsorted(cum_blocks_AN, target_A1, right=True).clamp(max=blocks - 1)
+    before_A1 = torch.where(block_A1 > 0, cum_blocks_AN.gather(-1, (block_A1 - 1).clamp(min=0)), 0.0)
+    inside_AB = weights_ANB.gather(1, block_A1[:, :, None].expand(A, 1, CDF_BLOCK)).squeeze(1)
+    cum_inside_AB = inside_AB.cumsum(-1, dtype=torch.float64)
+    index_A1 = torch.searchsorted(cum_inside_AB, target_A1 - before_A1, right=True)
+    last_positive_A1 = ((inside_AB > 0) * torch.arange(CDF_BLOCK, device=allowed_AV.device)).amax(-1, keepdim=True)
+    token_A = (block_A1 * CDF_BLOCK + torch.minimum(index_A1, last_positive_A1)).squeeze(-1)
+    log_normaliser_A = peak_A1.squeeze(-1) + cum_blocks_AN[:, -1].log().to(peak_A1.dtype)
+    return token_A, log_normaliser_A
+
+
 def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, randomness: torch.Generator | torch.Tensor | None,
-                  banned_rows_A: torch.Tensor | None = None, banned_ids: list[int] | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (token_A, logp_A). Rows where banned_rows_A is True may not draw banned_ids (min_new_tokens
-    blocks EOS this way); the log-prob stays that of the untruncated distribution."""
+                  banned_rows_A: torch.Tensor | None = None, banned_ids: list[int] | torch.Tensor | None = None,
+                  plan: DrawPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (token_A, logp_A). Rows where banned_rows_A is True may not draw banned_ids (token ids, or a bool mask
+    [V] on the logits' device; min_new_tokens blocks EOS this way); the log-prob stays that of the
+    untruncated distribution. plan: what the rows need (DrawPlan.of(rows)); given, with banned_ids a mask, the
+    draw makes no device-to-host sync or host-to-device copy. None: decided here from the rows."""
     scaled_AV = logits_AV.float() / rows.temperature_A[:, None]
-    logsumexp_A1 = scaled_AV.logsumexp(-1, keepdim=True)  # the log-prob's normaliser: nothing removed
+    if plan is None:
+        plan = DrawPlan(truncate=bool(((rows.top_k_A > 0) | (rows.top_p_A < 1) | (rows.min_p_A > 0)).any()),
+                        greedy=bool(rows.greedy_A.any()),
+                        banned=banned_rows_A is not None and bool(banned_rows_A.any()))
     candidates_AV = scaled_AV
-    if banned_rows_A is not None and bool(banned_rows_A.any()):
+    if plan.banned and banned_rows_A is not None:
         # Banned tokens leave before truncation (as in generate), so top-k/top-p/min-p pick among the rest.
-        candidates_AV = scaled_AV.clone()
-        ban_rows = banned_rows_A.nonzero()
-        candidates_AV[ban_rows, torch.tensor(banned_ids, device=scaled_AV.device)[None]] = float("-inf")
-    allowed_AV = truncate_logits(candidates_AV, rows.top_k_A, rows.top_p_A, rows.min_p_A)
-    # Inverse-CDF draw: one uniform per row against the cumulative distribution, summed in float64 so
-    # that no token's share is lost to rounding; the first index whose cumulative mass exceeds u has p > 0.
-    normaliser_A1 = logsumexp_A1 if allowed_AV is scaled_AV else allowed_AV.logsumexp(-1, keepdim=True)
-    cdf_AV = torch.cumsum((allowed_AV - normaliser_A1).exp_(), -1, dtype=torch.float64)
+        banned_V = banned_ids
+        if not isinstance(banned_V, torch.Tensor):
+            banned_V = torch.zeros(scaled_AV.shape[-1], dtype=torch.bool, device=scaled_AV.device)
+            banned_V[banned_ids] = True
+        candidates_AV = scaled_AV.masked_fill(banned_rows_A[:, None] & banned_V, float("-inf"))
+    allowed_AV = truncate_logits(candidates_AV, rows.top_k_A, rows.top_p_A, rows.min_p_A) if plan.truncate \
+        else candidates_AV
     if isinstance(randomness, torch.Tensor):  # one uniform per row, given (counter_uniform)
-        u_A1 = randomness.to(device=cdf_AV.device, dtype=torch.float64)[:, None]
+        u_A = randomness.to(device=scaled_AV.device, dtype=torch.float64)
     else:
-        u_A1 = torch.rand(cdf_AV.shape[0], 1, generator=randomness, dtype=torch.float64, device=cdf_AV.device)
-    token_A = torch.searchsorted(cdf_AV, u_A1 * cdf_AV[:, -1:], right=True).squeeze(-1).clamp(max=cdf_AV.shape[-1] - 1)
-    if bool(rows.greedy_A.any()):
+        u_A = torch.rand(scaled_AV.shape[0], generator=randomness, dtype=torch.float64, device=scaled_AV.device)
+    token_A, log_normaliser_A = inverse_cdf_draw(allowed_AV, u_A)
+    if plan.greedy:
         token_A = torch.where(rows.greedy_A, allowed_AV.argmax(-1), token_A)
-    logp_A = scaled_AV.gather(-1, token_A[:, None]).squeeze(-1) - logsumexp_A1.squeeze(-1)
+    # the log-prob's normaliser is that of the untruncated distribution: the draw's own where nothing was removed
+    logsumexp_A = log_normaliser_A if allowed_AV is scaled_AV else scaled_AV.logsumexp(-1)
+    logp_A = scaled_AV.gather(-1, token_A[:, None]).squeeze(-1) - logsumexp_A
     return token_A, logp_A

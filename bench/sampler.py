@@ -7,9 +7,11 @@ Work per call: P demo prompts (chat template) x G samples x `tokens` new tokens.
 `tokens` (min_new_tokens = max_new_tokens) so both sides generate exactly the same number of tokens;
 --natural lets completions end at EOS instead (the engine then stops computing finished rows).
 --ragged LO,HI gives each prompt its own length, uniform in [LO, HI] (seeded; EOS suppressed until then), as
-long reasoning traces end at very different steps: use G=1 and many prompts. It also prints the lock-step
-occupancy, the generated tokens over rows x the longest row: the share of a fixed-shape step's rows that
-do useful work ('static'/'graph' decode compute every row until the longest ends; 'eager' drops them).
+long reasoning traces end at very different steps: use G=1, many prompts and --max-rows below the rows.
+The -chunks sides decode fixed chunks of --max-rows rows (the next chunk starts when the chunk's longest row
+ends), the others refill a slot as soon as its rows end (continuous batching). It also prints the lock-step
+occupancy of one chunk of all rows, tokens / (rows x longest row): the share of a fixed-shape step's rows
+doing useful work when nothing refills them.
 The adapter is LoRA r16/alpha32 on all linear layers with random non-zero B, so it changes the outputs.
 """
 
@@ -87,8 +89,12 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--natural", action="store_true", help="let completions end at EOS")
     parser.add_argument("--ragged", default=None, help="LO,HI: per-prompt lengths uniform in [LO, HI]")
+    parser.add_argument("--max-rows", type=int, default=None,
+                        help="rows the built-in sides decode together (default: the engine's own limit)")
     parser.add_argument("--sides", default="builtin,builtin-bf16,hf",
-                        help="comma-separated subset of builtin, builtin-eager, builtin-static, builtin-unmerged, builtin-bf16, "
+                        help="comma-separated subset of builtin, builtin-eager, builtin-static, builtin-chunks and "
+                        "builtin-static-chunks (fixed chunks of --max-rows rows instead of continuous batching), "
+                        "builtin-unmerged, builtin-bf16, "
                         "builtin-fp16w (float32 compute from float16 base weights, x86 CPUs), hf")
     args = parser.parse_args()
     _quiet_libraries()
@@ -105,14 +111,16 @@ def main() -> int:
         lengths = torch.randint(low, high + 1, (args.prompts,), generator=torch.Generator().manual_seed(0)).tolist()
         params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, min_new_tokens=n) for n in lengths]
         occupancy = sum(lengths) / (len(lengths) * max(lengths))
+    ours = dict(tokenizer=tokenizer, eos_ids=tok.eos_ids, pad_id=tok.pad_id, max_rows=args.max_rows)
     sides = {
-        "builtin": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True),  # GPU: CUDA graphs
-        "builtin-eager": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, decode="eager"),
-        "builtin-static": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, decode="static"),
-        "builtin-unmerged": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False),
-        "builtin-bf16": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, dtype=torch.bfloat16),
-        "builtin-fp16w": BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=True, fp16_weights=True)
-        if packed_fp16_available() else None,
+        "builtin": BuiltinGenerator(**ours, merge=True),  # GPU: CUDA graphs
+        "builtin-eager": BuiltinGenerator(**ours, merge=True, decode="eager"),
+        "builtin-static": BuiltinGenerator(**ours, merge=True, decode="static"),
+        "builtin-chunks": BuiltinGenerator(**ours, merge=True, continuous=False),
+        "builtin-static-chunks": BuiltinGenerator(**ours, merge=True, decode="static", continuous=False),
+        "builtin-unmerged": BuiltinGenerator(**ours, merge=False),
+        "builtin-bf16": BuiltinGenerator(**ours, merge=True, dtype=torch.bfloat16),
+        "builtin-fp16w": BuiltinGenerator(**ours, merge=True, fp16_weights=True) if packed_fp16_available() else None,
         "hf": HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=args.prompts * args.G),
     }
     unknown = set(args.sides.split(",")) - sides.keys()

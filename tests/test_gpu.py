@@ -112,47 +112,41 @@ def test_cuda_graph_decode_samples_what_the_eager_step_samples(tiny_model_dir, m
     assert (eager.sampling_logp_BTc - graph.sampling_logp_BTc).abs().max() < 1e-5
 
 
-def test_graph_decode_draws_inside_the_graph_and_syncs_only_at_checks(tiny_model_dir, monkeypatch):
-    """Plain temperature sampling with min_new_tokens and a greedy prompt: the draw is recorded in the CUDA
-    graph (device_loop.decode_on_device), the tokens equal the eager host loop's, and the loop's steps make no
-    device-to-host sync (torch's sync debug mode raises on one) except the all-finished reads."""
-    from rlora.rollout import device_loop
-    from test_device_loop import _per_prompt
+def test_graph_decode_draws_inside_the_graph_and_syncs_only_at_reads(tiny_model_dir, monkeypatch):
+    """Plain temperature sampling with min_new_tokens, a greedy prompt and ragged limits through 2 slots (continuous
+    batching): the draw is recorded in the CUDA graph, the tokens equal the eager host loop's, and the decode
+    loop's steps (decode_loop.advance, once per token) make no device-to-host sync: torch's sync debug mode
+    raises on one. The loop syncs only where it reads the finished flags and admits prompts."""
+    from test_decode_loop import _per_prompt, _prompts
+
+    from rlora.rollout import decode_loop, graphed
 
     tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    prompts = _prompts(prompts)
     eager = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode="eager").sample(model, prompts, 3, _per_prompt(), seed=11)
-    real_finished = device_loop.all_finished
 
-    def finished_with_syncs_allowed(rows):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return real_finished(rows)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    real_decode = device_loop.decode_on_device
-
-    def decode_in_error_mode(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return real_decode(*args, **kwargs)
-        finally:
+    def syncs_allowed(function):
+        def run(*args, **kwargs):
             torch.cuda.set_sync_debug_mode(0)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        return run
 
-    real_record = device_loop.StaticDecoder._record
-
-    def record_with_syncs_allowed(self):  # capturing a graph synchronises the device, once
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return real_record(self)
-        finally:
+    def in_error_mode(function):
+        def run(*args, **kwargs):
             torch.cuda.set_sync_debug_mode("error")
+            try:
+                return function(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return run
 
-    monkeypatch.setattr(device_loop, "all_finished", finished_with_syncs_allowed)
-    monkeypatch.setattr(device_loop.StaticDecoder, "_record", record_with_syncs_allowed)
-    from rlora.rollout import engine
-    monkeypatch.setattr(engine, "decode_on_device", decode_in_error_mode)
-    graph = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode="graph").sample(model, prompts, 3, _per_prompt(), seed=11)
+    monkeypatch.setattr(graphed.StaticDecoder, "_record", syncs_allowed(graphed.StaticDecoder._record))
+    monkeypatch.setattr(decode_loop, "advance", in_error_mode(decode_loop.advance))
+    graph = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode="graph", max_rows=6).sample(
+        model, prompts, 3, _per_prompt(), seed=11)
     assert torch.equal(eager.completion_ids_BTc, graph.completion_ids_BTc)
     assert eager.finish_reasons == graph.finish_reasons
     assert (eager.sampling_logp_BTc - graph.sampling_logp_BTc).abs().max() < 1e-5

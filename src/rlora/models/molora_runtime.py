@@ -41,10 +41,15 @@ class SamplerRouting:
         self.model, self.G = model, G
         self.summary_PD = ml.prompt_summary(model, prompts) if ml.sequence_routed(model) else None
 
-    def prompts(self) -> None:
-        """The next forward runs the P prompts (prefill)."""
+    @property
+    def routes(self) -> bool:
+        """Whether the rows' prompts change what a forward computes (a sequence router)."""
+        return self.summary_PD is not None
+
+    def prompts(self, index_n: list[int] | None = None) -> None:
+        """The next forward runs these of the P prompts (prefill; None: all of them)."""
         if self.summary_PD is not None:
-            ml.set_sequence_routing(self.model, self.summary_PD)
+            ml.set_sequence_routing(self.model, self.summary_PD if index_n is None else self.summary_PD[index_n])
 
     def rows(self, rows_A: torch.Tensor) -> None:
         """The next forwards run these rows of the P x G (a decoding step)."""

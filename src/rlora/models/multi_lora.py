@@ -269,10 +269,15 @@ class SamplerPolicies:
             raise ValueError("a model with several policy adapters samples with policies=[policy of each prompt]")
         self.policy_P = torch.tensor(policy_P, dtype=torch.long, device=device)
 
-    def prompts(self) -> None:
-        """The next forward runs the P prompts (prefill)."""
+    @property
+    def routes(self) -> bool:
+        """Whether the rows' policies change what a forward computes (a model with several policies)."""
+        return self.state is not None
+
+    def prompts(self, index_n: list[int] | None = None) -> None:
+        """The next forward runs these of the P prompts (prefill; None: all of them)."""
         if self.state is not None:
-            self.state.set_rows(self.policy_P)
+            self.state.set_rows(self.policy_P if index_n is None else self.policy_P[index_n])
 
     def rows(self, rows_A: torch.Tensor) -> None:
         """The next forwards run these rows of the P x G (a decoding step)."""

@@ -1,6 +1,6 @@
 """Phase-aware sampling: which rows are inside a thinking span, and the settings they draw with.
 ThinkTracker is pure bookkeeping on token ids and their decoded text (no tensors, no model), tested on
-hand-written sequences; ChunkPhases applies it to the rows the built-in engine decodes together.
+hand-written sequences; RowPhases applies it to the rows of a built-in sampler call.
 
 A row starts inside when its ThinkPhase says `starts_inside`, enters after the token whose text completes
 `start`, and leaves after the token that completes `end`. A token is drawn with the think settings iff
@@ -51,9 +51,9 @@ def think_phases(params: Sequence[SamplingParams], n: int) -> list[ThinkPhase | 
     return [None if p.greedy else p.think for p in params for _ in range(n)]
 
 
-class ChunkPhases:
-    """The thinking-span state of the B rows of one engine chunk, built only when some row has a phase
-    (rows without one keep their own settings). Records the temperature each token was drawn at."""
+class RowPhases:
+    """The thinking-span state of the B rows of one sampler call, built only when some row has a phase (rows
+    without one keep their own settings). Records the temperature each token was drawn at."""
 
     def __init__(self, decode: Callable[[list[int]], str], phases: list[ThinkPhase | None], rows: RowParams,
                  max_new: int):
@@ -67,18 +67,18 @@ class ChunkPhases:
         self.inside_B = torch.tensor(self.tracker.inside, device=device)
         self.temperature_BT = torch.zeros(len(phases), max_new)  # float32, 0 where no token was drawn
 
-    def settings(self, rows_A: RowParams, active_A: torch.Tensor, t: int) -> RowParams:
-        """The settings the active rows (rows_A = their own settings) draw token t with."""
+    def settings(self, rows_A: RowParams, active_A: torch.Tensor, t_A: torch.Tensor) -> RowParams:
+        """The settings the active rows (rows_A = their own settings) draw their token t_A with."""
         inside_A = self.inside_B[active_A]
         temperature_A = torch.where(inside_A, self.temperature_B[active_A], rows_A.temperature_A)
         rows_A = replace(rows_A, temperature_A=temperature_A,
                          top_p_A=torch.where(inside_A, self.top_p_B[active_A], rows_A.top_p_A))
-        self.temperature_BT[active_A.cpu(), t] = rows_A.temperature_A.float().cpu()
+        self.temperature_BT[active_A.cpu(), t_A.cpu()] = rows_A.temperature_A.float().cpu()
         return rows_A
 
-    def advance(self, tokens_BT: torch.Tensor, active: list[int], t: int) -> None:
-        """Token t of the active rows is in tokens_BT (CPU): switch the rows it took into or out of a span."""
-        for row in active:
+    def advance(self, tokens_BT: torch.Tensor, active: list[int], t: list[int]) -> None:
+        """Token t[i] of row active[i] is in tokens_BT: switch the rows it took into or out of a span."""
+        for row, last in zip(active, t):
             if self.phases[row] is not None:
-                self.tracker.update(row, tokens_BT[row, :t + 1].tolist())
+                self.tracker.update(row, tokens_BT[row, :last + 1].tolist())
         self.inside_B = torch.tensor(self.tracker.inside, device=self.inside_B.device)

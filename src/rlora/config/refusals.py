@@ -222,6 +222,11 @@ REFUSALS: tuple[Refusal, ...] = (
             "stays put, with the LoRA beside them: use it with model.dtype=float32, model.device=cpu, "
             "rollout.merge_adapter=true and train.fsdp=false, or set rollout.sampler_dtype=auto",
             ("rollout.sampler_dtype=float16_weights", "rollout.merge_adapter=false")),
+    Refusal("autocast-bf16-needs-a-bf16-or-float32-model", ("train",),
+            lambda cfg: cfg.train.autocast == "bfloat16" and (cfg.model.dtype == "float16" or cfg.train.fsdp),
+            "train.autocast=bfloat16 runs a bfloat16 or float32 model's passes in bf16, without train.fsdp (its "
+            "layers manage their own dtypes): set train.autocast=off, or model.dtype=bfloat16 and train.fsdp=false",
+            ("train.autocast=bfloat16", "model.dtype=float16")),
     # ---- algorithms
     Refusal("overlong-buffer-over-length", ("train",), lambda cfg: cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens,
             lambda cfg: f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds rollout.max_new_tokens="

@@ -308,6 +308,16 @@ class TrainConfig(OptimizerConfig):
         "where the numbers stay those of separate rows (models/shared_prompts.py)")
     release_memory: bool = Field(
         False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
+    autocast: Literal["auto", "bfloat16", "off"] = Field(
+        "auto", description="The trainer's log-prob passes (reference, old, policy) and backward under torch.autocast: "
+        "'bfloat16' runs the adapters' matmuls in bf16 on the base's bf16 activations instead of float32 copies of "
+        "them (less activation memory; the adapters' weights and gradients stay float32); 'auto': bfloat16 for a "
+        "bfloat16 model on a device that computes bf16 natively, else off")
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _off_is_a_word(cls, value):
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
     fsdp: bool = Field(
         False, description="Under torchrun (2+ ranks): shard the frozen base's decoder layers across the ranks with "
         "FSDP2 (docs/fsdp.md)")

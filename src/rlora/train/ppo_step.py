@@ -21,6 +21,7 @@ import torch
 from rlora.algos.gae import clipped_value_loss, explained_variance, ppo_advantages
 from rlora.algos.losses import aggregate
 from rlora.models.frozen_prefix import FrozenPrefix
+from rlora.models.precision import trainer_precision
 from rlora.models.value_model import Critic
 from rlora.batching import trim
 from rlora.train.step import (
@@ -105,34 +106,35 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
     mb, chunk, beta = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens, cfg.algo.beta
     algo = dataclasses.replace(s.algo, kl_in_reward=ppo.kl_mode == "reward")  # the loss then has no KL term
     need_old = cfg.algo.num_iterations > 1 or (algo.kl_in_reward and beta > 0)
-    prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
-    ref_logp = None
-    if beta > 0:
-        with s.adapter.disabled():
-            ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
-    old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix) if need_old else None
-    old_values_BT = batched_values(critic, rollout, mb, prefix) * mask_BT
-    t_values = time.perf_counter()
+    with trainer_precision(s.model, cfg.train.autocast):  # every log-prob and value pass and its backward alike
+        prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
+        ref_logp = None
+        if beta > 0:
+            with s.adapter.disabled():
+                ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
+        old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix) if need_old else None
+        old_values_BT = batched_values(critic, rollout, mb, prefix) * mask_BT
+        t_values = time.perf_counter()
 
-    kl_BT = old_logp - ref_logp if algo.kl_in_reward and ref_logp is not None else None  # k1 per token
-    rewards_B = batch.stats_rewards_P_S[:, :cfg.rollout.num_generations].reshape(-1)
-    targets = ppo_advantages(rewards_B, old_values_BT, mask_BT, ppo.gamma, ppo.lam, ppo.whiten_advantages,
-                             cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
-    behaviour_BT, cap_B = behaviour(s, batch)
-    scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
-    policy_params, value_params = policy.params, critic.parameters()
-    for _ in range(cfg.algo.num_iterations):
-        lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
-        update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
-                                            prefix, s.adapter)
-        update |= accumulate_value_gradient(critic, rollout, targets.returns_BT, old_values_BT, mask_BT, mb,
-                                            ppo.value_clip, prefix, s.world)
-        value_grad_norm = _clip(value_params, cfg.train.max_grad_norm)
-        # a non-finite value loss or gradient skips the whole update, as a non-finite policy one does
-        finite = math.isfinite(update["value_loss"]) and math.isfinite(value_grad_norm)
-        update |= optimizer_step(policy_params, optimizer, scheduler, cfg.train.max_grad_norm,
-                                 update["loss"] if finite else math.nan)
-        update["value_grad_norm"] = value_grad_norm
+        kl_BT = old_logp - ref_logp if algo.kl_in_reward and ref_logp is not None else None  # k1 per token
+        rewards_B = batch.stats_rewards_P_S[:, :cfg.rollout.num_generations].reshape(-1)
+        targets = ppo_advantages(rewards_B, old_values_BT, mask_BT, ppo.gamma, ppo.lam, ppo.whiten_advantages,
+                                 cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
+        behaviour_BT, cap_B = behaviour(s, batch)
+        scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
+        policy_params, value_params = policy.params, critic.parameters()
+        for _ in range(cfg.algo.num_iterations):
+            lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
+            update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
+                                                prefix, s.adapter)
+            update |= accumulate_value_gradient(critic, rollout, targets.returns_BT, old_values_BT, mask_BT, mb,
+                                                ppo.value_clip, prefix, s.world)
+            value_grad_norm = _clip(value_params, cfg.train.max_grad_norm)
+            # a non-finite value loss or gradient skips the whole update, as a non-finite policy one does
+            finite = math.isfinite(update["value_loss"]) and math.isfinite(value_grad_norm)
+            update |= optimizer_step(policy_params, optimizer, scheduler, cfg.train.max_grad_norm,
+                                     update["loss"] if finite else math.nan)
+            update["value_grad_norm"] = value_grad_norm
     t_end = time.perf_counter()
 
     metrics = {

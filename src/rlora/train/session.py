@@ -108,6 +108,7 @@ def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from:
     """`auto` settings -> what this machine runs fastest (rlora.machine), printed once; config.yaml and the
     checkpoints then hold the chosen value. A resumed run keeps its checkpoint's choice (the samples depend on
     it), and rank 0 decides for every rank (ranks on other CPUs must still sample alike)."""
+    _resolve_autocast(cfg, world, resume_from)
     if cfg.rollout.sampler_dtype != "auto":
         return
     if resume_from is not None:
@@ -123,6 +124,27 @@ def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from:
     cfg.rollout.sampler_dtype = chosen
     if world.is_main:
         info(f"rollout.sampler_dtype=auto -> {chosen} ({why})")
+
+
+def _resolve_autocast(cfg: RLConfig, world: World, resume_from: Path | None) -> None:
+    """train.autocast=auto -> bfloat16 for a bfloat16 model where the device computes bf16 natively (elsewhere bf16
+    arithmetic is emulated: slower), else off; a resumed run keeps its checkpoint's (a run before the key: off)."""
+    if cfg.train.autocast != "auto":
+        return
+    if resume_from is not None:
+        chosen, why = saved_setting(resume_from, "train", "autocast") or "off", "the checkpoint's"
+    elif cfg.model.dtype != "bfloat16":
+        chosen, why = "off", f"a {cfg.model.dtype} model"
+    elif cfg.train.fsdp:
+        chosen, why = "off", "train.fsdp"
+    elif native_half(resolve_device(cfg.model.device), "bfloat16"):
+        chosen, why = "bfloat16", "a bfloat16 model on a device that computes bf16 natively"
+    else:
+        chosen, why = "off", "no native bf16 on this device (AVX512-BF16/AMX absent, or a GPU before Ampere)"
+    chosen, why = gather_objects(world, (chosen, why))[0]
+    cfg.train.autocast = chosen
+    if world.is_main:
+        info(f"train.autocast=auto -> {chosen} ({why})")
 
 
 def _fastest_sampler(cfg: RLConfig, device) -> tuple[str, str]:

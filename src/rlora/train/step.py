@@ -15,6 +15,7 @@ from rlora.data.prompts import PromptOrder, prompt_text
 from rlora.errors import UserError
 from rlora.rewards.scoring import Scores
 from rlora.models.frozen_prefix import FrozenPrefix
+from rlora.models.precision import trainer_precision
 from rlora.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
 from rlora.train.replay import ReplayBuffer, StoredGroup
@@ -236,33 +237,36 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     betas = [p.beta for p in s.policies]  # each policy's own
     need_ref = max(betas) > 0
     need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and cfg.algo.beta > 0)
-    # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
-    prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
-    t_prefix = time.perf_counter()
-    ref_logp = None
-    if need_ref:
-        with s.adapter.disabled():
-            ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
-    t_ref = time.perf_counter()
-    # each row's policy; replayed rows are the run's only policy's (the config refuses replay with several)
-    policy_B = torch.cat([row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations),
-                          torch.zeros(rollout.num_completions - batch.num_fresh, dtype=torch.long)])
-    old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix, policy_B) if need_old else None
-    t_old = time.perf_counter()
+    with trainer_precision(s.model, cfg.train.autocast):  # every log-prob pass and its backward alike
+        # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
+        prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
+        t_prefix = time.perf_counter()
+        ref_logp = None
+        if need_ref:
+            with s.adapter.disabled():
+                ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
+        t_ref = time.perf_counter()
+        # each row's policy; replayed rows are the run's only policy's (the config refuses replay with several)
+        policy_B = torch.cat([row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations),
+                              torch.zeros(rollout.num_completions - batch.num_fresh, dtype=torch.long)])
+        old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix, policy_B) if need_old else None
+        t_old = time.perf_counter()
 
-    advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
-    behaviour_BT, cap_B = behaviour(s, batch)
-    fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
-    scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B, betas)
-    optim_s = 0.0
-    for _ in range(cfg.algo.num_iterations):
-        lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]
-        updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
-                                                 s.world, prefix, s.adapter)
-        t_optim = time.perf_counter()
-        for update, p, lr in zip(updates, s.policies, lrs):
-            update |= optimizer_step(p.params, p.optimizer, p.scheduler, cfg.train.max_grad_norm, update["loss"]) | {"lr": lr}
-        optim_s += time.perf_counter() - t_optim
+        advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
+        behaviour_BT, cap_B = behaviour(s, batch)
+        fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
+        scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B,
+                               betas)
+        optim_s = 0.0
+        for _ in range(cfg.algo.num_iterations):
+            lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]
+            updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
+                                                     s.world, prefix, s.adapter)
+            t_optim = time.perf_counter()
+            for update, p, lr in zip(updates, s.policies, lrs):
+                update |= optimizer_step(p.params, p.optimizer, p.scheduler, cfg.train.max_grad_norm,
+                                         update["loss"]) | {"lr": lr}
+            optim_s += time.perf_counter() - t_optim
     t_end = time.perf_counter()
     stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
 

@@ -24,7 +24,7 @@ from rlora.cli import _quiet_libraries
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig
 from rlora.models.adapters import reference_policy
 from rlora.models.loading import attach_lora, load_base_model, trainable_parameters
-from rlora.models.precision import trainer_precision
+from rlora.models.precision import SavedForBackward, trainer_precision
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
 from rlora.types import Rollout
 
@@ -39,15 +39,6 @@ def random_rollout(rows: int, prompt: int, completion: int, vocab: int) -> Rollo
 
 
 def update(model, rollout: Rollout, autocast: str) -> tuple[float, torch.Tensor, int, float | None]:
-    kept, seen = [0], set()
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            kept[0] += storage.nbytes()
-        return tensor
-
     model.zero_grad(set_to_none=True)
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -58,11 +49,11 @@ def update(model, rollout: Rollout, autocast: str) -> tuple[float, torch.Tensor,
         with reference_policy(model):
             ref = batched_logprobs(model, rollout, rows)
         scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, None, ref)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with SavedForBackward() as kept:
             metrics = accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(beta=0.04), scored, rows,
                                                  rollout.completion_ids_BTc.shape[1])
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return metrics["loss"], torch.cat([p.grad.flatten().float() for p in trainable_parameters(model)]), kept[0], peak
+    return metrics["loss"], torch.cat([p.grad.flatten().float() for p in trainable_parameters(model)]), kept.bytes, peak
 
 
 def main() -> int:

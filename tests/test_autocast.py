@@ -16,7 +16,7 @@ from rlora.cli import main
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig, load_config
 from rlora.models.adapters import reference_policy
 from rlora.models.loading import attach_lora, load_base_model, load_tokenizer, trainable_parameters
-from rlora.models.precision import trainer_precision
+from rlora.models.precision import SavedForBackward, trainer_precision
 from rlora.train.session import resolve_machine_settings
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient, batched_logprobs
 
@@ -32,15 +32,6 @@ def _bf16_policy(model_dir):
 def _update(model, rollout, autocast: str) -> tuple[dict, torch.Tensor, int]:
     """One GRPO update (beta 0.04: the reference pass too) -> its metrics, the flat gradient, and the bytes of the
     distinct storages the autograd graph kept for backward."""
-    kept, seen = [0], set()
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            kept[0] += storage.nbytes()
-        return tensor
-
     model.zero_grad()
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, 0.0, -0.3, 0.2])
     with trainer_precision(model, autocast):
@@ -48,10 +39,10 @@ def _update(model, rollout, autocast: str) -> tuple[dict, torch.Tensor, int]:
             ref = batched_logprobs(model, rollout, 8)
         scored = ScoredRollout(rollout, per_token(advantages, rollout.completion_mask_BTc), rollout.completion_mask_BTc,
                                None, ref)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with SavedForBackward() as kept:
             metrics = accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(beta=0.04), scored, 8, 6)
     gradient = torch.cat([p.grad.flatten() for p in trainable_parameters(model)])
-    return metrics, gradient, kept[0]
+    return metrics, gradient, kept.bytes
 
 
 def test_bf16_autocast_changes_the_update_by_rounding_and_keeps_less_for_backward(tiny_model_dir):

@@ -28,3 +28,24 @@ def trainer_precision(model: torch.nn.Module, autocast: str):
     device = next(model.parameters()).device
     with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[autocast]), disable_input_dtype_casting(model):
         yield
+
+
+class SavedForBackward:
+    """Counts the bytes of the distinct storages autograd saves for backward inside it: the activation memory a
+    pass holds until its backward, independent of the allocator (tests/test_autocast.py, bench/autocast_memory.py)."""
+
+    def __enter__(self) -> "SavedForBackward":
+        self.bytes, self._seen = 0, set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # rlora's checks and measurements on a GPU machine, in one go (the numbers are in docs/benchmarks.md).
 #
-#   bash bench/gpu_suite.sh [tests] [sampler] [trl] [trl-grid]    (default: tests sampler trl)
+#   bash bench/gpu_suite.sh [tests] [sampler] [ragged] [autocast] [trl] [trl-grid]
+#                                         (default: tests sampler ragged autocast trl)
 #
 # Runs from the repository root with rlora importable (pip install -e ".[dev,bench]", or PYTHONPATH=src plus
 # the packages) and a CUDA torch. The random Qwen2.5-0.5B-shape model is built into $RLORA_CACHE on first use;
@@ -12,7 +13,7 @@ set -uo pipefail
 export PYTHONPATH="src:bench${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 LOGS="${OUT:-gpu-logs}"
 mkdir -p "$LOGS"
-parts=("${@:-tests sampler trl}")
+parts=("${@:-tests sampler ragged autocast trl}")
 parts=(${parts[*]})
 status=0
 
@@ -41,6 +42,13 @@ for part in "${parts[@]}"; do
     sampler)  # issue #4: 64 prompts x G=8 x 256 tokens, bf16, against HF generate with an unmerged adapter
       python3 bench/sampler.py --model qwen2.5-0.5b --dtype bfloat16 --prompts 64 --G 8 --tokens 256 --repeats 3 \
         --sides builtin,builtin-eager,builtin-unmerged,hf 2>&1 | tee "$LOGS/sampler.log" || status=1 ;;
+    ragged)  # issue #22 item 4: completions ending between 8 and 1024 tokens, 512 rows through 128-row slots:
+      # continuous batching against fixed chunks of 128 rows, CUDA graphs (builtin) and the eager step
+      python3 bench/sampler.py --model qwen2.5-0.5b --dtype bfloat16 --prompts 512 --G 1 --ragged 8,1024 \
+        --max-rows 128 --repeats 3 --sides builtin,builtin-chunks,builtin-eager 2>&1 | tee "$LOGS/ragged.log" || status=1 ;;
+    autocast)  # issue #22 item 6: what the update keeps for backward and the peak GPU memory, autocast off / bf16
+      python3 bench/autocast_memory.py --model qwen2.5-0.5b --rows 16 --prompt 128 --completion 256 2>&1 \
+        | tee "$LOGS/autocast.log" || status=1 ;;
     trl)  # issue #3: rlora vs TRL on the GPU, one configuration
       python3 bench/compare_trl.py timing --models qwen2.5-0.5b --device cuda --dtype bfloat16 --lengths 256 --gens 8 \
         --betas 0.04 --steps 3 --warmup 1 --repeats 2 --threads 8 --out "$LOGS/trl.jsonl" 2>&1 | tee "$LOGS/trl.log" \
@@ -49,7 +57,7 @@ for part in "${parts[@]}"; do
       python3 bench/compare_trl.py timing --models qwen2.5-0.5b --device cuda --dtype bfloat16 --lengths 256 \
         --gens 4,16 --betas 0,0.04 --steps 2 --warmup 1 --repeats 1 --threads 8 --out "$LOGS/trl-grid.jsonl" 2>&1 \
         | tee "$LOGS/trl-grid.log" || status=1 ;;
-    *) echo "unknown part '$part' (tests, sampler, trl, trl-grid)"; exit 2 ;;
+    *) echo "unknown part '$part' (tests, sampler, ragged, autocast, trl, trl-grid)"; exit 2 ;;
   esac
 done
 exit $status

@@ -137,6 +137,7 @@ class Slots:
         self.token_B = torch.zeros(S * G, dtype=torch.long, device=device)  # what each slot row feeds next
 
     def slot_rows(self, slots: list[int]) -> torch.Tensor:
+        """The slot rows (s * G + g) of these slots."""
         return (torch.tensor(slots, dtype=torch.long)[:, None] * self.G + torch.arange(self.G)).reshape(-1).to(self.rows_B.device)
 
     def place(self, slots: list[int], prompts: list[int], prompt_len_n: torch.Tensor) -> torch.Tensor:
@@ -194,7 +195,7 @@ def decode(call: CallRows, slots: Slots, num_prompts: int, admit: Admit, step: S
             if release is not None and slots.prompt_S[slot] is not None:
                 release(slot)
         logits_nV = admit(free, taken)
-        slot_rows = slots.rows_B.new_tensor([s * G + g for s in free for g in range(G)])
+        slot_rows = slots.slot_rows(free)
         call_rows = slots.rows_B[slot_rows]
         zeros = torch.zeros_like(call_rows)
         settings = None if host is None else host.settings(call_rows, zeros)
@@ -210,7 +211,7 @@ def decode(call: CallRows, slots: Slots, num_prompts: int, admit: Admit, step: S
     refill(list(range(slots.S)))
     while True:
         due = min((deadline_S[s] for s in range(slots.S) if live_S[s]), default=steps)
-        if host is not None or steps % CHECK_EVERY == 0 or steps >= due:
+        if host is not None or (steps > 0 and steps % CHECK_EVERY == 0) or steps >= due:
             finished = all_finished(rows.done_B[slots.rows_B].view(slots.S, G))
             free = [s for s in range(slots.S) if finished[s]]
             for s in free:

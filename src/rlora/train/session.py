@@ -143,7 +143,8 @@ def _resolve_autocast(cfg: RLConfig, world: World, resume_from: Path | None) -> 
         chosen, why = "off", "no native bf16 on this device (AVX512-BF16/AMX absent, or a GPU before Ampere)"
     chosen, why = gather_objects(world, (chosen, why))[0]
     cfg.train.autocast = chosen
-    if world.is_main:
+    # a float32/float16 model leaves nothing to decide: say so only where the choice depended on the device or run
+    if world.is_main and (cfg.model.dtype == "bfloat16" or resume_from is not None):
         info(f"train.autocast=auto -> {chosen} ({why})")
 
 

@@ -99,3 +99,32 @@ def test_sampler_policies_route_only_where_the_model_serves_several(kind, tiny_m
     assert adapter.sampler_policies([0, 0, 0]) is None and adapter.sampler_policies([]) is None
     with pytest.raises(ValueError, match="policy 1 asked of an adapter that serves one policy"):
         adapter.sampler_policies([0, 1])
+
+
+@pytest.mark.parametrize("kind", ["peft", "multi", "molora-token", "molora-sequence"])
+def test_prompt_routing_routes_each_row_by_its_own_prompt_only_where_a_sequence_router_does(kind, tiny_model_dir):
+    """What `rlora sft` runs each forward in: a sequence router's rows take the gates of their own prompts (row 1
+    alone gives the same logits as inside the batch; other prompts change them); every other kind is unchanged."""
+    if kind.startswith("molora"):
+        base = base_model(tiny_model_dir)
+        ml.attach_molora(base, MoLoRAConfig(num_experts=2, top_k=1, rank=2, router=kind.split("-")[1],
+                                            router_init_std=0.5))
+        model, adapter = with_random_up_factors(base, "molora_B").double(), MoLoRA(base)
+    else:
+        model, adapter, _ = build(kind, tiny_model_dir)
+    prompts = [[5, 6, 7], [40, 41]]
+    rows = torch.tensor([0, 1]) if len(adapter.names) > 1 else None
+
+    def routed_logits(ids, prompt_lists):
+        with torch.no_grad(), adapter.rows(rows if len(ids) == 2 else None), adapter.prompt_routing(prompt_lists):
+            return model(input_ids=ids).logits
+
+    together = routed_logits(IDS, prompts)
+    if kind == "molora-sequence":
+        assert adapter.batch_aux_loss([torch.ones_like(IDS)], prompts, lambda i: None) is not None
+        assert not torch.allclose(together, routed_logits(IDS, prompts[::-1]))
+        alone = routed_logits(IDS[1:], prompts[1:])
+        torch.testing.assert_close(together[1:], alone, rtol=0, atol=1e-12)
+        return
+    assert torch.equal(together, routed_logits(IDS, prompts[::-1]))
+    assert (adapter.batch_aux_loss([torch.ones_like(IDS)], prompts, lambda i: None) is None) == (kind != "molora-token")

@@ -12,6 +12,7 @@ from rlora.cli import main
 from rlora.config import ModelConfig, SFTConfig, load_config
 from rlora.data.sft_data import Conversation, load_sft_data, tokenize
 from rlora.models import molora as ml
+from rlora.models.adapters import adapter_of
 from rlora.models.loading import load_base_model, load_tokenizer
 from rlora.models.molora import MoLoRAConfig
 from rlora.train import sft
@@ -45,8 +46,7 @@ def routed_logits(model, rows) -> torch.Tensor:
     """Logits of the rows (right-padded) routed by their prompts, as training and eval route them."""
     device = next(model.parameters()).device
     ids, mask, _ = (t.to(device) for t in collate(rows, 0))
-    [context] = sft.routing_contexts(model, [rows])
-    with torch.no_grad(), context:
+    with torch.no_grad(), adapter_of(model).prompt_routing([sft.prompt_ids(r) for r in rows]):
         return model(input_ids=ids, attention_mask=mask).logits.cpu()
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from rlora.errors import UserError
 from rlora.models import molora as ml
 from rlora.models.loading import causal_lm, save_adapter, trainable_parameters
-from rlora.models.molora_runtime import RolloutRouting
+from rlora.models.molora_runtime import RolloutRouting, prompt_list_routing
 from rlora.models.multi_lora import (
     PEFT_NAME, parameters_per_policy, policies_disabled, policy_rows, policy_state, save_policy,
 )
@@ -51,6 +51,16 @@ class PolicyAdapter(Protocol):
     def sampler_policies(self, policy_N: Sequence[int]) -> list[int] | None:
         """The sampler's `policies` argument for prompts of these policies: the list where the model serves
         several; None where it serves one (the sampler's plain path, transformers generate's too)."""
+
+    def prompt_routing(self, prompts: Sequence[Sequence[int]]) -> AbstractContextManager:
+        """Forwards inside run rows whose prompts are these token lists, one per row, in row order: a MoLoRA
+        sequence router routes each row by its prompt; every other kind runs them as it would anyway."""
+
+    def batch_aux_loss(self, masks_BT: Sequence[torch.Tensor], prompts: Sequence[Sequence[int]], forward,
+                       sum_over_ranks: ml.SumOverRanks | None = None) -> ml.BatchAuxLoss | None:
+        """The auxiliary loss of one supervised batch run as micro-batches (masks_BT: each micro-batch's attention
+        mask; prompts: every row's prompt, in micro-batch order; forward(i): micro-batch i's forward in its
+        routing context), or None: the policy has none. `aux_loss` is the same for the rows of a rollout."""
 
     def aux_loss(self, micro_batches: list[RolloutSlice], forward,
                  sum_over_ranks: ml.SumOverRanks | None = None) -> RolloutRouting | None:
@@ -81,7 +91,14 @@ class _OnePolicy:
 
 
 class _WithoutAuxLoss:
-    """A plain LoRA adapter (one or several) adds no auxiliary loss to the update, and trains only rows that move."""
+    """A plain LoRA adapter (one or several) routes no row by its prompt, adds no auxiliary loss to the update, and
+    trains only rows that move."""
+
+    def prompt_routing(self, prompts: Sequence[Sequence[int]]) -> AbstractContextManager:
+        return nullcontext()
+
+    def batch_aux_loss(self, masks_BT, prompts, forward, sum_over_ranks=None) -> None:
+        return None
 
     def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> None:
         return None
@@ -150,6 +167,13 @@ class MoLoRA(_OnePolicy):
 
     def disabled(self) -> AbstractContextManager:
         return ml.molora_disabled(self.model)
+
+    def prompt_routing(self, prompts: Sequence[Sequence[int]]) -> AbstractContextManager:
+        return prompt_list_routing(self.model, prompts)  # a no-op for a token router
+
+    def batch_aux_loss(self, masks_BT, prompts, forward, sum_over_ranks=None) -> ml.BatchAuxLoss:
+        return ml.BatchAuxLoss(self.model, masks_BT, lambda: ml.prompt_summary(self.model, prompts), forward,
+                               sum_over_ranks)
 
     def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> RolloutRouting:
         return RolloutRouting(self.model, micro_batches, forward, sum_over_ranks)

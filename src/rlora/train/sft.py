@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -23,8 +22,9 @@ from rlora.data.sft_data import IGNORE, LengthGroupedOrder, SFTData, TokenizedRo
 from rlora.errors import UserError
 from rlora.logging.console import info, print_summary
 from rlora.models import molora as ml
+from rlora.models.adapters import adapter_of
 from rlora.models.loading import (
-    attach_lora, causal_lm, load_base_model, load_tokenizer, model_device, resolve_model_path, save_adapter,
+    attach_lora, causal_lm, load_base_model, load_tokenizer, model_device, resolve_model_path,
     trainable_parameters,
 )
 from rlora.models.logprobs import supports_chunked
@@ -80,47 +80,30 @@ def prompt_ids(row: TokenizedRow) -> list[int]:
     return row.ids[: max(first, 1)]
 
 
-def chunk_summaries(model, chunks: list[list[TokenizedRow]]) -> list[torch.Tensor] | None:
-    """Per micro-batch, the prompt summaries of its rows, which route them (a MoLoRA sequence router); None
-    where the model needs none (plain LoRA, token router)."""
-    if not ml.sequence_routed(model):
-        return None
-    return [ml.prompt_summary(model, [prompt_ids(r) for r in chunk]) for chunk in chunks]
-
-
-def routing_contexts(model, chunks: list[list[TokenizedRow]]) -> list:
-    """Per micro-batch, the routing context its forward needs: a sequence router's prompt summaries, else
-    nothing (plain LoRA, token router)."""
-    summaries = chunk_summaries(model, chunks)
-    if summaries is None:
-        return [nullcontext() for _ in chunks]
-    return [ml.sequence_routing(model, summary) for summary in summaries]
-
-
 def backward_batch(model, rows: list[TokenizedRow], micro_size: int, pad_id: int,
                    metrics: dict | None = None, world: World = World()) -> tuple[float, int]:
     """Accumulate the gradient of the batch's mean token loss: every micro-batch's summed loss is divided by
-    the whole batch's target count, so how the batch is split does not change the gradient. A MoLoRA model
-    adds the routers' auxiliary loss of the whole batch as one forward (ml.BatchAuxLoss: so micro_batch_size
-    does not change that part of the gradient either) and puts `aux_loss` and the router metrics into
-    `metrics`. Data parallel: `rows` is this rank's share; the count, the gradients and the loss are summed over
-    ranks. -> (loss, tokens): the task loss alone, of the whole batch."""
+    the whole batch's target count, so how the batch is split does not change the gradient. Each forward runs
+    in its rows' prompt routing, and the policy's auxiliary loss of the whole batch (a MoLoRA router's:
+    ml.BatchAuxLoss, so micro_batch_size does not change that part of the gradient either) joins the loss, its
+    `aux_loss` and router metrics going into `metrics` (models/adapters.py: what the policy kind does). Data
+    parallel: `rows` is this rank's share; the count, the gradients and the loss are summed over ranks.
+    -> (loss, tokens): the task loss alone, of the whole batch."""
+    adapter = adapter_of(model)
     total = int(all_reduce_sums(world, [sum(num_targets(r) for r in rows)])[0])
     chunks = micro_batches(rows, micro_size)
     batches = [collate(chunk, pad_id) for chunk in chunks]
-    summaries = chunk_summaries(model, chunks)
+    prompts = [[prompt_ids(r) for r in chunk] for chunk in chunks]
     device = model_device(model)
 
     def forward(index: int):
         """Micro-batch `index`'s forward in its routing context -> (its summed token loss, attention mask)."""
         ids, mask, labels = (t.to(device) for t in batches[index])
-        with nullcontext() if summaries is None else ml.sequence_routing(model, summaries[index]):
+        with adapter.prompt_routing(prompts[index]):
             return labelled_nll_sum(model, ids, mask, labels), mask
 
-    aux = None
-    if ml.has_molora(model):
-        aux = ml.BatchAuxLoss(model, [mask for _, mask, _ in batches], lambda: torch.cat(summaries), forward,
-                              (lambda t: all_reduce_tensor(world, t)) if world.active else None)
+    aux = adapter.batch_aux_loss([mask for _, mask, _ in batches], [p for chunk in prompts for p in chunk], forward,
+                                 (lambda t: all_reduce_tensor(world, t)) if world.active else None)
     loss_sum = 0.0
     for index in range(len(batches)):
         nll, mask = forward(index)
@@ -145,9 +128,10 @@ def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int, wor
     rows = rows[world.rank * len(rows) // world.size:(world.rank + 1) * len(rows) // world.size]
     total, loss_sum = 0, 0.0
     chunks = micro_batches(rows, micro_size)
-    for chunk, context in zip(chunks, routing_contexts(model, chunks)):
+    adapter = adapter_of(model)
+    for chunk in chunks:
         ids, mask, labels = (t.to(model_device(model)) for t in collate(chunk, pad_id))
-        with context:
+        with adapter.prompt_routing([prompt_ids(r) for r in chunk]):
             loss_sum += labelled_nll_sum(model, ids, mask, labels).item()
         total += sum(num_targets(r) for r in chunk)
     loss_sum, total = all_reduce_sums(world, [loss_sum, total])
@@ -177,11 +161,8 @@ def resolve_steps(cfg: SFTConfig, num_rows: int) -> int:
 
 
 def save_outputs(cfg: SFTConfig, run_dir: RunDir, model, tokenizer) -> None:
-    if cfg.molora is not None:  # adapter/ holds molora_config.json + molora_model.safetensors (docs/molora.md)
-        run_dir.write_folder("adapter", lambda folder: ml.save_molora(model, folder))
-        return
-    if not cfg.train.full_finetune:
-        run_dir.write_folder("adapter", lambda folder: save_adapter(model, folder))
+    if not cfg.train.full_finetune:  # a LoRA adapter, or a MoLoRA folder (docs/molora.md)
+        run_dir.write_folder("adapter", adapter_of(model).save)
         return
 
     def fill(folder: Path) -> None:

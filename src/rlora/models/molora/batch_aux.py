@@ -1,7 +1,8 @@
 """A batch run as several forwards (micro-batches, and data-parallel ranks): its routing statistics summed over
 the forwards (RouterStats) and the routers' auxiliary loss of the whole batch (BatchAuxLoss). BatchAuxLoss is
-the one implementation that `rlora sft` (train/sft.py) and the RL update (train/update.py, through
-models/molora_runtime.py RolloutRouting) both use."""
+the one implementation that `rlora sft` and the RL update both use, through the policy-adapter protocol
+(models/adapters.py MoLoRA: batch_aux_loss for an SFT batch, aux_loss -> molora_runtime.py RolloutRouting for
+rollout rows)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class Work:
     max_time_s: float | None = None  # quality mode: stop after this much training time
     train_size: int = 512
     output_dir: str = ""
-    rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" samples from bf16 copies (not identical work)
+    rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" / "float16_weights": not identical work
     device: str = "cpu"  # "cuda": both sides on the GPU
     dtype: str = "float32"  # model weights and compute ("bfloat16" on GPUs)
 
@@ -284,9 +284,9 @@ def worker(side: str, work: Work, out: Path) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from rlora.cli import _quiet_libraries
+    from rlora.logging.console import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     start = time.perf_counter()
     result = (run_rlora if side == "rlora" else run_trl)(work)
     result |= {"side": side, "work": asdict(work), "wall_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
@@ -348,7 +348,8 @@ def compare_one(work: Work, repeats: int) -> dict:
 
 def print_timing_row(s: dict) -> None:
     w, a, b = s["work"], s["rlora"], s["trl"]
-    model = w["model"] + (" (rlora: bf16 sampler)" if w.get("rlora_sampler_dtype", "model") != "model" else "")
+    sampler = w.get("rlora_sampler_dtype", "model")
+    model = w["model"] + (f" (rlora: {sampler} sampler)" if sampler != "model" else "")
     on_gpu = w.get("device", "cpu") != "cpu"
     memory = "peak_gpu_mb" if on_gpu else "peak_rss_mb"
     model += f" ({w['device']}, {w['dtype']})" if on_gpu else ""
@@ -411,8 +412,8 @@ def main() -> int:
     t.add_argument("--out", help="append one JSON summary per configuration")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    t.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16"],
-                   help="rlora's sampler compute dtype; bfloat16 is not identical work (flagged in the output)")
+    t.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16", "float16_weights"],
+                   help="rlora's sampler: bfloat16 / float16_weights are not identical work (flagged in the output)")
     q = sub.add_parser("quality", help="held-out accuracy after equal steps or equal wall-clock training, per seed")
     q.add_argument("--budget-s", type=float, default=300, help="training time per side (unless --steps)")
     q.add_argument("--steps", type=int, default=None, help="optimizer steps per side instead of a time budget")
@@ -427,7 +428,7 @@ def main() -> int:
     q.add_argument("--eval-size", type=int, default=100)
     q.add_argument("--train-size", type=int, default=1000)
     q.add_argument("--threads", type=int, default=2)
-    q.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16"],
+    q.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16", "float16_weights"],
                    help="bfloat16: rlora samples from bf16 copies with truncated IS (the demo's setting)")
     w = sub.add_parser("worker", help="internal: run one side")
     w.add_argument("side", choices=["rlora", "trl"])

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from rlora.cli import _quiet_libraries
+from rlora.logging.console import quiet_libraries
 from rlora.config import load_config
 from rlora.data.prompts import held_out_task_examples
 from rlora.envs.episodes import EpisodeLimits, EpisodeRunner
@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = parser.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     cfg = load_config(args.config, ["lora.init_from=null", *args.overrides])
     path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(path)

@@ -23,7 +23,7 @@ import torch
 from bench_common import model_folder, task_rows
 from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
-from rlora.cli import _quiet_libraries
+from rlora.logging.console import quiet_libraries
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig
 from rlora.data.prompts import render_prompt
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer
@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.prompts} prompts x {args.G} samples x {args.tokens} tokens, micro-batch {args.micro_batch}, "
           f"beta 0.04, {UPDATES} updates per rollout, {args.repeats} repeats")

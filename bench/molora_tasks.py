@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench_common import model_folder, write_jsonl
-from rlora.cli import _quiet_libraries
+from rlora.logging.console import quiet_libraries
 from rlora.config import SFTConfig
 from rlora.data.sft_data import load_sft_data
 from rlora.data.tasks import make_task_examples
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/molora-tasks")
     args = parser.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     tasks = args.tasks.split(",")
     if len(tasks) != 2:
         raise SystemExit("--tasks: give two reasoning-gym task names")

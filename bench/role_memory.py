@@ -255,11 +255,11 @@ def ppo_work(roles: Roles, cfg, rollout) -> dict:
 def worker(layout: str, reward_folder: str, args) -> dict:
     import torch
 
-    from rlora.cli import _quiet_libraries
+    from rlora.logging.console import quiet_libraries
     from rlora.models.loading import load_tokenizer
     from rlora.system import return_freed_memory
 
-    _quiet_libraries()
+    quiet_libraries()
     if args.release_memory and not return_freed_memory():  # as `rlora train` does before prepare()
         raise RuntimeError("--release-memory needs glibc")
     torch.set_num_threads(args.threads)
@@ -356,9 +356,9 @@ def main() -> int:
             f"--completion-tokens={args.completion_tokens}", f"--rank={args.rank}", f"--device={args.device}",
             f"--threads={args.threads}", *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
             *(["--release-memory"] if args.release_memory else [])]
-    from rlora.cli import _quiet_libraries
+    from rlora.logging.console import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     with tempfile.TemporaryDirectory() as tmp:
         reward_folder = Path(tmp) / "reward_model"
         save_fresh_reward_model(model_folder(args.model), reward_folder, args.rank)

@@ -25,7 +25,7 @@ import time
 import torch
 
 from bench_common import model_folder, task_rows
-from rlora.cli import _quiet_libraries
+from rlora.logging.console import quiet_libraries
 from rlora.config import LoraConfig, ModelConfig
 from rlora.models.loading import add_model_eos_ids, attach_lora, load_base_model, load_tokenizer
 from rlora.rollout.engine import BuiltinGenerator
@@ -97,7 +97,7 @@ def main() -> int:
                         "builtin-unmerged, builtin-bf16, "
                         "builtin-fp16w (float32 compute from float16 base weights, x86 CPUs), hf")
     args = parser.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     tokenizer, tok, model = build(args.model, args.dtype)
     rows = task_rows("train", train_size=1000)[:args.prompts]  # held-out problems are removed: draw plenty
     if len(rows) < args.prompts:

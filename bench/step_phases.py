@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rlora.cli import _quiet_libraries
+from rlora.logging.console import quiet_libraries
 from rlora.config import load_config
 from rlora.errors import UserError
 from rlora.train.grpo import run_grpo
@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps (after warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="steps run first and not counted")
     args = parser.parse_args()
-    _quiet_libraries()
+    quiet_libraries()
     config_path = args.items[0] if args.items and "=" not in args.items[0] else None
     overrides = [i for i in args.items if "=" in i]
     total = args.steps + args.warmup

@@ -252,9 +252,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from bench_common import model_folder
-    from rlora.cli import _quiet_libraries
+    from rlora.logging.console import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     report = parity_report(model_folder(args.model), args.seed, args.lora_b_std)
     for key, value in report.items():
         print(f"{key}: {json.dumps(value)}")

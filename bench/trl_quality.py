@@ -60,9 +60,9 @@ def print_table(rows: list[dict], base: float, limit: str) -> None:
 def quality_runs(args, work_cls, spawn) -> list[dict]:
     """Run both sides for every seed (rlora, TRL, next seed ...), then evaluate every adapter at once."""
     from eval_adapters import evaluate_adapters
-    from rlora.cli import _quiet_libraries
+    from rlora.logging.console import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     seeds = [int(s) for s in str(args.seeds).split(",")]
     by_steps = args.steps is not None
     limit = f"fixed {args.steps}" if by_steps else f"in {args.budget_s:.0f} s"

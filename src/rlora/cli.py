@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 import traceback
-import warnings
 from typing import NamedTuple
 
 from rlora import __version__
 from rlora.errors import UserError
-from rlora.logging.console import info
+from rlora.logging.console import info, quiet_libraries
 from rlora.plot import plot_runs
 
 EXIT_BAD_INPUT = 2
@@ -268,19 +266,6 @@ def _supervised(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quiet_libraries() -> None:
-    """transformers' per-load progress bars and deprecation chatter would bury rlora's own output."""
-    # bitsandbytes (the quant extra) warns at import, on CPUs with AVX512-BF16, that an optional kernel
-    # package is missing; that package would fetch kernels from a hub at run time, which rlora never does
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    from transformers.utils import logging as hf_logging  # transformers (~2 s): `rlora --help` starts without it
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -288,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         args.items += extra  # overrides given after options (`rlora eval -a A key=value`)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _quiet_libraries()  # after parsing: --help, --version and usage errors exit without importing transformers
+    quiet_libraries()  # after parsing: --help, --version and usage errors exit without importing transformers
     try:
         if args.command not in ("train", *SUPERVISED) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError(f"rlora {args.command} runs in one process (every rank would write the same output): run "

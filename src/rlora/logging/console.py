@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
 from contextlib import contextmanager
 
 from rich.console import Console
@@ -51,3 +54,16 @@ def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
 
 def info(message: str) -> None:
     console.print(message)
+
+
+def quiet_libraries() -> None:
+    """transformers' per-load progress bars and deprecation chatter would bury rlora's own output."""
+    # bitsandbytes (the quant extra) warns at import, on CPUs with AVX512-BF16, that an optional kernel
+    # package is missing; that package would fetch kernels from a hub at run time, which rlora never does
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging  # transformers (~2 s): `rlora --help` starts without it
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -2,7 +2,8 @@
 
 The same command can be 3x slower on one CPU than another: a bfloat16 sampler is ~2.5x faster than float32 on
 CPUs with AVX512-BF16 or AMX, and ~2x slower on AVX2-only CPUs, where bf16 matmuls are emulated; there a
-float32 sampler from float16 weight copies (fbgemm) is 1.5-2.3x faster instead (docs/benchmarks.md). Settings
+float32 sampler from float16 weight copies (fbgemm) is 1.5-2.3x faster instead (1.3x in demo steps on an AVX512
+CPU without bf16, docs/benchmarks.md). Settings
 that depend on this default to `auto`, resolved from these facts once per run, printed, and written to the
 run's config.yaml as the value chosen (train/session.py: resolve_machine_settings).
 """
@@ -44,9 +45,9 @@ def native_half(device: torch.device | str, half: str, flags: frozenset[str] | N
 
 def fast_fp16_weights(device: torch.device | str, flags: frozenset[str] | None = None) -> bool:
     """Does a float32 product from float16 weight copies (fbgemm, rollout/packed.py) beat plain float32 here?
-    On x86 CPUs with AVX2/FMA/F16C and torch's fbgemm engine: measured 1.1-9x for few-row products, 1.5-2.3x
-    for whole sampling calls (docs/benchmarks.md). Not on GPUs (they use bf16/fp16 natively) nor on other CPUs
-    (no fbgemm)."""
+    On x86 CPUs with AVX2/FMA/F16C and torch's fbgemm engine: measured 1.1-9x for few-row products and 1.5-2.3x
+    for whole sampling calls on an AVX2-only CPU; 0.7-2.9x per product and 1.3x in demo steps on an AVX512 one
+    without bf16 (docs/benchmarks.md). Not on GPUs (they use bf16/fp16 natively) nor on other CPUs (no fbgemm)."""
     if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
     flags = cpu_flags() if flags is None else flags

@@ -122,3 +122,20 @@ def test_a_resumed_run_keeps_its_checkpoints_autocast(saved, want, monkeypatch, 
     cfg = load_config(None, ["model.device=cpu", "model.dtype=bfloat16"])
     resolve_machine_settings(cfg, resume_from=tmp_path)
     assert cfg.train.autocast == want
+
+
+def test_a_critics_values_stay_float32_under_autocast(tiny_model_dir):
+    """PPO's value passes run inside trainer_precision too: the value head (a float32 linear) must not return bf16
+    values there, or returns and the value loss would carry ~3 significant digits."""
+    from rlora.models.value_model import attach_critic
+    from rlora.train.ppo_step import batched_values
+
+    tokenizer, tok, model = _bf16_policy(tiny_model_dir)
+    critic = attach_critic(model, rank=2, alpha=4, head_init_std=0.1)
+    rollout = sample(model, tokenizer, tok, n_prompts=1, G=2)
+    off = batched_values(critic, rollout, 2)
+    with trainer_precision(model, "bfloat16"):
+        on = batched_values(critic, rollout, 2)
+    assert off.dtype == on.dtype == torch.float32
+    # the decoder's bf16 passes move the hidden states a little; the head's product itself is float32
+    torch.testing.assert_close(on, off, rtol=0, atol=0.05)

@@ -92,31 +92,64 @@ def test_a_slot_takes_the_next_prompt_while_others_still_decode(tiny_model_dir, 
         placed.clear()
         BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=2, decode="static", continuous=continuous).sample(
             model, prompts, 1, settings, seed=0)
+        # (every slot's step moves on each step, a finished slot's too, up to the last cache position, 19)
         if continuous:  # prompt 2 comes into slot 1 when prompt 1 (3 tokens: 2 steps) ends, prompt 0 at step 2 of 19
-            assert placed[0][0] == [0, 1] and placed[1] == ([2], [2, 1]) and placed[2][0] == [3]
+            assert placed[0][0] == [0, 1] and placed[1] == ([2], [2, 2]) and placed[2][0] == [3]
             assert placed[2][1][0] < 18  # prompt 3 also starts while prompt 0 still decodes
-        else:  # prompts 2 and 3 together, after prompt 0's 20 tokens
-            assert [p for p, _ in placed] == [[0, 1], [2, 3]] and placed[1][1][0] == 18  # its last step
+        else:  # prompts 2 and 3 together, after prompt 0's 20 tokens (19 steps)
+            assert [p for p, _ in placed] == [[0, 1], [2, 3]] and placed[1][1][0] == 19
 
 
-def test_continued_rows_keep_the_same_caches_in_any_slot(tiny_model_dir):
-    """sample_continued (multi-turn): the caches a row leaves are the same through 2 slots as through one per
-    prompt, and a second turn continued from them samples the same tokens."""
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_continued_rows_keep_the_same_caches_in_any_slot(tiny_model_dir, decode):
+    """sample_continued (multi-turn): the caches rows leave are the same through 2 slots as through one per prompt
+    in the eager loop, while rows end early (a third of the vocabulary ends a row: the fixed-shape step keeps
+    feeding a finished slot, which must never land on a position a row keeps); a second turn continued from them,
+    each row's new tokens the longer the shorter its past (admitted together, the prompt part needs the longest
+    past plus the longest turn), samples what each row continued alone samples."""
     tokenizer, tok, model, prompts = policy(tiny_model_dir)
-    settings = [SamplingParams(max_new_tokens=n, temperature=1.0) for n in (9, 4, 6, 7)]
+    eos = list(range(0, len(tokenizer), 3))
+    settings = [SamplingParams(max_new_tokens=n, temperature=1.0) for n in (9, 4, 6, 12)]
     outs = []
-    for max_rows in (2, 8):
-        engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=max_rows)
+    for mode, max_rows in (("eager", 8), (decode, 2), (decode, 8)):
+        engine = BuiltinGenerator(tokenizer, eos, tok.pad_id, max_rows=max_rows, decode=mode)
         first, caches = engine.sample_continued(model, prompts, 2, settings, seed=1)
-        turn = [[5, 6, 7]] * len(caches)
-        second, _ = engine.sample_continued(model, turn, 1, SamplingParams(max_new_tokens=5), seed=2, past=caches)
-        outs.append((first, caches, second))
-    (a, caches_a, second_a), (b, caches_b, second_b) = outs
-    assert torch.equal(a.completion_ids_BTc, b.completion_ids_BTc)
-    for x, y in zip(caches_a, caches_b):
-        for (kx, vx), (ky, vy) in zip(x.layers, y.layers):
-            assert kx.shape == ky.shape and (kx - ky).abs().max() < 1e-5 and (vx - vy).abs().max() < 1e-5
-    assert torch.equal(second_a.completion_ids_BTc, second_b.completion_ids_BTc)
+        order = sorted(range(len(caches)), key=lambda i: caches[i].length)
+        turn = [None] * len(caches)
+        for rank, i in enumerate(order):  # the shortest past gets the longest turn
+            turn[i] = list(range(10, 10 + 2 * (len(caches) - rank)))
+        params = SamplingParams(max_new_tokens=5, temperature=1.0)
+        second, _ = engine.sample_continued(model, turn, 1, params, seed=2, past=caches)
+        alone = [BuiltinGenerator(tokenizer, eos, tok.pad_id, max_rows=1).sample_continued(
+            model, [turn[i]], 1, params, seed=2, keys=[i], past=[caches[i]])[0] for i in range(len(caches))]
+        outs.append((first, caches, second, alone))
+    lengths = outs[0][0].completion_mask_BTc.sum(-1)
+    assert lengths.min() < 4 and len(set(lengths.tolist())) > 2  # rows ended early, at different steps
+    reference = outs[0]
+    for first, caches, second, alone in outs:
+        assert torch.equal(first.completion_ids_BTc, reference[0].completion_ids_BTc)
+        for x, y in zip(caches, reference[1]):
+            for (kx, vx), (ky, vy) in zip(x.layers, y.layers):
+                assert kx.shape == ky.shape and (kx - ky).abs().max() < 1e-5 and (vx - vy).abs().max() < 1e-5
+        assert torch.equal(second.completion_ids_BTc, reference[2].completion_ids_BTc)
+        for i, one in enumerate(alone):
+            width = int(one.completion_mask_BTc.sum())
+            assert one.completion_ids_BTc[0, :width].tolist() == second.completion_ids_BTc[i, :width].tolist()
+            torch.testing.assert_close(one.sampling_logp_BTc[0, :width], second.sampling_logp_BTc[i, :width],
+                                       rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_slots_whose_rows_all_end_at_their_first_token_are_refilled(tiny_model_dir, decode):
+    """max_new_tokens 1: every row ends at the token drawn after its prefill, so each refill leaves no live row;
+    the loop refills again instead of stepping no row, and samples what a slot per prompt samples."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+    one_each = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=8).sample(model, prompts, 2, params, seed=0)
+    two_slots = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=2, decode=decode).sample(
+        model, prompts, 2, params, seed=0)
+    assert two_slots.completion_ids_BTc.shape == (8, 1)
+    assert torch.equal(two_slots.completion_ids_BTc, one_each.completion_ids_BTc)
 
 
 def test_the_loop_reads_back_once_every_check_and_when_a_slot_reaches_its_limit(tiny_model_dir, monkeypatch):

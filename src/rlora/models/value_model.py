@@ -68,7 +68,10 @@ class Critic:
         hidden_BTH = completion_hidden(self.model, batch, prefix)
         # contiguous: on a strided view the CPU matmul's rounding depended on the head's storage (a reloaded head
         # gave values 2e-7 apart); on a contiguous copy it does not
-        return self.head(hidden_BTH.float().contiguous()).squeeze(-1) * batch.completion_mask_BTc
+        # the head outside any autocast (train.autocast): values, returns and the value loss stay float32
+        with torch.autocast(hidden_BTH.device.type, enabled=False):
+            values_BT = self.head(hidden_BTH.float().contiguous()).squeeze(-1)
+        return values_BT * batch.completion_mask_BTc
 
     def save(self, folder: Path | str) -> None:
         save_value_model(folder, self.model, self.head, self.adapter_name)

@@ -170,8 +170,10 @@ def advance(call: CallRows, slots: Slots, step: Step, rows: RowsOnDevice, host: 
     if host is not None:  # the step ran the live rows only
         host.seen(call_rows_A, t_next_A, rows)
     slots.token_B[ran_A] = token_A
-    slot_live_S = ~rows.done_B[slots.rows_B].view(slots.S, call.G).all(-1)
-    slots.t_S += slot_live_S  # a finished slot stays where it is until it takes a prompt
+    # every slot moves on, a finished one too: the fixed-shape step still feeds it (its rows' last tokens), and each
+    # feed must land past what its rows keep (slot_row_caches: positions before a row's last token), never on it;
+    # the generated cache ends at position max_new - 1, which is past every row's kept positions
+    slots.t_S.add_(1).clamp_(max=rows.tokens_BT.shape[1] - 1)
 
 
 def decode(call: CallRows, slots: Slots, num_prompts: int, admit: Admit, step: Step, rows: RowsOnDevice,
@@ -212,11 +214,13 @@ def decode(call: CallRows, slots: Slots, num_prompts: int, admit: Admit, step: S
     while True:
         due = min((deadline_S[s] for s in range(slots.S) if live_S[s]), default=steps)
         if host is not None or (steps > 0 and steps % CHECK_EVERY == 0) or steps >= due:
-            finished = all_finished(rows.done_B[slots.rows_B].view(slots.S, G))
-            free = [s for s in range(slots.S) if finished[s]]
-            for s in free:
-                live_S[s] = False
-            if free and queue and (continuous or len(free) == slots.S):
+            while True:  # again after a refill: a new prompt's rows may all end at their first token
+                finished = all_finished(rows.done_B[slots.rows_B].view(slots.S, G))
+                free = [s for s in range(slots.S) if finished[s]]
+                for s in free:
+                    live_S[s] = False
+                if not (free and queue and (continuous or len(free) == slots.S)):
+                    break
                 refill(free)
             if not any(live_S):
                 break

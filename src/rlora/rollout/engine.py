@@ -138,7 +138,9 @@ class BuiltinGenerator:
                      on_token: Callable[[int, int], None] | None, keep_caches: bool) -> tuple[Rollout, list[RowCache]]:
         device, G, prompts, past = view.device, call.G, call.prompts, call.past
         max_new = max(p.max_new_tokens for p in call.per_prompt)
-        longest = max(len(p) + (0 if past is None else c.length) for p, c in zip(prompts, past or [None] * len(prompts)))
+        # prompts admitted together are prefilled side by side: their pasts left-padded to the longest past, then
+        # their new tokens left-padded to the longest of those, so a slot's prompt part may need both maxima
+        longest = max(map(len, prompts)) + (0 if past is None else max(c.length for c in past))
         S = min(len(prompts), max(1, (self.max_rows or rows_that_fit(view, max_new, longest)) // G))
         params = RowParams.per_row(call.per_prompt, G, device)
         eos_V = torch.zeros(view.lm_head.sizes[0], dtype=torch.bool, device=device)

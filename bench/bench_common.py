@@ -50,13 +50,15 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
 # random-initialised Qwen2 shapes built by the benchmarks (with the SmolLM2 tokenizer; ids beyond its 49152
 # tokens decode to nothing, which only matters for the text, not the work)
 RANDOM_SHAPES = {
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128),  # per-token overhead, not arithmetic
     "qwen2-0.1b": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072),
     "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab_size=151936),
 }
 
 
 def model_folder(name: str) -> str:
-    """'smollm2': the embedded SmolLM2-135M-Instruct; 'qwen2-0.1b' (hidden 768, 12 layers, 12 heads, 4 KV
+    """'smollm2': the embedded SmolLM2-135M-Instruct; 'tiny' (hidden 64, 2 layers: what a step costs besides
+    arithmetic), 'qwen2-0.1b' (hidden 768, 12 layers, 12 heads, 4 KV
     heads, FFN 3072) and 'qwen2.5-0.5b' (vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads, FFN
     4864, tied embeddings): random-initialised, built once into the cache; any other value is a model folder."""
     if name == "smollm2":

@@ -80,7 +80,7 @@ def decode_bytes(model, prompt_lens: list[int], G: int, tokens: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2, qwen2-0.1b or a model folder")
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, qwen2-0.1b, qwen2.5-0.5b or a model folder")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--G", type=int, default=8)
@@ -88,6 +88,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--natural", action="store_true", help="let completions end at EOS")
+    parser.add_argument("--stop", default=None,
+                        help="a stop string for every row (e.g. one never written: the cost of checking each token)")
     parser.add_argument("--ragged", default=None, help="LO,HI: per-prompt lengths uniform in [LO, HI]")
     parser.add_argument("--max-rows", type=int, default=None,
                         help="rows the built-in sides decode together (default: the engine's own limit)")
@@ -104,12 +106,14 @@ def main() -> int:
         parser.error(f"only {len(rows)} distinct training prompts available")
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True) for r in rows]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    stop = (args.stop,) if args.stop else ()
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature,
-                            min_new_tokens=0 if args.natural else args.tokens)
+                            min_new_tokens=0 if args.natural else args.tokens, stop=stop)
     if args.ragged:
         low, high = (int(x) for x in args.ragged.split(","))
         lengths = torch.randint(low, high + 1, (args.prompts,), generator=torch.Generator().manual_seed(0)).tolist()
-        params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, min_new_tokens=n) for n in lengths]
+        params = [SamplingParams(max_new_tokens=n, temperature=args.temperature, min_new_tokens=n, stop=stop)
+                  for n in lengths]
         occupancy = sum(lengths) / (len(lengths) * max(lengths))
     ours = dict(tokenizer=tokenizer, eos_ids=tok.eos_ids, pad_id=tok.pad_id, max_rows=args.max_rows)
     sides = {

@@ -168,6 +168,24 @@ def test_a_plan_decided_once_draws_what_a_plan_decided_per_call():
         assert torch.equal(got, want)
 
 
+def test_a_rows_draw_and_log_prob_do_not_depend_on_its_neighbours_settings():
+    """A plain row (temperature only) draws the same token with the same log-prob, exactly, alone and beside rows
+    whose draw removes tokens (top-p, top-k, min-p, EOS banned): its log-prob's normaliser is decided per row.
+    (Decided for the whole batch, it came from another computation beside such rows: up to 2e-6 apart in a few
+    of these draws.)"""
+    plain = SamplingParams(max_new_tokens=3, temperature=0.9)
+    settings = [plain, SamplingParams(max_new_tokens=3, top_p=0.8), SamplingParams(max_new_tokens=3, top_k=7),
+                SamplingParams(max_new_tokens=3, min_p=0.1), SamplingParams(max_new_tokens=3, min_new_tokens=2), plain]
+    rows, alone_rows = RowParams.per_row(settings, 1), RowParams.per_row([plain], 1)
+    for t in range(40):
+        logits_AV = torch.randn(6, 49152, generator=torch.Generator().manual_seed(t)) * 3
+        u_A = sampling.counter_uniform(3, torch.arange(6), t)
+        together = sample_tokens(logits_AV, rows, u_A, rows.min_new_A > 0, [4])
+        for row in (0, 5):
+            alone = sample_tokens(logits_AV[row:row + 1], alone_rows, u_A[row:row + 1], alone_rows.min_new_A > 0, [4])
+            assert int(alone[0]) == int(together[0][row]) and float(alone[1]) == float(together[1][row]), (t, row)
+
+
 # ---- the counter-based uniforms (seed, row key, token index) -> u -------------------------------------------
 
 def _ks_p(values: torch.Tensor) -> float:

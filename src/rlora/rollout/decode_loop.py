@@ -101,23 +101,29 @@ class HostHooks:
     def __init__(self, call: CallRows, stops: StopStrings | None, on_token: Callable[[int, int], None] | None,
                  phases: RowPhases | None):
         self.call, self.stops, self.on_token, self.phases = call, stops, on_token, phases
+        self.tokens: dict[int, list[int]] = {}  # each call row's tokens so far, on the host
 
     def settings(self, rows_A: torch.Tensor, t_A: torch.Tensor) -> RowParams | None:
         """The settings rows_A draw token t_A with: None (their own) unless they have think phases."""
         return None if self.phases is None else self.phases.settings(self.call.params.select(rows_A), rows_A, t_A)
 
     def seen(self, rows_A: torch.Tensor, t_A: torch.Tensor, rows: RowsOnDevice) -> None:
-        """Token t_A[i] of row rows_A[i] was just recorded."""
+        """Token t_A[i] of row rows_A[i] was just recorded. Reads back those tokens only and keeps each row's
+        tokens on the host (`self.tokens`), so a step costs O(rows) however long the rows have grown."""
         if self.on_token is None and self.stops is None and self.phases is None:
             return
-        tokens_BT, rows_list, t_list = rows.tokens_BT.cpu(), rows_A.tolist(), t_A.tolist()
-        for row, t in zip(rows_list, t_list):
+        rows_list, t_list = rows_A.tolist(), t_A.tolist()
+        new_tokens = rows.tokens_BT[rows_A, t_A.clamp(max=rows.tokens_BT.shape[1] - 1)].tolist()
+        for row, t, token in zip(rows_list, t_list, new_tokens):
+            tokens = self.tokens.setdefault(row, [])
+            del tokens[t:]  # a row's tokens arrive in order from t = 0 (a new call's rows start again)
+            tokens.append(token)
             if self.on_token is not None:
-                self.on_token(row, int(tokens_BT[row, t]))
-            if self.stops is not None and self.stops.hit(row, tokens_BT[row, :t + 1].tolist()):
+                self.on_token(row, token)
+            if self.stops is not None and self.stops.hit(row, tokens):
                 rows.stop(row, t)
         if self.phases is not None:
-            self.phases.advance(tokens_BT, rows_list, t_list)
+            self.phases.advance(self.tokens, rows_list)
 
 
 def all_finished(done_B: torch.Tensor) -> list[bool]:

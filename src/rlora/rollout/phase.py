@@ -76,9 +76,10 @@ class RowPhases:
         self.temperature_BT[active_A.cpu(), t_A.cpu()] = rows_A.temperature_A.float().cpu()
         return rows_A
 
-    def advance(self, tokens_BT: torch.Tensor, active: list[int], t: list[int]) -> None:
-        """Token t[i] of row active[i] is in tokens_BT: switch the rows it took into or out of a span."""
-        for row, last in zip(active, t):
+    def advance(self, tokens: dict[int, list[int]], active: list[int]) -> None:
+        """The active rows each just drew a token, the last of tokens[row] (each row's tokens so far): switch the rows
+        it took into or out of a span."""
+        for row in active:
             if self.phases[row] is not None:
-                self.tracker.update(row, tokens_BT[row, :last + 1].tolist())
+                self.tracker.update(row, tokens[row])
         self.inside_B = torch.tensor(self.tracker.inside, device=self.inside_B.device)

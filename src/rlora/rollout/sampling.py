@@ -221,7 +221,14 @@ def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, randomness: torch.Ge
     token_A, log_normaliser_A = inverse_cdf_draw(allowed_AV, u_A)
     if plan.greedy:
         token_A = torch.where(rows.greedy_A, allowed_AV.argmax(-1), token_A)
-    # the log-prob's normaliser is that of the untruncated distribution: the draw's own where nothing was removed
-    logsumexp_A = log_normaliser_A if allowed_AV is scaled_AV else scaled_AV.logsumexp(-1)
+    # the log-prob's normaliser is that of the untruncated distribution: the draw's own for a row that lost no token,
+    # recomputed for rows that did; decided per row, so that a row's log-prob never depends on its neighbours'
+    removed_A = None
+    if plan.truncate:
+        removed_A = (rows.top_k_A > 0) | (rows.top_p_A < 1) | (rows.min_p_A > 0)
+    if candidates_AV is not scaled_AV:
+        removed_A = banned_rows_A if removed_A is None else removed_A | banned_rows_A
+    logsumexp_A = log_normaliser_A if removed_A is None else \
+        torch.where(removed_A, scaled_AV.logsumexp(-1), log_normaliser_A)
     logp_A = scaled_AV.gather(-1, token_A[:, None]).squeeze(-1) - logsumexp_A
     return token_A, logp_A

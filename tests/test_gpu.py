@@ -13,6 +13,7 @@ from conftest import tiny_overrides
 from safetensors.torch import load_file
 from test_engine import policy, tokens_of
 from test_policy_model import perturb_adapter
+from test_rollout_device import CONFIGS
 
 from rlora.cli import main
 from rlora.models.logprobs import completion_logprobs
@@ -54,6 +55,14 @@ def test_a_step_on_the_gpu_equals_a_step_on_the_cpu(tiny_model_dir, prompts_file
     # ~0 may move either way on the two devices, so a few may differ by up to 2 lr; all others agree.
     assert (diff <= 1e-6).float().mean() > 0.99 and diff.max() <= 2 * LR + 1e-6, diff.max()
     assert any(a[name].abs().max() > 0 for name in a if "lora_B" in name), "the adapter must have trained"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_configuration_trains_on_the_gpu(name, tiny_model_dir, prompts_file, tmp_path):
+    """The configurations tests/test_rollout_device.py checks with a simulated device, on the real one: a tensor
+    on the wrong device raises here."""
+    values = {"model.device": "cuda", "eval.before": "false", "eval.after": "false", **CONFIGS[name]}
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"), **values)]) == 0
 
 
 @pytest.mark.parametrize("decode", ["eager", "graph"])

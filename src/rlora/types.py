@@ -68,6 +68,13 @@ class Rollout:
     def num_completions(self) -> int:
         return self.completion_ids_BTc.shape[0]
 
+    def to(self, device: torch.device) -> "Rollout":
+        """The same rollout with its tensors on `device` (each itself where it is there already)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Rollout(move(self.prompt_ids_BTp), move(self.prompt_mask_BTp), move(self.completion_ids_BTc),
+                       move(self.completion_mask_BTc), self.completions, self.finish_reasons, move(self.temperature_B),
+                       move(self.sampling_logp_BTc), move(self.temperature_BTc), move(self.policy_mask_BTc))
+
     def select(self, index: slice | torch.Tensor) -> "RolloutSlice":
         return RolloutSlice(
             self.prompt_ids_BTp[index], self.prompt_mask_BTp[index],
@@ -88,9 +95,7 @@ class RolloutSlice:
     temperature_BTc: torch.Tensor | None = None  # per-token temperatures (None: temperature_B everywhere)
 
     def to(self, device: torch.device) -> "RolloutSlice":
-        """The same slice on `device` (rollouts are kept on the CPU; a micro-batch moves to the model)."""
-        if self.prompt_ids_BTp.device == device:
-            return self
+        """The same slice on `device` (each tensor itself where it is there already)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return RolloutSlice(move(self.prompt_ids_BTp), move(self.prompt_mask_BTp), move(self.completion_ids_BTc),
                             move(self.completion_mask_BTc), move(self.temperature_B), move(self.temperature_BTc))

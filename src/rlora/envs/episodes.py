@@ -166,12 +166,16 @@ class EpisodeRunner:
                 ep.cache = None  # its memory: an episode that ended needs no more turns
 
     def _advance(self, episodes: list[Episode], rollout: Rollout) -> None:
-        """Append each episode's sampled turn, then let its environment answer."""
+        """Append each episode's sampled turn, then let its environment answer. An episode is built on the host (its
+        environment answers between turns): each turn's tokens and log-probs are read back once, for all rows."""
+        lengths = rollout.completion_mask_BTc.sum(-1).tolist()
+        tokens = rollout.completion_ids_BTc.tolist()
+        self.with_logp &= rollout.sampling_logp_BTc is not None
+        logps = rollout.sampling_logp_BTc.tolist() if self.with_logp else None
         for r, ep in enumerate(episodes):
-            length = int(rollout.completion_mask_BTc[r].sum())
-            turn = rollout.completion_ids_BTc[r, :length].tolist()
-            self.with_logp &= rollout.sampling_logp_BTc is not None
-            logp = rollout.sampling_logp_BTc[r, :length].tolist() if self.with_logp else [0.0] * length
+            length = lengths[r]
+            turn = tokens[r][:length]
+            logp = logps[r][:length] if logps is not None else [0.0] * length
             ep.tokens += turn
             ep.policy_mask += [1] * length
             ep.logp += logp

@@ -201,7 +201,7 @@ class BuiltinGenerator:
                release if keep_caches else None, self.continuous)
         reasons = ["stop" if stopped else "length" for stopped in done.stopped_B.tolist()]
         temperature_BT = None if spans is None else spans.temperature_BT
-        rollout = self._rollout(prompts, G, done, reasons, params.temperature_A.cpu(), temperature_BT)
+        rollout = self._rollout(prompts, G, done, reasons, params.temperature_A, temperature_BT)
         return rollout, [caches[row] for row in range(len(caches))]
 
     def _decode(self, tokens: list[int]) -> str:
@@ -209,18 +209,22 @@ class BuiltinGenerator:
 
     def _rollout(self, prompts, n, done: RowsOnDevice, reasons: list[str], temperature_B: torch.Tensor,
                  temperature_BT: torch.Tensor | None) -> Rollout:
-        length_B = done.length_B.cpu()
-        keep = int(length_B.max())
-        mask_BT = (torch.arange(keep)[None] < length_B[:, None]).long()
-        tokens_BT = done.tokens_BT.cpu()[:, :keep].masked_fill(mask_BT == 0, self.pad_id)
-        logp_BT = done.logp_BT.cpu()[:, :keep] * mask_BT
-        texts = self.tokenizer.batch_decode([row[m.bool()] for row, m in zip(tokens_BT, mask_BT)], skip_special_tokens=True)
-        prompt_ids, prompt_mask = left_padded([p for p in prompts for _ in range(n)], self.pad_id)
+        """The call's rollout, its tensors on the sampler's device (a training step keeps them there); the texts
+        are decoded from one host copy of the tokens."""
+        device = done.tokens_BT.device
+        keep = int(done.length_B.max())
+        mask_BT = (torch.arange(keep, device=device)[None] < done.length_B[:, None]).long()
+        tokens_BT = done.tokens_BT[:, :keep].masked_fill(mask_BT == 0, self.pad_id)
+        logp_BT = done.logp_BT[:, :keep] * mask_BT
+        lengths = done.length_B.tolist()
+        texts = self.tokenizer.batch_decode([row[:length] for row, length in zip(tokens_BT.tolist(), lengths)],
+                                            skip_special_tokens=True)
+        prompt_ids, prompt_mask = (x.to(device) for x in left_padded([p for p in prompts for _ in range(n)], self.pad_id))
         return Rollout(
             prompt_ids_BTp=prompt_ids, prompt_mask_BTp=prompt_mask, completion_ids_BTc=tokens_BT,
             completion_mask_BTc=mask_BT, completions=texts, finish_reasons=reasons,
             temperature_B=temperature_B, sampling_logp_BTc=logp_BT,
-            temperature_BTc=None if temperature_BT is None else temperature_BT[:, :keep] * mask_BT,
+            temperature_BTc=None if temperature_BT is None else temperature_BT[:, :keep].to(device) * mask_BT,
         )
 
 

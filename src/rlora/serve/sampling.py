@@ -52,11 +52,12 @@ def responses(rollout: Rollout, logp_BTc, G: int, prompt_logprobs: list[list[flo
     """The protobuf sample response of each request of a sampler call: its G rows (prompt-major), their tokens up to
     and with the one that ended them, their log-probs, whether a stop ended them."""
     results = []
+    # one read back of the rollout (it may sit on a GPU), then plain lists
+    lengths, ids, logps = rollout.completion_mask_BTc.sum(-1).tolist(), rollout.completion_ids_BTc.tolist(), logp_BTc.tolist()
     for i, prompt_lp in enumerate(prompt_logprobs):
         sequences = []
         for row in range(i * G, (i + 1) * G):
-            n = int(rollout.completion_mask_BTc[row].sum())
-            sequences.append(proto.Sequence(rollout.completion_ids_BTc[row, :n].tolist(), logp_BTc[row, :n].tolist(),
-                                            rollout.finish_reasons[row] == "stop"))
+            n = lengths[row]
+            sequences.append(proto.Sequence(ids[row][:n], logps[row][:n], rollout.finish_reasons[row] == "stop"))
         results.append(proto.sample_response(sequences, prompt_lp))
     return results

@@ -95,7 +95,7 @@ class Collector:
 
     def _draw(self, slots: list[Slot], params: SamplingParams, seed: int) -> list[Group]:
         rollout, scores = self.sample(slots, [params] * len(slots), seed)
-        lengths_B = rollout.completion_mask_BTc.sum(-1)
+        lengths_B = rollout.completion_mask_BTc.sum(-1).cpu()  # rewards and what they decide live on the host
         shaping_B = overlong_penalty(lengths_B, params.max_new_tokens, self.algo.overlong_buffer, self.algo.overlong_penalty)
         groups = []
         for i, slot in enumerate(slots):

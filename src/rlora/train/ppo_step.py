@@ -51,7 +51,7 @@ def batched_values(critic: Critic, rollout: Rollout, micro_batch_size: int,
             rows = slice(start, start + micro_batch_size)
             micro = trim(rollout.select(rows))
             values = critic.values(micro, None if prefix is None else prefix.rows(rows, micro))
-            parts.append(pad_right(values, width).cpu())
+            parts.append(pad_right(values, width))  # on the model's device, as the rollout
     return torch.cat(parts)
 
 
@@ -117,7 +117,7 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
         t_values = time.perf_counter()
 
         kl_BT = old_logp - ref_logp if algo.kl_in_reward and ref_logp is not None else None  # k1 per token
-        rewards_B = batch.stats_rewards_P_S[:, :cfg.rollout.num_generations].reshape(-1)
+        rewards_B = batch.stats_rewards_P_S[:, :cfg.rollout.num_generations].reshape(-1).to(mask_BT.device)
         targets = ppo_advantages(rewards_B, old_values_BT, mask_BT, ppo.gamma, ppo.lam, ppo.whiten_advantages,
                                  cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
         behaviour_BT, cap_B = behaviour(s, batch)

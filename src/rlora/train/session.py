@@ -29,7 +29,7 @@ from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model, load_tokenizer,
-    quantization_config, resolve_device, resolve_model_path,
+    model_device, quantization_config, resolve_device, resolve_model_path,
 )
 from rlora.models.multi_lora import attach_policies
 from rlora.models.shared_prompts import set_prompt_sharing
@@ -71,6 +71,11 @@ class Session:
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
     critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
     sharded: ShardedBase | None = None  # train.fsdp: the base's decoder layers split across the ranks
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device: where a step's rollout tensors live from sampling to the update."""
+        return model_device(self.model)
 
 
 def seed_everything(seed: int) -> None:

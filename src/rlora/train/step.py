@@ -130,9 +130,10 @@ def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: T
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
     expected = cfg.algo.replay.ratio * len(groups)
     replayed = replay.draw(replay_count(expected, cfg.train.seed, step, s.world.rank), step) if replay else []
-    if replayed:
-        rollout = concat_rollouts([rollout] + [g.rollout for g in replayed], s.tok.pad_id)
-    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats
+    if replayed:  # the buffer keeps its groups on the host
+        rollout = concat_rollouts([rollout.to(s.device)] + [g.rollout.to(s.device) for g in replayed], s.tok.pad_id)
+    # from here to the update the rollout stays on the model's device (the built-in sampler's is there already)
+    return Batch(rollout.to(s.device), scores, stats_rewards, groups, replayed), collector.stats
 
 
 class ExtraPrompts:
@@ -162,12 +163,14 @@ def replay_count(expected: float, seed: int, step: int, rank: int = 0) -> int:
 def loss_mask(s: Session, batch: Batch) -> torch.Tensor:
     """Completion tokens that enter the loss: the policy's own (an episode's environment tokens stay out), failed
     rewards out, and truncated completions if asked."""
-    fresh = batch.rollout.trained_mask_BTc[:batch.num_fresh] * (~batch.scores.failed_B).unsqueeze(-1)
+    device = batch.rollout.completion_mask_BTc.device
+    fresh = batch.rollout.trained_mask_BTc[:batch.num_fresh] * (~batch.scores.failed_B.to(device)).unsqueeze(-1)
     if s.cfg.algo.mask_truncated:
-        truncated_B = torch.tensor([r == "length" for r in batch.rollout.finish_reasons[:batch.num_fresh]])
+        truncated_B = torch.tensor([r == "length" for r in batch.rollout.finish_reasons[:batch.num_fresh]], device=device)
         fresh = fresh * (~truncated_B).unsqueeze(-1)
     width = batch.rollout.completion_mask_BTc.shape[1]
-    stored = [torch.nn.functional.pad(g.loss_mask_GT, (0, width - g.loss_mask_GT.shape[1])) for g in batch.replayed]
+    stored = [torch.nn.functional.pad(g.loss_mask_GT.to(device), (0, width - g.loss_mask_GT.shape[1]))
+              for g in batch.replayed]
     return torch.cat([fresh] + stored) if stored else fresh
 
 
@@ -178,11 +181,12 @@ def advantages_of(s: Session, batch: Batch, mask_BT, old_logp, ref_logp) -> torc
     kl_BT = None
     if s.algo.kl_in_reward and ref_logp is not None:
         kl_BT = old_logp[fresh] - ref_logp[fresh]  # k1 estimate of KL(pi_old || ref) per token
-    inputs = AdvantageInputs(batch.stats_rewards_P_S, mask_BT[fresh], cfg.adv_scale, cfg.adv_eps, cfg.beta, G, kl_BT,
+    inputs = AdvantageInputs(batch.stats_rewards_P_S.to(mask_BT.device), mask_BT[fresh], cfg.adv_scale, cfg.adv_eps, cfg.beta, G, kl_BT,
                              all_sum=lambda values: all_reduce_sums(s.world, values))  # batch statistics: all ranks
     advantages_BT = s.algo.advantages_BT(inputs)
     width = mask_BT.shape[1]
-    stored = [torch.nn.functional.pad(g.advantages_GT, (0, width - g.advantages_GT.shape[1])) for g in batch.replayed]
+    stored = [torch.nn.functional.pad(g.advantages_GT.to(mask_BT.device), (0, width - g.advantages_GT.shape[1]))
+              for g in batch.replayed]
     return torch.cat([advantages_BT] + stored) if stored else advantages_BT
 
 
@@ -196,7 +200,7 @@ def behaviour(s: Session, batch: Batch) -> tuple[torch.Tensor | None, torch.Tens
     if fresh_cap is None and not batch.replayed:
         return None, None
     behaviour_BT = rollout.sampling_logp_BTc.clone()
-    cap_B = torch.full((rollout.num_completions,), cfg.replay.is_cap)
+    cap_B = torch.full((rollout.num_completions,), cfg.replay.is_cap, device=behaviour_BT.device)
     if fresh_cap is None:
         behaviour_BT[:batch.num_fresh] = float("nan")
     else:
@@ -209,7 +213,9 @@ def store_groups(s: Session, batch: Batch, advantages, mask_BT, replay: ReplayBu
     stored = 0
     for g in range(len(batch.groups)):
         rows = list(range(g * G, (g + 1) * G))
-        group = StoredGroup(select_rows(batch.rollout, rows), advantages[rows], mask_BT[rows], step + 1)
+        # the buffer holds its groups on the host: device memory stays the step's
+        group = StoredGroup(select_rows(batch.rollout, rows).to(torch.device("cpu")), advantages[rows].cpu(),
+                            mask_BT[rows].cpu(), step + 1)
         stored += replay.add(group)
     return stored
 
@@ -248,13 +254,13 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
         t_ref = time.perf_counter()
         # each row's policy; replayed rows are the run's only policy's (the config refuses replay with several)
         policy_B = torch.cat([row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations),
-                              torch.zeros(rollout.num_completions - batch.num_fresh, dtype=torch.long)])
+                              torch.zeros(rollout.num_completions - batch.num_fresh, dtype=torch.long)]).to(s.device)
         old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix, policy_B) if need_old else None
         t_old = time.perf_counter()
 
         advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
         behaviour_BT, cap_B = behaviour(s, batch)
-        fresh_B = torch.arange(rollout.num_completions) < batch.num_fresh
+        fresh_B = torch.arange(rollout.num_completions, device=s.device) < batch.num_fresh
         scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B,
                                betas)
         optim_s = 0.0
@@ -387,7 +393,7 @@ def collect_metrics(stats: CollectStats, cfg) -> dict:
 
 def sample_rows(s: Session, batch: Batch, advantages, step: int) -> list[dict]:
     G, scores, rollout = s.cfg.rollout.num_generations, batch.scores, batch.rollout
-    per_row = advantages[:, 0]  # a completion's advantage (per token: its first token's)
+    per_row = advantages[:, 0].tolist()  # a completion's advantage (per token: its first token's); one read back
     rows = []
     for i in range(batch.num_fresh):
         group = batch.groups[i // G]
@@ -397,7 +403,7 @@ def sample_rows(s: Session, batch: Batch, advantages, step: int) -> list[dict]:
             named["episode"] = s.tokenizer.decode(rollout.completion_ids_BTc[i][rollout.completion_mask_BTc[i].bool()],
                                                   skip_special_tokens=False)
         rows.append({"step": step + 1, **named, "prompt": prompt_text(s.prompts.train[group.slot.prompt]), "completion": rollout.completions[i],
-                     "reward": _num(scores.total_B[i]), "advantage": float(per_row[i]),
+                     "reward": _num(scores.total_B[i]), "advantage": per_row[i],
                      "temperature": float(rollout.temperature_B[i]), "retries": group.retries,
                      **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}})
     return rows

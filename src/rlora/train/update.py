@@ -47,7 +47,7 @@ class ScoredRollout:
     def rows_policy_B(self) -> torch.Tensor:
         """[B] each row's policy."""
         if self.policy_B is None:
-            return torch.zeros(self.rollout.num_completions, dtype=torch.long)
+            return torch.zeros(self.rollout.num_completions, dtype=torch.long, device=self.loss_mask_BTc.device)
         return self.policy_B
 
     def policy_betas(self, beta: float, num_policies: int) -> list[float]:
@@ -72,7 +72,7 @@ def batched_logprobs(model, rollout: Rollout, micro_batch_size: int, chunk_token
             with policy_rows(model, None if policy_B is None else policy_B[rows]):
                 logp, _ = completion_logprobs(model, micro, chunk_tokens=chunk_tokens,
                                               prefix=None if prefix is None else prefix.rows(rows, micro))
-            parts.append(pad_right(logp, width).cpu())  # scored rollouts live on the CPU
+            parts.append(pad_right(logp, width))  # on the model's device, as the rollout
     finally:
         model.train(was_training)
     return torch.cat(parts)
@@ -102,7 +102,8 @@ def rows_to_train(scored: ScoredRollout, loss_betas: list[float], entropy_coef: 
     active_B = scored.loss_mask_BTc.sum(-1) > 0
     if entropy_coef == 0 and not every_row:
         moves_B = ((scored.advantages_BTc != 0) & (scored.loss_mask_BTc > 0)).any(-1)
-        active_B &= moves_B | (torch.tensor(loss_betas)[scored.rows_policy_B] > 0)
+        betas_K = torch.tensor(loss_betas, device=active_B.device)
+        active_B &= moves_B | (betas_K[scored.rows_policy_B] > 0)
     return active_B.nonzero().squeeze(-1)
 
 
@@ -262,7 +263,8 @@ def accumulate_gradient_per_policy(
     # a policy's kl only where its own loss has a KL term, as when it runs alone (the others' reference ran)
     sums = [UpdateSums(token_metric_sums(algo, cfg, scored.ref_logp_BTc is not None and beta > 0)) for beta in betas]
     sampled = rollout.sampling_logp_BTc
-    fresh_B = scored.fresh_B if scored.fresh_B is not None else torch.ones(rollout.num_completions, dtype=torch.bool)
+    fresh_B = scored.fresh_B if scored.fresh_B is not None else \
+        torch.ones(rollout.num_completions, dtype=torch.bool, device=scored.loss_mask_BTc.device)
     policy_B = scored.rows_policy_B
     for index, micro in micros:
         width = micro.completion_ids_BTc.shape[1]
@@ -271,7 +273,7 @@ def accumulate_gradient_per_policy(
             logp_BT, entropy_BT = completion_logprobs(model, micro, with_entropy=True, chunk_tokens=chunk_tokens,
                                                       entropy_grad=cfg.entropy_coef > 0,
                                                       prefix=None if prefix is None else prefix.rows(index, micro))
-            here = on_device(logp_BT.device)  # the scored rollout is on the CPU, the model maybe on a GPU
+            here = on_device(logp_BT.device)  # a no-op for a step's rollout (on the model's device from sampling on)
             mask_BT = here(scored.loss_mask_BTc[index, :width]).float()
             old = here(scored.old_logp_BTc[index, :width]) if scored.old_logp_BTc is not None else logp_BT.detach()
             ref = here(scored.ref_logp_BTc[index, :width]) if scored.ref_logp_BTc is not None else None

@@ -12,7 +12,7 @@ from rlora.batching import trim
 from rlora.config import LoraConfig
 from rlora.models.loading import attach_lora, causal_lm, load_tokenizer
 from rlora.models.logprobs import completion_hidden, completion_logprobs
-from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing, sharing_prompts_unsupported
+from rlora.models.shared_prompts import PromptRows, prompt_groups, set_prompt_sharing, sharing_prompts_unsupported
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.types import SamplingParams
 from test_adapters import base_model, with_random_up_factors
@@ -68,6 +68,22 @@ def _gradients(model, params, loss) -> list[torch.Tensor]:
         p.grad = None
     loss().backward()
     return [p.grad.clone() for p in params]
+
+
+def test_prompt_rows_copy_each_prompt_and_sum_its_rows_gradients_in_one_reduction():
+    """Rows of three prompts, unevenly many and interleaved: the forward is x_U[inverse_B] exactly; each prompt's
+    gradient is its rows' gradients summed by one reduction in row order (bit for bit `grads[rows].sum(0)`), not
+    accumulated into repeated indices (whose order, with several CPU threads, varied between runs)."""
+    inverse_B = torch.tensor([2, 0, 0, 1, 2, 0, 2, 2])
+    g = torch.Generator().manual_seed(0)
+    x_U = torch.randn(3, 4, 5, generator=g, requires_grad=True)
+    rows = PromptRows(inverse_B, 3)
+    out_B = rows(x_U)
+    assert torch.equal(out_B, x_U[inverse_B])
+    grad_B = torch.randn(out_B.shape, generator=g)
+    out_B.backward(grad_B)
+    for u in range(3):
+        assert torch.equal(x_U.grad[u], grad_B[inverse_B == u].sum(0))
 
 
 @pytest.mark.parametrize("train_mode", [False, True])

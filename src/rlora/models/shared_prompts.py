@@ -81,11 +81,29 @@ def shared_prompt_hidden(model: nn.Module, batch: RolloutSlice, groups: tuple[to
     prompt = decoder(input_ids=batch.prompt_ids_BTp[first_U], attention_mask=prompt_mask_UT,
                      position_ids=position_ids_from_mask(prompt_mask_UT), use_cache=True)
     cache = prompt.past_key_values
+    to_rows = PromptRows(inverse_B, len(first_U))
     for layer in cache.layers:  # each row reads its prompt's keys and values; the backward sums over the rows
-        layer.batch_select_indices(inverse_B)
+        layer.keys, layer.values = to_rows(layer.keys), to_rows(layer.values)
     mask_BT = torch.cat([batch.prompt_mask_BTp, batch.completion_mask_BTc], dim=1)
     Tp = batch.prompt_ids_BTp.shape[1]
     completion = decoder(input_ids=batch.completion_ids_BTc, attention_mask=mask_BT,
                          position_ids=position_ids_from_mask(mask_BT)[:, Tp:], past_key_values=cache, use_cache=True)
     # completion token 0 is predicted by the prompt's last position, token t > 0 by completion position t - 1
-    return torch.cat([prompt.last_hidden_state[inverse_B, -1:], completion.last_hidden_state[:, :-1]], dim=1)
+    return torch.cat([to_rows(prompt.last_hidden_state[:, -1:]), completion.last_hidden_state[:, :-1]], dim=1)
+
+
+class PromptRows:
+    """x_U[inverse_B] (each row's copy of its prompt's tensor) with a backward that sums each prompt's rows in a
+    fixed order. Plain indexing's backward accumulates into repeated indices, which on a CPU with several threads
+    adds them in whatever order the threads reach them: runs then differ at the last bits. Here each prompt's rows
+    are an expand (whose backward is a reduction), and putting the rows back in order is a permutation (no index
+    repeats)."""
+
+    def __init__(self, inverse_B: torch.Tensor, num_prompts: int):
+        order_B = torch.argsort(inverse_B, stable=True)  # rows grouped by prompt, in row order within each
+        self.counts = torch.bincount(inverse_B, minlength=num_prompts).tolist()
+        self.back_B = torch.argsort(order_B)  # grouped position of each row
+
+    def __call__(self, x_U: torch.Tensor) -> torch.Tensor:
+        grouped = torch.cat([x_U[u:u + 1].expand(n, *x_U.shape[1:]) for u, n in enumerate(self.counts) if n])
+        return grouped[self.back_B]

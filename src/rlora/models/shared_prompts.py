@@ -3,8 +3,8 @@
 A GRPO step samples G completions of each prompt, and every log-prob pass (reference, old policy, each policy
 update, PPO's values) runs prompt + completion for every row: the same prompt G times. Here the distinct
 prompts of a micro-batch run once, with a key/value cache; the cache is copied to the rows that share each
-prompt (an index_select, whose backward sums the rows' gradients into the prompt's pass: the same gradient as
-G separate prompt passes), and the completions run on top of it. On the demo (46-token prompts, G = 8, short
+prompt (PromptRows, whose backward sums the rows' gradients into the prompt's pass: the same gradient as G
+separate prompt passes), and the completions run on top of it. On the demo (46-token prompts, G = 8, short
 completions) that is about 40 % fewer tokens in every pass.
 
 The numbers equal the unshared pass up to the rounding of differently shaped products and sums (a float64

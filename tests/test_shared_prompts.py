@@ -74,16 +74,16 @@ def test_prompt_rows_copy_each_prompt_and_sum_its_rows_gradients_in_one_reductio
     """Rows of three prompts, unevenly many and interleaved: the forward is x_U[inverse_B] exactly; each prompt's
     gradient is its rows' gradients summed by one reduction in row order (bit for bit `grads[rows].sum(0)`), not
     accumulated into repeated indices (whose order, with several CPU threads, varied between runs)."""
-    inverse_B = torch.tensor([2, 0, 0, 1, 2, 0, 2, 2])
     g = torch.Generator().manual_seed(0)
-    x_U = torch.randn(3, 4, 5, generator=g, requires_grad=True)
-    rows = PromptRows(inverse_B, 3)
-    out_B = rows(x_U)
-    assert torch.equal(out_B, x_U[inverse_B])
-    grad_B = torch.randn(out_B.shape, generator=g)
-    out_B.backward(grad_B)
-    for u in range(3):
-        assert torch.equal(x_U.grad[u], grad_B[inverse_B == u].sum(0))
+    for inverse_B in (torch.tensor([2, 0, 0, 1, 2, 0, 2, 2]), torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])):  # also grouped
+        x_U = torch.randn(3, 4, 5, generator=g, requires_grad=True)
+        rows = PromptRows(inverse_B, 3)
+        out_B = rows(x_U)
+        assert torch.equal(out_B, x_U[inverse_B])
+        grad_B = torch.randn(out_B.shape, generator=g)
+        out_B.backward(grad_B)
+        for u in range(3):
+            assert torch.equal(x_U.grad[u], grad_B[inverse_B == u].sum(0))
 
 
 @pytest.mark.parametrize("train_mode", [False, True])

@@ -69,8 +69,10 @@ class Rollout:
         return self.completion_ids_BTc.shape[0]
 
     def to(self, device: torch.device) -> "Rollout":
-        """The same rollout with its tensors on `device` (each itself where it is there already)."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        """The same rollout with its tensors on `device` (each itself where it is there already). A copy to the host
+        completes before this returns (a CUDA copy into pageable memory blocks): what the replay buffer keeps is
+        whole."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=device.type != "cpu")  # noqa: E731
         return Rollout(move(self.prompt_ids_BTp), move(self.prompt_mask_BTp), move(self.completion_ids_BTc),
                        move(self.completion_mask_BTc), self.completions, self.finish_reasons, move(self.temperature_B),
                        move(self.sampling_logp_BTc), move(self.temperature_BTc), move(self.policy_mask_BTc))

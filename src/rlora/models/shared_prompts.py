@@ -102,8 +102,10 @@ class PromptRows:
     def __init__(self, inverse_B: torch.Tensor, num_prompts: int):
         order_B = torch.argsort(inverse_B, stable=True)  # rows grouped by prompt, in row order within each
         self.counts = torch.bincount(inverse_B, minlength=num_prompts).tolist()
-        self.back_B = torch.argsort(order_B)  # grouped position of each row
+        # rows already grouped (a step's rows come prompt by prompt): no permutation needed
+        self.back_B = None if bool((order_B == torch.arange(len(order_B), device=order_B.device)).all()) \
+            else torch.argsort(order_B)  # grouped position of each row
 
     def __call__(self, x_U: torch.Tensor) -> torch.Tensor:
         grouped = torch.cat([x_U[u:u + 1].expand(n, *x_U.shape[1:]) for u, n in enumerate(self.counts) if n])
-        return grouped[self.back_B]
+        return grouped if self.back_B is None else grouped[self.back_B]

@@ -393,18 +393,21 @@ def collect_metrics(stats: CollectStats, cfg) -> dict:
 
 def sample_rows(s: Session, batch: Batch, advantages, step: int) -> list[dict]:
     G, scores, rollout = s.cfg.rollout.num_generations, batch.scores, batch.rollout
-    per_row = advantages[:, 0].tolist()  # a completion's advantage (per token: its first token's); one read back
+    # one read back of what the rows show (the rollout is on the model's device): a completion's advantage (per
+    # token: its first token's), its temperature, an episode's tokens (right-padded: the first `length`)
+    per_row, temperatures = advantages[:, 0].tolist(), rollout.temperature_B.tolist()
+    episode = rollout.policy_mask_BTc is not None
+    ids, lengths = (rollout.completion_ids_BTc.tolist(), rollout.completion_mask_BTc.sum(-1).tolist()) if episode else ((), ())
     rows = []
     for i in range(batch.num_fresh):
         group = batch.groups[i // G]
         policy = s.policies[group.slot.policy]
         named = {"policy": policy.name} if policy.own_folder else {}
-        if rollout.policy_mask_BTc is not None:  # an episode: its whole text after the prompt, markers included
-            named["episode"] = s.tokenizer.decode(rollout.completion_ids_BTc[i][rollout.completion_mask_BTc[i].bool()],
-                                                  skip_special_tokens=False)
+        if episode:  # its whole text after the prompt, markers included
+            named["episode"] = s.tokenizer.decode(ids[i][:lengths[i]], skip_special_tokens=False)
         rows.append({"step": step + 1, **named, "prompt": prompt_text(s.prompts.train[group.slot.prompt]), "completion": rollout.completions[i],
                      "reward": _num(scores.total_B[i]), "advantage": per_row[i],
-                     "temperature": float(rollout.temperature_B[i]), "retries": group.retries,
+                     "temperature": temperatures[i], "retries": group.retries,
                      **{f"reward/{name}": values[i] for name, values in scores.per_fn.items()}})
     return rows
 

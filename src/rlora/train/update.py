@@ -266,7 +266,8 @@ def accumulate_gradient_per_policy(
     fresh_B = scored.fresh_B if scored.fresh_B is not None else \
         torch.ones(rollout.num_completions, dtype=torch.bool, device=scored.loss_mask_BTc.device)
     policy_B = scored.rows_policy_B
-    for index, micro in micros:
+    policies, rows_list = policy_B.tolist(), rows.tolist()  # each row's policy on the host, read back once
+    for start, (index, micro) in zip(range(0, len(rows_list), micro_batch_size), micros):
         width = micro.completion_ids_BTc.shape[1]
         micro_policy = policy_B[index]
         with adapter.rows(micro_policy):
@@ -285,7 +286,7 @@ def accumulate_gradient_per_policy(
             inputs = LossInputs(logp_BT, old, here(scored.advantages_BTc[index, :width]), mask_BT, ref, is_weight)
             # each policy's own beta: its KL term is added per policy below, as token_loss adds it
             out = algo.token_loss(inputs, clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=0.0)
-            parts = _policy_parts(micro_policy, len(totals))
+            parts = _policy_parts([policies[r] for r in rows_list[start:start + micro_batch_size]], mask_BT.device)
             losses = [aggregate(_policy_loss_BT(out, entropy_BT, part, loss_betas[k], cfg.entropy_coef), mask_BT[part],
                                 cfg.loss_agg, totals[k])
                       for k, part in parts]
@@ -317,8 +318,10 @@ def _policy_loss_BT(out, entropy_BT: torch.Tensor, part, beta: float, entropy_co
     return loss_BT - entropy_coef * entropy_BT[part] if entropy_coef else loss_BT
 
 
-def _policy_parts(micro_policy: torch.Tensor, num_policies: int) -> list[tuple[int, slice | torch.Tensor]]:
-    """(policy, its rows of the micro-batch) for each policy present; rows of one policy: all rows, no copy."""
-    if bool((micro_policy == micro_policy[0]).all()):
-        return [(int(micro_policy[0]), slice(None))]
-    return [(k, (micro_policy == k).nonzero().squeeze(-1)) for k in range(num_policies) if bool((micro_policy == k).any())]
+def _policy_parts(micro_policy: list[int], device: torch.device) -> list[tuple[int, slice | torch.Tensor]]:
+    """(policy, its rows of the micro-batch) for each policy present, from the rows' policies on the host (no read
+    back between a micro-batch's forward and its backward); rows of one policy: all rows, no copy."""
+    if len(set(micro_policy)) == 1:
+        return [(micro_policy[0], slice(None))]
+    return [(k, torch.tensor([j for j, p in enumerate(micro_policy) if p == k], device=device))
+            for k in sorted(set(micro_policy))]

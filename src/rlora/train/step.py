@@ -130,10 +130,10 @@ def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: T
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
     expected = cfg.algo.replay.ratio * len(groups)
     replayed = replay.draw(replay_count(expected, cfg.train.seed, step, s.world.rank), step) if replay else []
-    if replayed:  # the buffer keeps its groups on the host
-        rollout = concat_rollouts([rollout.to(s.device)] + [g.rollout.to(s.device) for g in replayed], s.tok.pad_id)
-    # from here to the update the rollout stays on the model's device (the built-in sampler's is there already)
-    return Batch(rollout.to(s.device), scores, stats_rewards, groups, replayed), collector.stats
+    # from here to the update the rollout stays on the model's device (the built-in sampler's is there already;
+    # transformers generate's, an episode's and the replay buffer's groups are built or kept on the host)
+    rollout = concat_rollouts([r.to(s.device) for r in [rollout] + [g.rollout for g in replayed]], s.tok.pad_id)
+    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats
 
 
 class ExtraPrompts:

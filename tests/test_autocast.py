@@ -112,6 +112,33 @@ def test_a_bf16_run_under_autocast_trains_and_saves_the_choice(monkeypatch, tiny
     assert len(rows) == 2 and all(r["grad_norm"] > 0 for r in rows)
 
 
+PPO = {"algo.name": "ppo", "rollout.num_generations": 1, "train.prompts_per_step": 4}
+
+
+@pytest.mark.parametrize("algo", [{"algo.beta": 0.04}, PPO], ids=["grpo", "ppo"])
+def test_the_passes_run_under_autocast_and_the_optimizer_steps_outside_it(algo, monkeypatch, tiny_model_dir,
+                                                                          prompts_file, tmp_path):
+    """The gradient passes run under bf16 autocast; the float32 adapters' update (clipping, AdamW) does not."""
+    from rlora.train import ppo_step, step
+
+    monkeypatch.setattr(machine, "cpu_flags", lambda: BF16)
+    autocast_in = {"passes": [], "optimizer": []}
+
+    def recording(real, where):
+        def wrapped(*args, **kwargs):
+            autocast_in[where].append(torch.is_autocast_enabled("cpu"))
+            return real(*args, **kwargs)
+        return wrapped
+
+    for module, passes in ((step, "accumulate_gradient_per_policy"), (ppo_step, "accumulate_policy_gradient")):
+        monkeypatch.setattr(module, passes, recording(getattr(module, passes), "passes"))
+        monkeypatch.setattr(module, "optimizer_step", recording(module.optimizer_step, "optimizer"))
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"), **{
+        "model.dtype": "bfloat16", "train.steps": 2, "eval.before": "false", "eval.after": "false", **algo})
+    assert main(["train", *args]) == 0
+    assert autocast_in["passes"] == [True, True] and autocast_in["optimizer"] == [False, False], autocast_in
+
+
 @pytest.mark.parametrize("saved,want", [({"autocast": "bfloat16"}, "bfloat16"), ({}, "off")])
 def test_a_resumed_run_keeps_its_checkpoints_autocast(saved, want, monkeypatch, tmp_path):
     """`auto` resumes with the checkpoint's choice on any machine; a checkpoint from before the key ran off."""

@@ -13,6 +13,7 @@ policy's, and whitened advantages use the whole batch's mean and std (advantages
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -106,7 +107,9 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
     mb, chunk, beta = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens, cfg.algo.beta
     algo = dataclasses.replace(s.algo, kl_in_reward=ppo.kl_mode == "reward")  # the loss then has no KL term
     need_old = cfg.algo.num_iterations > 1 or (algo.kl_in_reward and beta > 0)
-    with trainer_precision(s.model, cfg.train.autocast):  # every log-prob and value pass and its backward alike
+    # every log-prob and value pass and its backward under one precision; the optimizer steps outside it
+    precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
+    with precision():
         prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
         ref_logp = None
         if beta > 0:
@@ -122,19 +125,20 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
                                  cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
         behaviour_BT, cap_B = behaviour(s, batch)
         scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
-        policy_params, value_params = policy.params, critic.parameters()
-        for _ in range(cfg.algo.num_iterations):
-            lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
+    policy_params, value_params = policy.params, critic.parameters()
+    for _ in range(cfg.algo.num_iterations):
+        lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
+        with precision():
             update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
                                                 prefix, s.adapter)
             update |= accumulate_value_gradient(critic, rollout, targets.returns_BT, old_values_BT, mask_BT, mb,
                                                 ppo.value_clip, prefix, s.world)
-            value_grad_norm = _clip(value_params, cfg.train.max_grad_norm)
-            # a non-finite value loss or gradient skips the whole update, as a non-finite policy one does
-            finite = math.isfinite(update["value_loss"]) and math.isfinite(value_grad_norm)
-            update |= optimizer_step(policy_params, optimizer, scheduler, cfg.train.max_grad_norm,
-                                     update["loss"] if finite else math.nan)
-            update["value_grad_norm"] = value_grad_norm
+        value_grad_norm = _clip(value_params, cfg.train.max_grad_norm)
+        # a non-finite value loss or gradient skips the whole update, as a non-finite policy one does
+        finite = math.isfinite(update["value_loss"]) and math.isfinite(value_grad_norm)
+        update |= optimizer_step(policy_params, optimizer, scheduler, cfg.train.max_grad_norm,
+                                 update["loss"] if finite else math.nan)
+        update["value_grad_norm"] = value_grad_norm
     t_end = time.perf_counter()
 
     metrics = {

@@ -3,6 +3,8 @@ groups -> reference/old log-probs -> advantages -> update(s) -> metrics. Any alg
 
 from __future__ import annotations
 
+import functools
+
 import random
 import time
 import warnings
@@ -243,7 +245,9 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     betas = [p.beta for p in s.policies]  # each policy's own
     need_ref = max(betas) > 0
     need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and cfg.algo.beta > 0)
-    with trainer_precision(s.model, cfg.train.autocast):  # every log-prob pass and its backward alike
+    # every log-prob pass and its backward under one precision; the optimizer steps outside it (float32 adapters)
+    precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
+    with precision():
         # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
         prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
         t_prefix = time.perf_counter()
@@ -263,16 +267,17 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
         fresh_B = torch.arange(rollout.num_completions, device=s.device) < batch.num_fresh
         scored = ScoredRollout(rollout, advantages, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B, fresh_B, policy_B,
                                betas)
-        optim_s = 0.0
-        for _ in range(cfg.algo.num_iterations):
-            lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]
+    optim_s = 0.0
+    for _ in range(cfg.algo.num_iterations):
+        lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]
+        with precision():
             updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
                                                      s.world, prefix, s.adapter)
-            t_optim = time.perf_counter()
-            for update, p, lr in zip(updates, s.policies, lrs):
-                update |= optimizer_step(p.params, p.optimizer, p.scheduler, cfg.train.max_grad_norm,
-                                         update["loss"]) | {"lr": lr}
-            optim_s += time.perf_counter() - t_optim
+        t_optim = time.perf_counter()
+        for update, p, lr in zip(updates, s.policies, lrs):
+            update |= optimizer_step(p.params, p.optimizer, p.scheduler, cfg.train.max_grad_norm,
+                                     update["loss"]) | {"lr": lr}
+        optim_s += time.perf_counter() - t_optim
     t_end = time.perf_counter()
     stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
 

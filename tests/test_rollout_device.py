@@ -85,6 +85,9 @@ def test_a_run_keeps_its_rollout_on_the_device_and_never_mixes_host_and_device(n
         assert crossed and all(t.shape[0] == G for t in crossed), [t.shape for t in crossed]
         crossed = []
     assert not crossed, "\n".join(dict.fromkeys(f"{t.what} {t.shape}{t.where}" for t in crossed))
+    if name.startswith("dynamic sampling"):  # the check covered resampled groups: count_a never scores 1.0
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert all(row["resamples"] > 0 for row in rows), [row.get("resamples") for row in rows]
 
 
 def test_the_guard_sees_what_a_gpu_refuses():

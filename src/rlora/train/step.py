@@ -4,7 +4,6 @@ groups -> reference/old log-probs -> advantages -> update(s) -> metrics. Any alg
 from __future__ import annotations
 
 import functools
-
 import random
 import time
 import warnings

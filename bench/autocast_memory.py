@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench_common import model_folder
+from bench_common import model_folder, random_up_factors
 from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.logging.console import quiet_libraries
@@ -69,11 +69,7 @@ def main() -> int:
     torch.manual_seed(0)  # peft draws the LoRA A factors from torch's global generator
     model = attach_lora(load_base_model(ModelConfig(path=folder, dtype="bfloat16", device=args.device), folder),
                         LoraConfig(rank=16, alpha=32))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.01)
+    random_up_factors(model, seed=1)
     vocab = model.get_base_model().config.vocab_size
     rollout = random_rollout(args.rows, args.prompt, args.completion, vocab)
     device = next(model.parameters()).device

@@ -1,9 +1,12 @@
-"""Shared by both sides of the TRL comparison: the prompts, the reward function and the models."""
+"""Shared by the benchmarks (both sides of the TRL comparison among them): the prompts, the reward function and
+the models."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import torch
 
 from rlora.config import DataConfig
 from rlora.data.prompts import load_prompt_sets
@@ -105,3 +108,13 @@ def output_folder(out: str | None, prefix: str) -> Path:
     folder = Path(out or tempfile.mkdtemp(prefix=prefix))
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def random_up_factors(model, seed: int, scale: float = 0.01):
+    """The LoRA's B (up) factors drawn N(0, scale^2), so the adapter changes the outputs (peft starts B at 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
+    return model

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # rlora's checks and measurements on a GPU machine, in one go (the numbers are in docs/benchmarks.md).
 #
-#   bash bench/gpu_suite.sh [tests] [sampler] [ragged] [autocast] [trl] [trl-grid]
-#                                         (default: tests sampler ragged autocast trl)
+#   bash bench/gpu_suite.sh [tests] [sampler] [ragged] [autocast] [packed] [trl] [trl-grid]
+#                                         (default: tests sampler ragged autocast packed trl)
 #
 # Runs from the repository root with rlora importable (pip install -e ".[dev,bench]", or PYTHONPATH=src plus
 # the packages) and a CUDA torch. The random Qwen2.5-0.5B-shape model is built into $RLORA_CACHE on first use;
@@ -13,7 +13,7 @@ set -uo pipefail
 export PYTHONPATH="src:bench${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 LOGS="${OUT:-gpu-logs}"
 mkdir -p "$LOGS"
-parts=("${@:-tests sampler ragged autocast trl}")
+parts=("${@:-tests sampler ragged autocast packed trl}")
 parts=(${parts[*]})
 status=0
 
@@ -49,6 +49,9 @@ for part in "${parts[@]}"; do
     autocast)  # issue #22 item 6: what the update keeps for backward and the peak GPU memory, autocast off / bf16
       python3 bench/autocast_memory.py --model qwen2.5-0.5b --rows 16 --prompt 128 --completion 256 2>&1 \
         | tee "$LOGS/autocast.log" || status=1 ;;
+    packed)  # train.pack_groups: the update with each prompt's rows packed against padded rows, ragged lengths
+      python3 bench/packed_groups.py --model qwen2.5-0.5b --dtype bfloat16 --prompts 2 --G 8 --prompt 128 \
+        --lengths 32,1024 --repeats 3 2>&1 | tee "$LOGS/packed.log" || status=1 ;;
     trl)  # issue #3: rlora vs TRL on the GPU, one configuration
       python3 bench/compare_trl.py timing --models qwen2.5-0.5b --device cuda --dtype bfloat16 --lengths 256 --gens 8 \
         --betas 0.04 --steps 3 --warmup 1 --repeats 2 --threads 8 --out "$LOGS/trl.jsonl" 2>&1 | tee "$LOGS/trl.log" \
@@ -57,7 +60,7 @@ for part in "${parts[@]}"; do
       python3 bench/compare_trl.py timing --models qwen2.5-0.5b --device cuda --dtype bfloat16 --lengths 256 \
         --gens 4,16 --betas 0,0.04 --steps 2 --warmup 1 --repeats 1 --threads 8 --out "$LOGS/trl-grid.jsonl" 2>&1 \
         | tee "$LOGS/trl-grid.log" || status=1 ;;
-    *) echo "unknown part '$part' (tests, sampler, ragged, autocast, trl, trl-grid)"; exit 2 ;;
+    *) echo "unknown part '$part' (tests, sampler, ragged, autocast, packed, trl, trl-grid)"; exit 2 ;;
   esac
 done
 exit $status

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench_common import model_folder, task_rows
+from bench_common import model_folder, random_up_factors, task_rows
 from rlora.logging.console import quiet_libraries
 from rlora.config import LoraConfig, ModelConfig
 from rlora.models.loading import add_model_eos_ids, attach_lora, load_base_model, load_tokenizer
@@ -40,11 +40,7 @@ def build(model_name: str, dtype: str):
     base = load_base_model(ModelConfig(path=folder, dtype=dtype), folder)
     add_model_eos_ids(tok, base)
     model = attach_lora(base, LoraConfig(rank=16, alpha=32))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.01)
+    random_up_factors(model, seed=0)
     model.eval()
     return tokenizer, tok, model
 

@@ -159,3 +159,30 @@ def test_graph_decode_draws_inside_the_graph_and_syncs_only_at_reads(tiny_model_
     assert torch.equal(eager.completion_ids_BTc, graph.completion_ids_BTc)
     assert eager.finish_reasons == graph.finish_reasons
     assert (eager.sampling_logp_BTc - graph.sampling_logp_BTc).abs().max() < 1e-5
+
+
+def test_packed_groups_on_the_gpu_give_the_unshared_logprobs(tiny_model_dir):
+    """train.pack_groups on CUDA (sdpa with a 4-D boolean mask, the layout's index tensors on the device): the
+    float64 policy's log-probs and gradients equal the unshared pass's (tests/test_packed_groups.py on the CPU)."""
+    from test_packed_groups import _packed_and_unshared
+    from test_shared_prompts import _gradients, _policy, _rollout
+
+    from rlora.batching import trim
+    from rlora.models.packed_groups import plan_packing
+    from rlora.models.shared_prompts import prompt_groups
+
+    model = _policy(tiny_model_dir, pack=True).cuda()
+    batch = trim(_rollout(model, tiny_model_dir)).to(torch.device("cuda"))
+    assert plan_packing(model, batch, prompt_groups(batch)) is not None
+    params = [p for p in model.parameters() if p.requires_grad]
+    mask = batch.completion_mask_BTc.bool()
+
+    def run():
+        logp_BT = completion_logprobs(model, batch, chunk_tokens=5)[0]
+        loss = lambda: completion_logprobs(model, batch, chunk_tokens=5)[0].sum()  # noqa: E731
+        return logp_BT.detach(), _gradients(model, params, loss)
+
+    (logp, grads), (logp_ref, grads_ref) = _packed_and_unshared(model, run)
+    assert torch.allclose(logp[mask], logp_ref[mask], atol=1e-6, rtol=0)
+    scale = max(float(g.abs().max()) for g in grads_ref)
+    assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))

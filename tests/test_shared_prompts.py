@@ -1,7 +1,7 @@
 """A group's prompt computed once in the log-prob passes (models/shared_prompts.py) against the unshared pass:
 the same hidden states (float64 to 1e-12), log-probs and gradients (to float32's resolution: transformers
-computes RMSNorm, and rlora the log-softmax, in float32 for a float64 model), prompts of different lengths (left padding),
-rows of one prompt not next to each other, ragged completions; and where sharing must not happen."""
+computes RMSNorm, and rlora the log-softmax, in float32 for a float64 model), prompts of different lengths (left
+padding), rows of one prompt not next to each other, ragged completions; and where sharing must not happen."""
 
 from dataclasses import fields
 
@@ -12,14 +12,18 @@ from rlora.batching import trim
 from rlora.config import LoraConfig
 from rlora.models.loading import attach_lora, causal_lm, load_tokenizer
 from rlora.models.logprobs import completion_hidden, completion_logprobs
+from rlora.models.packed_groups import set_group_packing
 from rlora.models.shared_prompts import PromptRows, prompt_groups, set_prompt_sharing, sharing_prompts_unsupported
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.types import SamplingParams
 from test_adapters import base_model, with_random_up_factors
 
 
-def _policy(model_dir, dtype=torch.float64, dropout=0.0):
+def _policy(model_dir, dtype=torch.float64, dropout=0.0, pack=False):
+    """pack=False: the shared prompts' own path (a key/value cache), not the packed groups built on them
+    (tests/test_packed_groups.py)."""
     model = attach_lora(base_model(model_dir), LoraConfig(rank=4, alpha=8, dropout=dropout))
+    set_group_packing(model, pack)
     return with_random_up_factors(model.to(dtype), "lora_B")
 
 
@@ -95,17 +99,8 @@ def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(tiny_model
     batch = trim(_rollout(model, tiny_model_dir))
     model.train(train_mode)
     assert sharing_prompts_unsupported(model) is None
-    params = [p for p in model.parameters() if p.requires_grad]
     mask = batch.completion_mask_BTc.bool()
-    weights_NH = torch.randn(int(mask.sum()), causal_lm(model).config.hidden_size, dtype=torch.float64,
-                             generator=torch.Generator().manual_seed(0))
-
-    def run():
-        hidden_BTH = completion_hidden(model, batch)
-        grads = _gradients(model, params, lambda: (completion_hidden(model, batch)[mask] * weights_NH).sum())
-        return hidden_BTH.detach(), grads
-
-    (hidden, grads), (hidden_ref, grads_ref) = _both(model, run)
+    (hidden, grads), (hidden_ref, grads_ref) = _both(model, lambda: hidden_and_gradients(model, batch))
     assert torch.allclose(hidden[mask], hidden_ref[mask], atol=1e-12, rtol=0)
     scale = max(float(g.abs().max()) for g in grads_ref)
     assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))
@@ -118,19 +113,35 @@ def test_shared_prompts_give_the_unshared_logprobs_and_their_gradients(tiny_mode
     gradient) is the tolerance, as for the hidden states' gradients."""
     model = _policy(tiny_model_dir)
     batch = trim(_rollout(model, tiny_model_dir))
+    assert_same_logprobs_and_gradients(*_both(model, lambda: logprobs_and_gradients(model, batch)),
+                                       batch.completion_mask_BTc.bool())
+
+
+def hidden_and_gradients(model, batch):
+    """-> (the completion hidden states, the adapter's gradients of a fixed random projection of them)."""
     params = [p for p in model.parameters() if p.requires_grad]
     mask = batch.completion_mask_BTc.bool()
+    weights_NH = torch.randn(int(mask.sum()), causal_lm(model).config.hidden_size, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(0))
+    hidden_BTH = completion_hidden(model, batch)
+    grads = _gradients(model, params, lambda: (completion_hidden(model, batch)[mask] * weights_NH).sum())
+    return hidden_BTH.detach(), grads
 
-    def run():
-        logp_BT, entropy_BT = completion_logprobs(model, batch, with_entropy=True, chunk_tokens=5)
-        weights_BT = torch.linspace(0.5, 1.5, logp_BT.numel()).view_as(logp_BT).double()
-        grads = _gradients(model, params, lambda: (completion_logprobs(model, batch, chunk_tokens=5)[0] *
-                                                   weights_BT).sum())
-        return logp_BT.detach(), entropy_BT.detach(), grads
 
-    (logp, entropy, grads), (logp_ref, entropy_ref, grads_ref) = _both(model, run)
-    assert mask.sum() > 0 and torch.allclose(logp[mask], logp_ref[mask], atol=1e-6, rtol=0)
-    assert torch.allclose(entropy[mask], entropy_ref[mask], atol=1e-6, rtol=0)
+def logprobs_and_gradients(model, batch):
+    """-> (log-probs, entropies, the adapter's gradients of a weighted sum of the log-probs), chunked by 5."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    logp_BT, entropy_BT = completion_logprobs(model, batch, with_entropy=True, chunk_tokens=5)
+    weights_BT = torch.linspace(0.5, 1.5, logp_BT.numel()).view_as(logp_BT).double()
+    grads = _gradients(model, params, lambda: (completion_logprobs(model, batch, chunk_tokens=5)[0] * weights_BT).sum())
+    return logp_BT.detach(), entropy_BT.detach(), grads
+
+
+def assert_same_logprobs_and_gradients(result, reference, mask_BT):
+    """Log-probs and entropies to 1e-6, gradients to float32's resolution relative to the largest."""
+    (logp, entropy, grads), (logp_ref, entropy_ref, grads_ref) = result, reference
+    assert mask_BT.sum() > 0 and torch.allclose(logp[mask_BT], logp_ref[mask_BT], atol=1e-6, rtol=0)
+    assert torch.allclose(entropy[mask_BT], entropy_ref[mask_BT], atol=1e-6, rtol=0)
     scale = max(float(g.abs().max()) for g in grads_ref)
     assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))
 

@@ -306,6 +306,9 @@ class TrainConfig(OptimizerConfig):
     share_prompts: bool = Field(
         True, description="Each log-prob pass runs a prompt once for the rows that share it (its G samples), "
         "where the numbers stay those of separate rows (models/shared_prompts.py)")
+    pack_groups: bool = Field(
+        True, description="Where prompts are shared, each prompt and its rows' completions run as one sequence "
+        "without the completions' padding, when that is less arithmetic (models/packed_groups.py)")
     release_memory: bool = Field(
         False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
     autocast: Literal["auto", "bfloat16", "off"] = Field(

@@ -32,6 +32,7 @@ from rlora.models.loading import (
     model_device, quantization_config, resolve_device, resolve_model_path,
 )
 from rlora.models.multi_lora import attach_policies
+from rlora.models.packed_groups import set_group_packing
 from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.models.value_model import Critic, attach_critic
 from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
@@ -198,6 +199,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     model = attach_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
     set_prompt_sharing(model, cfg.train.share_prompts)
+    set_group_packing(model, cfg.train.pack_groups)
     model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
     critic = None
     if get_algorithm(cfg.algo.name).critic:  # beside the policy's, on its layers: frozen outside Critic.active()

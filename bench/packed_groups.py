@@ -1,0 +1,109 @@
+"""The GRPO update's forward and backward with each prompt's rows packed (train.pack_groups, models/packed_groups.py)
+against shared prompts' padded rows, on one batch, alternating in one process:
+
+    .venv/bin/python bench/packed_groups.py [--model smollm2] [--prompts 2] [--G 8] [--prompt 46]
+        [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32]
+
+P prompts x G rows of random tokens; each row's completion length uniform in [LO, HI], one row of each prompt
+at HI (a row that ran to the length limit, as in the demo's steps). LoRA r16/alpha32 on all linear layers with
+random non-zero B (float32 adapters on a float32 or bfloat16 base), GRPO (beta 0) through rlora's own update
+(accumulate_policy_gradient). Reported: seconds per update (median, min-max over the repeats), the ratio
+packed / padded, and how far the two layouts' log-probs and gradients are apart (max |diff|, cosine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from bench_common import model_folder, random_up_factors
+from rlora.algos.advantages import per_token
+from rlora.algos.registry import get_algorithm
+from rlora.config import AlgoConfig, LoraConfig, ModelConfig
+from rlora.logging.console import quiet_libraries
+from rlora.models.loading import attach_lora, load_base_model, trainable_parameters
+from rlora.models.logprobs import completion_logprobs
+from rlora.models.packed_groups import set_group_packing
+from rlora.train.update import ScoredRollout, accumulate_policy_gradient
+from rlora.types import Rollout
+
+
+def ragged_rollout(prompts: int, G: int, prompt_len: int, lo: int, hi: int, vocab: int) -> Rollout:
+    g = torch.Generator().manual_seed(0)
+    rows = prompts * G
+    lengths_B = torch.randint(lo, hi + 1, (rows,), generator=g)
+    lengths_B[::G] = hi
+    return Rollout(
+        prompt_ids_BTp=torch.randint(0, vocab, (prompts, prompt_len), generator=g).repeat_interleave(G, 0),
+        prompt_mask_BTp=torch.ones(rows, prompt_len, dtype=torch.long),
+        completion_ids_BTc=torch.randint(0, vocab, (rows, hi), generator=g),
+        completion_mask_BTc=(torch.arange(hi)[None] < lengths_B[:, None]).long(),
+        completions=[""] * rows, finish_reasons=["stop"] * rows, temperature_B=torch.ones(rows))
+
+
+def update(model, rollout: Rollout) -> tuple[float, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    rows = rollout.num_completions
+    advantages = per_token(torch.linspace(-1, 1, rows), rollout.completion_mask_BTc)
+    scored = ScoredRollout(rollout, advantages, rollout.completion_mask_BTc, None, None)
+    start = time.perf_counter()
+    accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(beta=0.0), scored, rows,
+                               rollout.completion_ids_BTc.shape[1])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, torch.cat([p.grad.flatten().double() for p in trainable_parameters(model)])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2, qwen2-0.1b, qwen2.5-0.5b or a model folder")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the base's dtype")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=46)
+    parser.add_argument("--lengths", default="5,48", help="LO,HI: completion lengths uniform in [LO, HI]")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    lo, hi = (int(x) for x in args.lengths.split(","))
+    quiet_libraries()
+    folder = model_folder(args.model)
+    torch.manual_seed(0)  # peft draws the LoRA A factors from torch's global generator
+    model = attach_lora(load_base_model(ModelConfig(path=folder, dtype=args.dtype, device=args.device), folder),
+                        LoraConfig(rank=16, alpha=32))
+    random_up_factors(model, seed=1)
+    rollout = ragged_rollout(args.prompts, args.G, args.prompt, lo, hi, model.get_base_model().config.vocab_size)
+    mask_BT = rollout.completion_mask_BTc.bool()
+    print(f"# {args.model} {args.dtype}, LoRA r16 all-linear; {args.prompts} prompts x {args.G} rows, "
+          f"prompt {args.prompt}, completions {lo}-{hi} ({int(mask_BT.sum())} of {mask_BT.numel()} positions real); "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    times: dict[bool, list[float]] = {True: [], False: []}
+    grads: dict[bool, torch.Tensor] = {}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for packed in (True, False):
+            set_group_packing(model, packed)
+            seconds, grads[packed] = update(model, rollout)
+            if repeat:
+                times[packed].append(seconds)
+    with torch.no_grad():
+        logp = {}
+        for packed in (True, False):
+            set_group_packing(model, packed)
+            logp[packed] = completion_logprobs(model, rollout)[0].cpu()
+    medians = {packed: statistics.median(values) for packed, values in times.items()}
+    for packed, label in ((False, "padded (shared prompts)"), (True, "packed groups")):
+        values = times[packed]
+        print(f"{label:<24} {medians[packed]:8.3f} s  ({min(values):.3f}-{max(values):.3f})")
+    cosine = float(torch.nn.functional.cosine_similarity(grads[True], grads[False], dim=0))
+    print(f"packed / padded: {medians[True] / medians[False]:.2f}x; log-probs max |diff| "
+          f"{float((logp[True] - logp[False])[mask_BT].abs().max()):.2e}; gradient cosine {cosine:.9f}, norm ratio "
+          f"{float(grads[True].norm() / grads[False].norm()):.7f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""A prompt and its rows' completions packed into one sequence (models/packed_groups.py): the layout and the mask
+against hand-worked cases and a naive reference, the arithmetic estimate that decides, and the packed pass against
+the unshared one (hidden states, log-probs, gradients; sdpa and eager attention)."""
+
+import pytest
+import torch
+
+from rlora.batching import trim
+from rlora.models.logprobs import completion_logprobs
+from rlora.models.packed_groups import (
+    MAX_MASK_ELEMENTS, group_packing_unsupported, packed_attention_mask, packed_layout, packing_pays, plan_packing,
+    set_group_packing,
+)
+from rlora.models.loading import causal_lm
+from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing
+from test_shared_prompts import (
+    _policy, _rollout, assert_same_logprobs_and_gradients, hidden_and_gradients, logprobs_and_gradients,
+)
+
+
+def test_the_layout_puts_each_prompt_first_and_its_rows_completions_after_it_in_row_order():
+    """Rows 0..4 on prompts [1, 0, 0, 1, 0], completion lengths [2, 0, 3, 1, 1], prompts of 3 positions.
+    Sequence 0: prompt, row 2 (3 tokens), row 4 (1); row 1 has none. Sequence 1: prompt, row 0 (2), row 3 (1)."""
+    layout = packed_layout([1, 0, 0, 1, 0], [2, 0, 3, 1, 1], num_prompts=2, prompt_len=3, device=torch.device("cpu"))
+    P, X = -1, -2  # prompt, padding
+    assert layout.num_positions == 7
+    assert layout.owner_UN.tolist() == [[P, P, P, 2, 2, 2, 4], [P, P, P, 0, 0, 3, X]]
+    assert layout.token_row_N.tolist() == [0, 0, 2, 2, 2, 3, 4]
+    assert layout.token_t_N.tolist() == [0, 1, 0, 1, 2, 0, 0]
+    assert layout.token_seq_N.tolist() == [1, 1, 0, 0, 0, 1, 0]
+    assert layout.token_slot_N.tolist() == [3, 4, 3, 4, 5, 5, 6]
+    assert layout.predicts_N.tolist() == [True, False, True, True, False, False, False]  # a row's last token: no
+
+
+def test_the_mask_lets_a_completion_read_its_prompt_and_itself_only():
+    """Against a loop over every (query, key) pair written from the rule; the prompt of sequence 1 has one
+    position of left padding."""
+    layout = packed_layout([1, 0, 0, 1, 0], [2, 0, 3, 1, 1], num_prompts=2, prompt_len=3, device=torch.device("cpu"))
+    prompt_mask_UT = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    allowed = packed_attention_mask(layout.owner_UN, prompt_mask_UT)
+    assert allowed.shape == (2, 1, 7, 7)
+    owner = layout.owner_UN.tolist()
+    for u in range(2):
+        for q in range(7):
+            for k in range(7):
+                oq, ok = owner[u][q], owner[u][k]
+                real_prompt_key = k < 3 and prompt_mask_UT[u, k] == 1
+                real_prompt_query = q < 3 and prompt_mask_UT[u, q] == 1
+                expected = (q == k or (real_prompt_key and (oq >= 0 or (real_prompt_query and k <= q)))
+                            or (oq >= 0 and oq == ok and k <= q))
+                assert bool(allowed[u, 0, q, k]) == expected, (u, q, k)
+    assert allowed[1, 0, 0].tolist() == [True] + [False] * 6  # the padding reads only itself
+
+
+def test_packing_pays_where_padding_costs_more_than_the_extra_attention():
+    """Hand-computed per layer. Demo-like: 1 prompt of 46, 8 rows padded to 48, 200 real tokens, a SmolLM2 layer
+    (2 x 3.54M per token, 4 x 576 per pair): packed, 246 positions cost 1.74e9 + 0.14e9 (attention) against
+    shared prompts' 46 + 8 x 48 positions, 3.04e9 + 0.09e9."""
+    assert packing_pays(1, 46, 246, 8, 48, flops_per_token=7.08e6, flops_per_pair=2304)
+    # rows padded to 1000 on a layer where attention is dear (per token 1000, per pair 100); 2000 real tokens:
+    # packed 2046 x 1000 + 2046^2 x 100 = 4.21e8 against (46 + 8000) x 1000 + (46^2 + 8 x 1000 x 1046) x 100
+    # = 8.45e8: fewer pairs too, so it packs. 6000 real tokens: packed 6046^2 x 100 = 3.66e9 against 8.45e8: not
+    assert packing_pays(1, 46, 2046, 8, 1000, flops_per_token=1000, flops_per_pair=100)
+    assert not packing_pays(1, 46, 6046, 8, 1000, flops_per_token=1000, flops_per_pair=100)
+    # no padding to save (every row as long as the longest): the extra attention alone, never packed
+    assert not packing_pays(1, 46, 46 + 8 * 48, 8, 48, flops_per_token=7.08e6, flops_per_pair=2304)
+    side = int(MAX_MASK_ELEMENTS ** 0.5) + 1  # a mask over the cap is never built, however cheap
+    assert not packing_pays(1, 10, side, 100, side, flops_per_token=1e12, flops_per_pair=0)
+
+
+def _packed_and_unshared(model, run, attention="sdpa"):
+    """run() packed under `attention`, and with prompts not shared at all under sdpa -> (packed, unshared). (The
+    unshared reference runs under sdpa: transformers' eager attention gives NaN on a float64 model's left-padded
+    rows.)"""
+    hf = causal_lm(model)
+    set_group_packing(model, True)
+    set_prompt_sharing(model, False)
+    try:
+        unshared = run()
+        set_prompt_sharing(model, True)
+        hf.set_attn_implementation(attention)
+        return run(), unshared
+    finally:
+        set_prompt_sharing(model, True)
+        hf.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_groups_give_the_unshared_hidden_states_and_gradients(tiny_model_dir, attention):
+    """float64: the hidden states agree to 1e-12 (sdpa), the gradients to float32's resolution relative to the
+    largest (transformers' RMSNorm sums in float32, in another order when the rows are packed)."""
+    model = _policy(tiny_model_dir, pack=True)
+    batch = trim(_rollout(model, tiny_model_dir))
+    assert plan_packing(model, batch, prompt_groups(batch)) is not None  # the comparison is of the packed pass
+    mask = batch.completion_mask_BTc.bool()
+    (hidden, grads), (hidden_ref, grads_ref) = _packed_and_unshared(model, lambda: hidden_and_gradients(model, batch),
+                                                                    attention)
+    # eager attention takes its softmax in float32 (transformers), so there float32's resolution on values ~1-2
+    assert torch.allclose(hidden[mask], hidden_ref[mask], atol=1e-12 if attention == "sdpa" else 1e-6, rtol=0)
+    assert float(hidden[~mask].abs().max()) == 0.0  # padding positions hold zeros
+    scale = max(float(g.abs().max()) for g in grads_ref)
+    assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))
+    assert min(float(g.abs().max()) for g in grads) > 1e-3  # every adapter matrix gets a gradient
+
+
+def test_packed_groups_give_the_unshared_logprobs_entropies_and_their_gradients(tiny_model_dir):
+    model = _policy(tiny_model_dir, pack=True)
+    batch = trim(_rollout(model, tiny_model_dir))
+    assert_same_logprobs_and_gradients(*_packed_and_unshared(model, lambda: logprobs_and_gradients(model, batch)),
+                                       batch.completion_mask_BTc.bool())
+
+
+def test_float32_agrees_to_rounding(tiny_model_dir):
+    """float32: the same tokens in other product shapes round differently (as for shared prompts)."""
+    model = _policy(tiny_model_dir, torch.float32, pack=True)
+    batch = trim(_rollout(model, tiny_model_dir))
+    with torch.no_grad():
+        packed, unshared = _packed_and_unshared(model, lambda: completion_logprobs(model, batch, chunk_tokens=5)[0])
+    assert torch.allclose(packed, unshared, atol=2e-5, rtol=0)
+
+
+def test_no_packing_where_it_is_off_unsupported_or_would_drop_a_token(tiny_model_dir):
+    model = _policy(tiny_model_dir, pack=True)
+    batch = trim(_rollout(model, tiny_model_dir))
+    groups = prompt_groups(batch)
+    assert group_packing_unsupported(model) is None and plan_packing(model, batch, groups) is not None
+    holed = batch.completion_mask_BTc.clone()
+    row = int(holed.sum(-1).argmax())
+    holed[row, 0] = 0  # a token after padding: packing would lose it, so the padded path runs
+    assert plan_packing(model, type(batch)(batch.prompt_ids_BTp, batch.prompt_mask_BTp, batch.completion_ids_BTc,
+                                           holed, batch.temperature_B), groups) is None
+    causal_lm(model).config._attn_implementation = "flash_attention_2"  # reads no 4-D mask
+    assert group_packing_unsupported(model) == "attention 'flash_attention_2' takes no custom mask"
+    causal_lm(model).config._attn_implementation = "sdpa"
+    set_group_packing(model, False)
+    assert group_packing_unsupported(model) == "train.pack_groups=false"
+    assert plan_packing(model, batch, groups) is None

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from rlora.batching import trim
-from rlora.models.logprobs import completion_logprobs
+from rlora.models import packed_groups
+from rlora.models.logprobs import completion_hidden, completion_logprobs
 from rlora.models.packed_groups import (
     MAX_MASK_ELEMENTS, group_packing_unsupported, packed_attention_mask, packed_layout, packing_pays, plan_packing,
     set_group_packing,
 )
 from rlora.models.loading import causal_lm
-from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing
+from rlora.models.shared_prompts import prompt_cache_unsupported, prompt_groups, set_prompt_sharing
 from test_shared_prompts import (
-    _policy, _rollout, assert_same_logprobs_and_gradients, hidden_and_gradients, logprobs_and_gradients,
+    _policy, _rollout, _rows, assert_same_logprobs_and_gradients, hidden_and_gradients, logprobs_and_gradients,
 )
 
 
@@ -29,7 +30,11 @@ def test_the_layout_puts_each_prompt_first_and_its_rows_completions_after_it_in_
     assert layout.token_t_N.tolist() == [0, 1, 0, 1, 2, 0, 0]
     assert layout.token_seq_N.tolist() == [1, 1, 0, 0, 0, 1, 0]
     assert layout.token_slot_N.tolist() == [3, 4, 3, 4, 5, 5, 6]
-    assert layout.predicts_N.tolist() == [True, False, True, True, False, False, False]  # a row's last token: no
+    # tokens followed by another of their row (a row's last token predicts nothing): row 0's t 0, row 2's t 0 and
+    # 1, at flat positions seq x 7 + slot
+    assert layout.source_M.tolist() == [1 * 7 + 3, 0 * 7 + 3, 0 * 7 + 4]
+    assert layout.target_row_M.tolist() == [0, 2, 2] and layout.target_t_M.tolist() == [0, 0, 1]
+    assert layout.inverse_B == (1, 0, 0, 1, 0)
 
 
 def test_the_mask_lets_a_completion_read_its_prompt_and_itself_only():
@@ -97,7 +102,7 @@ def test_packed_groups_give_the_unshared_hidden_states_and_gradients(tiny_model_
                                                                     attention)
     # eager attention takes its softmax in float32 (transformers), so there float32's resolution on values ~1-2
     assert torch.allclose(hidden[mask], hidden_ref[mask], atol=1e-12 if attention == "sdpa" else 1e-6, rtol=0)
-    assert float(hidden[~mask].abs().max()) == 0.0  # padding positions hold zeros
+    assert float(hidden[:, 1:][~mask[:, 1:]].abs().max()) == 0.0  # padding after position 0 holds zeros
     scale = max(float(g.abs().max()) for g in grads_ref)
     assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))
     assert min(float(g.abs().max()) for g in grads) > 1e-3  # every adapter matrix gets a gradient
@@ -135,3 +140,64 @@ def test_no_packing_where_it_is_off_unsupported_or_would_drop_a_token(tiny_model
     set_group_packing(model, False)
     assert group_packing_unsupported(model) == "train.pack_groups=false"
     assert plan_packing(model, batch, groups) is None
+
+
+def test_rows_without_or_with_one_token_and_a_prompt_with_one_row(tiny_model_dir, monkeypatch):
+    """Packing forced (whatever the estimate says): completions of 0 and 1 tokens, one prompt with a single row,
+    the other's rows not next to each other; float64 hidden states at real positions and the gradients as
+    unshared."""
+    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args: True)
+    model = _policy(tiny_model_dir, pack=True)
+    batch = _rollout(model, tiny_model_dir)
+    groups = prompt_groups(batch)
+    first, second = (torch.nonzero(groups[1] == u).flatten().tolist() for u in (0, 1))
+    batch = _rows(batch, torch.tensor([first[0], second[0], first[1], first[2]]))  # 3 rows on one prompt, 1 on one
+    for row, length in enumerate([0, 1, 5, 1]):
+        batch.completion_mask_BTc[row, length:] = 0
+    batch = trim(batch)
+    assert plan_packing(model, batch, prompt_groups(batch)) is not None
+    mask = batch.completion_mask_BTc.bool()
+    (hidden, grads), (hidden_ref, grads_ref) = _packed_and_unshared(model, lambda: hidden_and_gradients(model, batch))
+    assert torch.allclose(hidden[mask], hidden_ref[mask], atol=1e-12, rtol=0)
+    scale = max(float(g.abs().max()) for g in grads_ref)
+    assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))
+
+
+def _decoder_calls(model, batch) -> int:
+    calls = []
+    handle = causal_lm(model).get_decoder().layers[0].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with torch.no_grad():
+            completion_hidden(model, batch)
+    finally:
+        handle.remove()
+    return len(calls)
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_sharded_base_runs_each_layer_once_per_pass(tiny_model_dir, monkeypatch, pays):
+    """train.fsdp all-gathers a layer each time it runs, and every rank must run the same passes: there a pass is
+    packed or not shared (one call per layer, as a rank's padding passes), never the shared prompts' two calls
+    (prompts, then completions), whichever a rank's own rows make the estimate choose."""
+    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args: pays)
+    model = _policy(tiny_model_dir, pack=True)
+    batch = trim(_rollout(model, tiny_model_dir))
+    assert _decoder_calls(model, batch) == (1 if pays else 2)  # unsharded: packed once, or the shared cache's two
+    causal_lm(model).rlora_sharded_base = object()  # what train/fsdp.py shard_base leaves on the model
+    assert prompt_cache_unsupported(model) == "a sharded base (train.fsdp)"
+    assert _decoder_calls(model, batch) == 1
+
+
+def test_the_mask_is_kept_once_for_the_backward_whatever_the_layers(tiny_model_dir):
+    """The additive mask is built once in the scores' dtype: the layers' attention keeps that one tensor for the
+    backward (a boolean mask is turned into a new float tensor in every layer by sdpa)."""
+    model = _policy(tiny_model_dir, pack=True)
+    batch = trim(_rollout(model, tiny_model_dir))
+    layout = plan_packing(model, batch, prompt_groups(batch))
+    square = (layout.num_positions, layout.num_positions)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        completion_hidden(model, batch)
+    masks = {t.untyped_storage().data_ptr() for t in kept if tuple(t.shape[-2:]) == square and t.dim() == 4
+             and t.shape[1] == 1}
+    assert len(causal_lm(model).get_decoder().layers) >= 2 and len(masks) <= 1, len(masks)

@@ -213,3 +213,31 @@ def test_no_gradients_and_no_clipping_norm(tiny_model_dir):
     params = trainable_parameters(model)
     optimizer, scheduler = build_optimizer(params, TrainConfig(lr=1e-2, max_grad_norm=None), total_updates=1)
     assert optimizer_step(params, optimizer, scheduler, None, 0.0) == {"grad_norm": 0.0, "skipped_update": 0}
+
+
+def test_the_update_reads_its_sums_back_once_however_many_micro_batches(tiny_model_dir):
+    """With the model and the rollout on a (simulated) device, the update reads from it in train/update.py as
+    often with 8 micro-batches of one row as with one of eight: each micro-batch's loss and metric sums stay on
+    the device until the metrics are read, so a GPU is not stalled between micro-batches. The metrics agree."""
+    from dataclasses import fields
+
+    from device_guard import SimulatedDevice
+
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model)
+    rollout = vary_lengths(sample(model, tokenizer, tok, seed=3), tok.pad_id)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, 0.0, -0.3, 0.2])
+    scored = ScoredRollout(rollout, per_token(advantages, rollout.completion_mask_BTc), rollout.completion_mask_BTc,
+                           None, None)
+    on_device = [getattr(x, f.name) for x in (rollout, scored) for f in fields(x)]
+    reads, metrics = {}, {}
+    for micro_batch_size in (8, 1):
+        model.zero_grad(set_to_none=True)
+        with SimulatedDevice().place(model, *(t for t in on_device if isinstance(t, torch.Tensor))) as guard:
+            metrics[micro_batch_size] = accumulate_policy_gradient(model, get_algorithm("grpo"), AlgoConfig(), scored,
+                                                                   micro_batch_size, constant_len=6)
+        reads[micro_batch_size] = [t for t in guard.to_host if "rlora/train/update.py" in t.where]
+    assert not guard.mixed and len(reads[1]) == len(reads[8]) >= 1, [t.where for t in reads[1]]
+    assert metrics[1].keys() == metrics[8].keys()
+    for key, value in metrics[8].items():
+        assert metrics[1][key] == (value if value is None else pytest.approx(value, rel=1e-5, abs=1e-6)), key

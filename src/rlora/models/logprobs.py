@@ -20,7 +20,9 @@ from rlora.models.frozen_prefix import PrefixSlice, suffix_hidden
 from rlora.models.loading import causal_lm, model_device
 from rlora.models.molora_runtime import prompt_routing
 from rlora.models.packed_groups import packed_prompt_hidden, plan_packing
-from rlora.models.shared_prompts import prompt_groups, shared_prompt_hidden, sharing_prompts_unsupported
+from rlora.models.shared_prompts import (
+    prompt_cache_unsupported, prompt_groups, shared_prompt_hidden, sharing_prompts_unsupported,
+)
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
@@ -103,7 +105,8 @@ def completion_hidden(model, batch: RolloutSlice, prefix: PrefixSlice | None = N
             layout = plan_packing(model, batch, groups)  # with the rows' completions unpadded, where that is cheaper
             if layout is not None:
                 return packed_prompt_hidden(model, batch, groups, layout)
-            return shared_prompt_hidden(model, batch, groups)
+            if prompt_cache_unsupported(model) is None:
+                return shared_prompt_hidden(model, batch, groups)
         last_BTH = causal_lm(model).get_decoder()(**_inputs(batch)).last_hidden_state
     else:
         last_BTH = suffix_hidden(model, batch, prefix.hidden_BTH, prefix.num_frozen)

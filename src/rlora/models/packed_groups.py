@@ -48,6 +48,8 @@ def group_packing_unsupported(model: nn.Module) -> str | None:
     attention = getattr(hf.config, "_attn_implementation", None)
     if attention not in PACKABLE_ATTENTION:
         return f"attention '{attention}' takes no custom mask"
+    if any(t != "full_attention" for t in getattr(hf.config, "layer_types", None) or []):
+        return "sliding-window attention"  # the mask given as is would replace the window
     return None
 
 
@@ -62,7 +64,12 @@ class PackedLayout:
     token_slot_N: torch.Tensor  # [N] its position in that sequence
     token_row_N: torch.Tensor  # [N] its row
     token_t_N: torch.Tensor  # [N] its index in the row's completion
-    predicts_N: torch.Tensor  # [N] bool: the token is followed by another of its row (its output predicts that one)
+    # the M tokens followed by another of their row: where each sits in the flattened [U * Ns] output, and the
+    # (row, t) whose next token its output predicts (completion_hidden's position t + 1)
+    source_M: torch.Tensor
+    target_row_M: torch.Tensor
+    target_t_M: torch.Tensor
+    inverse_B: tuple[int, ...]  # each row's prompt, on the host
 
 
 def plan_packing(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tensor, torch.Tensor]
@@ -108,9 +115,11 @@ def packed_layout(inverse_B: list[int], lengths_B: list[int], num_prompts: int, 
     owner_UN[:, :prompt_len] = _PROMPT
     owner_UN[token_seq_N, token_slot_N] = token_row_N
     predicts_N = token_t_N < lengths[token_row_N] - 1
+    source_M = (token_seq_N * num_positions + token_slot_N)[predicts_N]
     move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     return PackedLayout(num_positions, move(owner_UN), move(token_seq_N), move(token_slot_N), move(token_row_N),
-                        move(token_t_N), move(predicts_N))
+                        move(token_t_N), move(source_M), move(token_row_N[predicts_N]), move(token_t_N[predicts_N]),
+                        tuple(inverse_B))
 
 
 def packed_attention_mask(owner_UN: torch.Tensor, prompt_mask_UT: torch.Tensor) -> torch.Tensor:
@@ -158,8 +167,9 @@ def layer_flops(model: nn.Module) -> tuple[float, float]:
 def packed_prompt_hidden(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tensor, torch.Tensor],
                          layout: PackedLayout) -> torch.Tensor:
     """completion_hidden of `batch` with each prompt and its rows' completions run as one packed sequence ->
-    [B, Tc, H]: position t holds the final hidden state that predicts completion token t; 0 at padding."""
-    first_U, inverse_B = groups
+    [B, Tc, H]: position t holds the final hidden state that predicts completion token t. Position 0 holds the
+    prompt's last state in every row (also a row without completion tokens); later padding positions hold 0."""
+    first_U, _ = groups
     decoder = causal_lm(model).get_decoder()
     B, Tc = batch.completion_ids_BTc.shape
     Tp = batch.prompt_ids_BTp.shape[1]
@@ -172,19 +182,19 @@ def packed_prompt_hidden(model: nn.Module, batch: RolloutSlice, groups: tuple[to
     seq_N, slot_N, row_N, t_N = layout.token_seq_N, layout.token_slot_N, layout.token_row_N, layout.token_t_N
     ids_UN[seq_N, slot_N] = batch.completion_ids_BTc[row_N, t_N]
     positions_UN[seq_N, slot_N] = prompt_mask_UT.sum(-1)[seq_N] + t_N  # a completion continues its prompt
-    allowed_U1NN = packed_attention_mask(layout.owner_UN, prompt_mask_UT)
-    if causal_lm(model).config._attn_implementation == "eager":  # eager attention adds the mask to its scores
-        dtype = decoder.get_input_embeddings().weight.dtype
-        allowed_U1NN = torch.zeros(allowed_U1NN.shape, dtype=dtype, device=ids_UN.device).masked_fill(
-            ~allowed_U1NN, torch.finfo(dtype).min)
-    hidden_UNH = decoder(input_ids=ids_UN, attention_mask=allowed_U1NN, position_ids=positions_UN,
+    # added to the scores, built once in the dtype they are computed in: eager attention adds it as it is, and
+    # sdpa would otherwise turn a boolean mask into such a tensor in every layer and keep each for the backward
+    device = ids_UN.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
+        decoder.get_input_embeddings().weight.dtype
+    bias_U1NN = torch.zeros((U, 1, Ns, Ns), dtype=dtype, device=device).masked_fill(
+        ~packed_attention_mask(layout.owner_UN, prompt_mask_UT), torch.finfo(dtype).min)
+    hidden_UNH = decoder(input_ids=ids_UN, attention_mask=bias_U1NN, position_ids=positions_UN,
                          use_cache=False).last_hidden_state
     # completion token t > 0 is predicted by the position of token t - 1; each such source is read once, so the
     # backward is a gather, not an accumulation into repeated indices (whose order varies between CPU threads)
-    predicts_N = layout.predicts_N
-    source_N = (seq_N * Ns + slot_N)[predicts_N]
     later_BTH = hidden_UNH.new_zeros(B, max(Tc - 1, 0), hidden_UNH.shape[-1]).index_put(
-        (row_N[predicts_N], t_N[predicts_N]), hidden_UNH.reshape(U * Ns, -1)[source_N])
+        (layout.target_row_M, layout.target_t_M), hidden_UNH.reshape(U * Ns, -1)[layout.source_M])
     # completion token 0 is predicted by the prompt's last position (prompts are left-padded), shared by the rows
-    first_BH = PromptRows(inverse_B, U)(hidden_UNH[:, Tp - 1:Tp])
+    first_BH = PromptRows(list(layout.inverse_B), U, device)(hidden_UNH[:, Tp - 1:Tp])
     return torch.cat([first_BH, later_BTH], dim=1)

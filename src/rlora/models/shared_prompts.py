@@ -23,6 +23,7 @@ from torch import nn
 from rlora.models import molora as ml
 from rlora.models.loading import causal_lm
 from rlora.models.multi_lora import policy_state
+from rlora.models.sharded_base import sharded_base
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
@@ -57,6 +58,14 @@ def sharing_prompts_unsupported(model: nn.Module) -> str | None:
 def _lora_dropout(model: nn.Module) -> bool:
     return any(isinstance(d, nn.Dropout) and d.p > 0 for m in model.modules() if hasattr(m, "lora_dropout")
                for d in m.lora_dropout.values())
+
+
+def prompt_cache_unsupported(model: nn.Module) -> str | None:
+    """Why the shared prompts' key/value-cache pass (two decoder calls: prompts, then completions) must not run
+    where sharing is otherwise allowed (None: it may). A sharded base (train.fsdp) all-gathers each layer per call,
+    and every rank must make the same calls: its passes are packed (models/packed_groups.py) or unshared, one
+    decoder call each, as in the padding passes of ranks with fewer micro-batches (train/fsdp.py zero_pass)."""
+    return "a sharded base (train.fsdp)" if sharded_base(model) is not None else None
 
 
 def prompt_groups(batch: RolloutSlice) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -99,12 +108,18 @@ class PromptRows:
     are an expand (whose backward is a reduction), and putting the rows back in order is a permutation (no index
     repeats)."""
 
-    def __init__(self, inverse_B: torch.Tensor, num_prompts: int):
+    def __init__(self, inverse_B: torch.Tensor | list[int], num_prompts: int, device: torch.device | None = None):
+        """inverse_B: each row's prompt, a tensor, or a list on the host (then no read back; `device`: where the
+        permutation goes)."""
+        host = isinstance(inverse_B, list)
+        inverse_B = torch.tensor(inverse_B, dtype=torch.long) if host else inverse_B
         order_B = torch.argsort(inverse_B, stable=True)  # rows grouped by prompt, in row order within each
         self.counts = torch.bincount(inverse_B, minlength=num_prompts).tolist()
         # rows already grouped (a step's rows come prompt by prompt): no permutation needed
         self.back_B = None if bool((order_B == torch.arange(len(order_B), device=order_B.device)).all()) \
             else torch.argsort(order_B)  # grouped position of each row
+        if host and self.back_B is not None:
+            self.back_B = self.back_B.to(device, non_blocking=True)
 
     def __call__(self, x_U: torch.Tensor) -> torch.Tensor:
         grouped = torch.cat([x_U[u:u + 1].expand(n, *x_U.shape[1:]) for u, n in enumerate(self.counts) if n])

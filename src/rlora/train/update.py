@@ -3,6 +3,7 @@ token/sequence counts of the whole batch, then one optimiser step (skipped if an
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -166,53 +167,63 @@ def token_metric_sums(algo: Algorithm, cfg: AlgoConfig, with_ref: bool) -> dict[
     return {name: None if term is None else 0.0 for name, term in out.metrics_BT.items()} | {"entropy": 0.0}
 
 
-@dataclass
 class UpdateSums:
     """One policy's sums of an update's metrics over its micro-batches; `metrics` adds them over the ranks and
-    divides. Every per-token metric is reduced alike: its sum over the trained tokens / their count."""
+    divides. Every per-token metric is reduced alike: its sum over the trained tokens / their count.
+    Each micro-batch's sums stay on the device (one row of _SCALARS then the measured token metrics) until
+    `metrics` reads them all back at once: reading each one (`loss.item()`, ...) would stall a GPU between
+    micro-batches. They are added on the host in micro-batch order, so the totals are what per-micro-batch reads
+    gave: each value in its own dtype on the device (float32, or float64 for a float64 model), summed in float64."""
 
-    token: dict[str, float | None]  # per-token metric -> its sum (None: not measured; token_metric_sums)
-    loss: float = 0.0
-    tokens: float = 0.0  # trained tokens
-    rows: int = 0  # trained rows
-    gap: float = 0.0  # |old - sampler log-prob| summed over the fresh rows' trained tokens
-    gap_tokens: float = 0.0
-    is_weight: float = 0.0  # importance weights summed over the weighted tokens
-    weighted_tokens: float = 0.0
+    _SCALARS = ("loss", "tokens", "gap", "gap_tokens", "is_weight", "weighted_tokens")
+
+    def __init__(self, token: dict[str, float | None]):
+        self.token = token  # per-token metric -> 0.0 (summed) or None (not measured; token_metric_sums)
+        self.rows = 0  # trained rows
+        self._measured = [name for name, total in token.items() if total is not None]
+        self._parts: list[torch.Tensor] = []  # per micro-batch: [len(_SCALARS) + len(_measured)] float32
 
     def add(self, loss: torch.Tensor, mask_BT: torch.Tensor, terms_BT: dict[str, torch.Tensor], part,
             fresh_mask_BT: torch.Tensor, gap_BT: torch.Tensor | None, importance) -> None:
-        """One micro-batch's (one policy's rows', `part`) loss share and masked sums of its per-token terms."""
-        self.loss += loss.item()
-        self.tokens += float(mask_BT.sum())
+        """One micro-batch's (one policy's rows', `part`) loss share and masked sums of its per-token terms;
+        gap (|old - sampler log-prob| over the fresh rows' trained tokens) and importance weights where given."""
         self.rows += len(mask_BT)
-        for name, total in self.token.items():
-            if total is not None:
-                self.token[name] = total + float((terms_BT[name][part] * mask_BT).sum())
-        if gap_BT is not None:
-            self.gap += float((gap_BT[part] * fresh_mask_BT).sum())
-            self.gap_tokens += float(fresh_mask_BT.sum())
-        if importance is not None:
-            weight_BT, weighted_BT = importance
-            self.is_weight += float((weight_BT * weighted_BT).sum())
-            self.weighted_tokens += float(weighted_BT.sum())
+        zero = mask_BT.new_zeros(())
+        gap, gap_tokens = (zero, zero) if gap_BT is None else \
+            ((gap_BT[part] * fresh_mask_BT).sum(), fresh_mask_BT.sum())
+        is_weight, weighted = (zero, zero) if importance is None else \
+            ((importance[0] * importance[1]).sum(), importance[1].sum())
+        values = [loss.detach(), mask_BT.sum(), gap, gap_tokens, is_weight, weighted]
+        values += [(terms_BT[name][part] * mask_BT).sum() for name in self._measured]
+        self._parts.append(torch.stack(_promoted(values)))
 
     def metrics(self, world: World, num_rows: int) -> dict:
         """The update's metrics over every rank's rows (a collective: the sums and counts are added over ranks)."""
-        scalars = ("loss", "tokens", "rows", "gap", "gap_tokens", "is_weight", "weighted_tokens")
-        measured = sorted(name for name, total in self.token.items() if total is not None)  # the same on every rank
-        reduced = all_reduce_sums(world, [getattr(self, key) for key in scalars] + [num_rows]
-                                  + [self.token[name] for name in measured])
-        sums, num_rows = dict(zip(scalars, reduced)), reduced[len(scalars)]
-        token = dict(zip(measured, reduced[len(scalars) + 1:]))
+        columns = len(self._SCALARS) + len(self._measured)
+        values = torch.cat(_promoted(self._parts)).tolist() if self._parts else []  # the one read back
+        totals = [0.0] * columns
+        for start in range(0, len(values), columns):  # micro-batch by micro-batch, as the reads once came
+            totals = [total + value for total, value in zip(totals, values[start:start + columns])]
+        measured = sorted(self._measured)  # the same on every rank
+        by_name = dict(zip(self._SCALARS + tuple(self._measured), totals))
+        reduced = all_reduce_sums(world, [by_name[key] for key in self._SCALARS] + [self.rows, num_rows]
+                                  + [by_name[name] for name in measured])
+        sums = dict(zip(self._SCALARS + ("rows", "num_rows"), reduced))
+        token = dict(zip(measured, reduced[len(self._SCALARS) + 2:]))
         trained = sums["tokens"]
         return {
             "loss": sums["loss"],
             **{name: token[name] / trained if trained and name in token else None for name in self.token},
-            "trained_frac": sums["rows"] / max(num_rows, 1),
+            "trained_frac": sums["rows"] / max(sums["num_rows"], 1),
             "sampler_logp_gap": sums["gap"] / sums["gap_tokens"] if sums["gap_tokens"] else None,
             "is_weight_mean": sums["is_weight"] / sums["weighted_tokens"] if sums["weighted_tokens"] else None,
         }
+
+
+def _promoted(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in their common dtype (exact: float32 values widen to float64 without rounding)."""
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return [t.detach().to(dtype) for t in tensors]
 
 
 def policy_totals(world: World, scored: ScoredRollout, constant_len: int, num_policies: int) -> list[BatchTotals]:

@@ -97,15 +97,23 @@ def test_packed_groups_give_the_unshared_hidden_states_and_gradients(tiny_model_
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
     assert plan_packing(model, batch, prompt_groups(batch)) is not None  # the comparison is of the packed pass
+    # eager attention takes its softmax in float32 (transformers), so there float32's resolution on values ~1-2
+    hidden, grads = _assert_packed_is_unshared(model, batch, attention, atol=1e-12 if attention == "sdpa" else 1e-6)
+    mask = batch.completion_mask_BTc.bool()
+    assert float(hidden[:, 1:][~mask[:, 1:]].abs().max()) == 0.0  # padding after position 0 holds zeros
+    assert min(float(g.abs().max()) for g in grads) > 1e-3  # every adapter matrix gets a gradient
+
+
+def _assert_packed_is_unshared(model, batch, attention="sdpa", atol=1e-12):
+    """Packed (under `attention`) against unshared: hidden states at real positions to atol, gradients to float32's
+    resolution relative to the largest -> the packed (hidden states, gradients)."""
     mask = batch.completion_mask_BTc.bool()
     (hidden, grads), (hidden_ref, grads_ref) = _packed_and_unshared(model, lambda: hidden_and_gradients(model, batch),
                                                                     attention)
-    # eager attention takes its softmax in float32 (transformers), so there float32's resolution on values ~1-2
-    assert torch.allclose(hidden[mask], hidden_ref[mask], atol=1e-12 if attention == "sdpa" else 1e-6, rtol=0)
-    assert float(hidden[:, 1:][~mask[:, 1:]].abs().max()) == 0.0  # padding after position 0 holds zeros
+    assert torch.allclose(hidden[mask], hidden_ref[mask], atol=atol, rtol=0)
     scale = max(float(g.abs().max()) for g in grads_ref)
     assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))
-    assert min(float(g.abs().max()) for g in grads) > 1e-3  # every adapter matrix gets a gradient
+    return hidden, grads
 
 
 def test_packed_groups_give_the_unshared_logprobs_entropies_and_their_gradients(tiny_model_dir):
@@ -156,11 +164,7 @@ def test_rows_without_or_with_one_token_and_a_prompt_with_one_row(tiny_model_dir
         batch.completion_mask_BTc[row, length:] = 0
     batch = trim(batch)
     assert plan_packing(model, batch, prompt_groups(batch)) is not None
-    mask = batch.completion_mask_BTc.bool()
-    (hidden, grads), (hidden_ref, grads_ref) = _packed_and_unshared(model, lambda: hidden_and_gradients(model, batch))
-    assert torch.allclose(hidden[mask], hidden_ref[mask], atol=1e-12, rtol=0)
-    scale = max(float(g.abs().max()) for g in grads_ref)
-    assert all(torch.allclose(g, r, atol=1e-6 * scale, rtol=0) for g, r in zip(grads, grads_ref))
+    _assert_packed_is_unshared(model, batch)
 
 
 def _decoder_calls(model, batch) -> int:
@@ -201,3 +205,18 @@ def test_the_mask_is_kept_once_for_the_backward_whatever_the_layers(tiny_model_d
     masks = {t.untyped_storage().data_ptr() for t in kept if tuple(t.shape[-2:]) == square and t.dim() == 4
              and t.shape[1] == 1}
     assert len(causal_lm(model).get_decoder().layers) >= 2 and len(masks) <= 1, len(masks)
+
+
+def test_packed_under_gradient_checkpointing(tiny_model_dir, monkeypatch):
+    """Gradient checkpointing turns transformers' key/value cache off, so shared prompts' cache pass cannot run;
+    a packed pass needs no cache and gives the unshared gradients; where packing does not pay, the pass is
+    unshared (one decoder call)."""
+    model = _policy(tiny_model_dir, pack=True)
+    causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = trim(_rollout(model, tiny_model_dir))
+    assert prompt_cache_unsupported(model) == "gradient checkpointing"
+    assert plan_packing(model, batch, prompt_groups(batch)) is not None
+    _assert_packed_is_unshared(model, batch)
+    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args: False)
+    assert _decoder_calls(model, batch) == 1

@@ -11,8 +11,10 @@ The numbers equal the unshared pass up to the rounding of differently shaped pro
 model's hidden states agree to 1e-12, its gradients to float32's resolution since transformers' RMSNorm runs in
 float32; a float32 model's log-probs to ~1e-6: tests/test_shared_prompts.py). Where that cannot hold the pass is not shared:
 several policies or a MoLoRA router on the model (a row's adapter or routing is its own), LoRA or attention
-dropout in training (one prompt pass would draw one dropout mask for G rows), gradient checkpointing (which
-turns the cache off), sliding-window attention (the cache keeps a window), and models outside the Llama family.
+dropout in training (one prompt pass would draw one dropout mask for G rows), sliding-window attention (the
+cache keeps a window), and models outside the Llama family. The cache pass itself (not a packed one,
+models/packed_groups.py) does not run under gradient checkpointing (which turns the cache off) or on a sharded
+base (prompt_cache_unsupported).
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ def sharing_prompts_unsupported(model: nn.Module) -> str | None:
         return "sliding-window attention"
     if policy_state(model) is not None or ml.has_molora(model):
         return "a row's adapter or routing is its own"
-    if getattr(hf, "is_gradient_checkpointing", False) and hf.training:
-        return "gradient checkpointing"
     if hf.training and (getattr(config, "attention_dropout", 0.0) or _lora_dropout(model)):
         return "dropout in training"
     return None
@@ -64,8 +64,14 @@ def prompt_cache_unsupported(model: nn.Module) -> str | None:
     """Why the shared prompts' key/value-cache pass (two decoder calls: prompts, then completions) must not run
     where sharing is otherwise allowed (None: it may). A sharded base (train.fsdp) all-gathers each layer per call,
     and every rank must make the same calls: its passes are packed (models/packed_groups.py) or unshared, one
-    decoder call each, as in the padding passes of ranks with fewer micro-batches (train/fsdp.py zero_pass)."""
-    return "a sharded base (train.fsdp)" if sharded_base(model) is not None else None
+    decoder call each, as in the padding passes of ranks with fewer micro-batches (train/fsdp.py zero_pass).
+    Gradient checkpointing turns transformers' cache off; a packed pass needs none."""
+    hf = causal_lm(model)
+    if sharded_base(model) is not None:
+        return "a sharded base (train.fsdp)"
+    if getattr(hf, "is_gradient_checkpointing", False) and hf.training:
+        return "gradient checkpointing"
+    return None
 
 
 def prompt_groups(batch: RolloutSlice) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -2,13 +2,14 @@
 against shared prompts' padded rows, on one batch, alternating in one process:
 
     .venv/bin/python bench/packed_groups.py [--model smollm2] [--prompts 2] [--G 8] [--prompt 46]
-        [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32]
+        [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32] [--force]
 
 P prompts x G rows of random tokens; each row's completion length uniform in [LO, HI], one row of each prompt
 at HI (a row that ran to the length limit, as in the demo's steps). LoRA r16/alpha32 on all linear layers with
 random non-zero B (float32 adapters on a float32 or bfloat16 base), GRPO (beta 0) through rlora's own update
-(accumulate_policy_gradient). Reported: seconds per update (median, min-max over the repeats), the ratio
-packed / padded, and how far the two layouts' log-probs and gradients are apart (max |diff|, cosine).
+(accumulate_policy_gradient). Reported: seconds per update (median, min-max over the repeats), what autograd keeps
+for the backward (the distinct storages saved: the update's activation memory, independent of the allocator), the
+ratio packed / padded, and how far the two layouts' log-probs and gradients are apart (max |diff|, cosine).
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ import torch
 from bench_common import model_folder, random_up_factors
 from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
+from rlora.batching import trim
 from rlora.config import AlgoConfig, LoraConfig, ModelConfig
 from rlora.logging.console import quiet_libraries
-from rlora.models.loading import attach_lora, load_base_model, trainable_parameters
+from rlora.models import packed_groups
+from rlora.models.loading import attach_lora, load_base_model, model_device, trainable_parameters
 from rlora.models.logprobs import completion_logprobs
-from rlora.models.packed_groups import set_group_packing
+from rlora.models.packed_groups import plan_packing, set_group_packing
+from rlora.models.precision import SavedForBackward
+from rlora.models.shared_prompts import prompt_groups
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient
 from rlora.types import Rollout
 
@@ -68,6 +73,8 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=46)
     parser.add_argument("--lengths", default="5,48", help="LO,HI: completion lengths uniform in [LO, HI]")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--force", action="store_true",
+                        help="pack even where the arithmetic estimate (packing_pays) would not, to check the estimate")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     quiet_libraries()
@@ -78,9 +85,15 @@ def main() -> int:
     random_up_factors(model, seed=1)
     rollout = ragged_rollout(args.prompts, args.G, args.prompt, lo, hi, model.get_base_model().config.vocab_size)
     mask_BT = rollout.completion_mask_BTc.bool()
+    if args.force:
+        packed_groups.packing_pays = lambda *_: True
+    batch = trim(rollout.to(model_device(model)))
+    chosen = plan_packing(model, batch, prompt_groups(batch)) is not None
     print(f"# {args.model} {args.dtype}, LoRA r16 all-linear; {args.prompts} prompts x {args.G} rows, "
           f"prompt {args.prompt}, completions {lo}-{hi} ({int(mask_BT.sum())} of {mask_BT.numel()} positions real); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"# the estimate (packing_pays) {'packs' if chosen else 'does not pack'} this batch"
+          f"{' (forced: --force)' if args.force else ''}")
     times: dict[bool, list[float]] = {True: [], False: []}
     grads: dict[bool, torch.Tensor] = {}
     for repeat in range(args.repeats + 1):  # the first round warms up
@@ -89,6 +102,12 @@ def main() -> int:
             seconds, grads[packed] = update(model, rollout)
             if repeat:
                 times[packed].append(seconds)
+    kept = {}
+    for packed in (True, False):  # apart from the timed rounds: the hooks cost time
+        set_group_packing(model, packed)
+        with SavedForBackward() as saved:
+            update(model, rollout)
+        kept[packed] = saved.bytes / 2**20
     with torch.no_grad():
         logp = {}
         for packed in (True, False):
@@ -97,7 +116,8 @@ def main() -> int:
     medians = {packed: statistics.median(values) for packed, values in times.items()}
     for packed, label in ((False, "padded (shared prompts)"), (True, "packed groups")):
         values = times[packed]
-        print(f"{label:<24} {medians[packed]:8.3f} s  ({min(values):.3f}-{max(values):.3f})")
+        print(f"{label:<24} {medians[packed]:8.3f} s  ({min(values):.3f}-{max(values):.3f}), kept for backward "
+              f"{kept[packed]:.1f} MiB")
     cosine = float(torch.nn.functional.cosine_similarity(grads[True], grads[False], dim=0))
     print(f"packed / padded: {medians[True] / medians[False]:.2f}x; log-probs max |diff| "
           f"{float((logp[True] - logp[False])[mask_BT].abs().max()):.2e}; gradient cosine {cosine:.9f}, norm ratio "

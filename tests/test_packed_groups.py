@@ -167,11 +167,11 @@ def test_rows_without_or_with_one_token_and_a_prompt_with_one_row(tiny_model_dir
     _assert_packed_is_unshared(model, batch)
 
 
-def _decoder_calls(model, batch) -> int:
+def _decoder_calls(model, batch, grad: bool = False) -> int:
     calls = []
     handle = causal_lm(model).get_decoder().layers[0].register_forward_hook(lambda *args: calls.append(1))
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             completion_hidden(model, batch)
     finally:
         handle.remove()
@@ -208,9 +208,9 @@ def test_the_mask_is_kept_once_for_the_backward_whatever_the_layers(tiny_model_d
 
 
 def test_packed_under_gradient_checkpointing(tiny_model_dir, monkeypatch):
-    """Gradient checkpointing turns transformers' key/value cache off, so shared prompts' cache pass cannot run;
-    a packed pass needs no cache and gives the unshared gradients; where packing does not pay, the pass is
-    unshared (one decoder call)."""
+    """Gradient checkpointing turns transformers' key/value cache off (in passes with gradient), so shared
+    prompts' cache pass cannot run there; a packed pass needs no cache and gives the unshared gradients; where
+    packing does not pay, the pass is unshared (one decoder call)."""
     model = _policy(tiny_model_dir, pack=True)
     causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -219,4 +219,5 @@ def test_packed_under_gradient_checkpointing(tiny_model_dir, monkeypatch):
     assert plan_packing(model, batch, prompt_groups(batch)) is not None
     _assert_packed_is_unshared(model, batch)
     monkeypatch.setattr(packed_groups, "packing_pays", lambda *args: False)
-    assert _decoder_calls(model, batch) == 1
+    assert _decoder_calls(model, batch, grad=True) == 1
+    assert _decoder_calls(model, batch) == 2  # without gradient nothing is checkpointed: the cache pass may run

@@ -69,8 +69,8 @@ def prompt_cache_unsupported(model: nn.Module) -> str | None:
     hf = causal_lm(model)
     if sharded_base(model) is not None:
         return "a sharded base (train.fsdp)"
-    if getattr(hf, "is_gradient_checkpointing", False) and hf.training:
-        return "gradient checkpointing"
+    if getattr(hf, "is_gradient_checkpointing", False) and hf.training and torch.is_grad_enabled():
+        return "gradient checkpointing"  # transformers checkpoints (and drops the cache) only then
     return None
 
 

@@ -181,7 +181,7 @@ class UpdateSums:
         self.token = token  # per-token metric -> 0.0 (summed) or None (not measured; token_metric_sums)
         self.rows = 0  # trained rows
         self._measured = [name for name, total in token.items() if total is not None]
-        self._parts: list[torch.Tensor] = []  # per micro-batch: [len(_SCALARS) + len(_measured)] float32
+        self._parts: list[torch.Tensor] = []  # per micro-batch: [len(_SCALARS) + len(_measured)], >= float32
 
     def add(self, loss: torch.Tensor, mask_BT: torch.Tensor, terms_BT: dict[str, torch.Tensor], part,
             fresh_mask_BT: torch.Tensor, gap_BT: torch.Tensor | None, importance) -> None:

@@ -86,7 +86,7 @@ def main() -> int:
     rollout = ragged_rollout(args.prompts, args.G, args.prompt, lo, hi, model.get_base_model().config.vocab_size)
     mask_BT = rollout.completion_mask_BTc.bool()
     if args.force:
-        packed_groups.packing_pays = lambda *_: True
+        packed_groups.packing_pays = lambda *_, **__: True
     batch = trim(rollout.to(model_device(model)))
     chosen = plan_packing(model, batch, prompt_groups(batch)) is not None
     print(f"# {args.model} {args.dtype}, LoRA r16 all-linear; {args.prompts} prompts x {args.G} rows, "

@@ -67,6 +67,12 @@ def test_packing_pays_where_padding_costs_more_than_the_extra_attention():
     # = 8.45e8: fewer pairs too, so it packs. 6000 real tokens: packed 6046^2 x 100 = 3.66e9 against 8.45e8: not
     assert packing_pays(1, 46, 2046, 8, 1000, flops_per_token=1000, flops_per_pair=100)
     assert not packing_pays(1, 46, 6046, 8, 1000, flops_per_token=1000, flops_per_pair=100)
+    # where the cache pass may not run (gradient checkpointing, a sharded base) the other pass is unshared: 8 rows of
+    # 1046 positions, 8 x 1046 x 1000 + 8 x 1046^2 x 100 = 8.84e8. 2928 packed positions: 2928 x 1000 + 2928^2 x 100
+    # = 8.60e8, more than the cache pass's 8.45e8 (not packed there) but less than the unshared pass's (packed)
+    assert not packing_pays(1, 46, 2928, 8, 1000, flops_per_token=1000, flops_per_pair=100)
+    assert packing_pays(1, 46, 2928, 8, 1000, flops_per_token=1000, flops_per_pair=100, cache_pass=False)
+    assert not packing_pays(1, 46, 6046, 8, 1000, flops_per_token=1000, flops_per_pair=100, cache_pass=False)
     # no padding to save (every row as long as the longest): the extra attention alone, never packed
     assert not packing_pays(1, 46, 46 + 8 * 48, 8, 48, flops_per_token=7.08e6, flops_per_pair=2304)
     side = int(MAX_MASK_ELEMENTS ** 0.5) + 1  # a mask over the cap is never built, however cheap
@@ -154,7 +160,7 @@ def test_rows_without_or_with_one_token_and_a_prompt_with_one_row(tiny_model_dir
     """Packing forced (whatever the estimate says): completions of 0 and 1 tokens, one prompt with a single row,
     the other's rows not next to each other; float64 hidden states at real positions and the gradients as
     unshared."""
-    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args: True)
+    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args, **kwargs: True)
     model = _policy(tiny_model_dir, pack=True)
     batch = _rollout(model, tiny_model_dir)
     groups = prompt_groups(batch)
@@ -183,7 +189,7 @@ def test_a_sharded_base_runs_each_layer_once_per_pass(tiny_model_dir, monkeypatc
     """train.fsdp all-gathers a layer each time it runs, and every rank must run the same passes: there a pass is
     packed or not shared (one call per layer, as a rank's padding passes), never the shared prompts' two calls
     (prompts, then completions), whichever a rank's own rows make the estimate choose."""
-    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args: pays)
+    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args, **kwargs: pays)
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
     assert _decoder_calls(model, batch) == (1 if pays else 2)  # unsharded: packed once, or the shared cache's two
@@ -218,6 +224,6 @@ def test_packed_under_gradient_checkpointing(tiny_model_dir, monkeypatch):
     assert prompt_cache_unsupported(model) == "gradient checkpointing"
     assert plan_packing(model, batch, prompt_groups(batch)) is not None
     _assert_packed_is_unshared(model, batch)
-    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args: False)
+    monkeypatch.setattr(packed_groups, "packing_pays", lambda *args, **kwargs: False)
     assert _decoder_calls(model, batch, grad=True) == 1
     assert _decoder_calls(model, batch) == 2  # without gradient nothing is checkpointed: the cache pass may run

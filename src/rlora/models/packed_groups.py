@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from rlora.models.loading import causal_lm
-from rlora.models.shared_prompts import PromptRows
+from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
@@ -90,7 +90,8 @@ def plan_packing(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tens
     lengths, inverse = host[:B], host[B:2 * B]
     U, Tp = len(first_U), batch.prompt_ids_BTp.shape[1]
     num_positions = Tp + max(sum(n for n, u in zip(lengths, inverse) if u == g) for g in range(U))
-    if not packing_pays(U, Tp, num_positions, B, Tc, *layer_flops(model)):
+    if not packing_pays(U, Tp, num_positions, B, Tc, *layer_flops(model),
+                        cache_pass=prompt_cache_unsupported(model) is None):
         return None
     return packed_layout(inverse, lengths, U, Tp, mask_BT.device)
 
@@ -139,18 +140,24 @@ def packed_attention_mask(owner_UN: torch.Tensor, prompt_mask_UT: torch.Tensor) 
 
 
 def packing_pays(num_prompts: int, prompt_len: int, num_positions: int, num_rows: int, completion_len: int,
-                 flops_per_token: float, flops_per_pair: float) -> bool:
-    """Whether the packed layout costs less arithmetic per decoder layer than shared prompts' padded one: linear
+                 flops_per_token: float, flops_per_pair: float, cache_pass: bool = True) -> bool:
+    """Whether the packed layout costs less arithmetic per decoder layer than the pass that runs otherwise: linear
     maps cost flops_per_token for every position, attention flops_per_pair for every (query, key) pair the
-    kernel computes, masked or not. Shared prompts: U prompts of Tp, then B rows of Tc on their prompts' keys."""
+    kernel computes, masked or not. cache_pass: shared prompts' pass (U prompts of Tp, then B rows of Tc on their
+    prompts' keys); where it may not run (models/shared_prompts.py prompt_cache_unsupported), the unshared pass
+    (B rows of Tp + Tc)."""
     packed_pairs = num_prompts * num_positions ** 2
     if packed_pairs > MAX_MASK_ELEMENTS:
         return False
     packed = num_prompts * num_positions * flops_per_token + packed_pairs * flops_per_pair
-    shared = ((num_prompts * prompt_len + num_rows * completion_len) * flops_per_token
-              + (num_prompts * prompt_len ** 2 + num_rows * completion_len * (prompt_len + completion_len))
-              * flops_per_pair)
-    return packed < shared
+    if cache_pass:
+        other = ((num_prompts * prompt_len + num_rows * completion_len) * flops_per_token
+                 + (num_prompts * prompt_len ** 2 + num_rows * completion_len * (prompt_len + completion_len))
+                 * flops_per_pair)
+    else:
+        row_len = prompt_len + completion_len
+        other = num_rows * row_len * flops_per_token + num_rows * row_len ** 2 * flops_per_pair
+    return packed < other
 
 
 def layer_flops(model: nn.Module) -> tuple[float, float]:

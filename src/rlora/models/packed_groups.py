@@ -30,7 +30,7 @@ from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
 PACKABLE_ATTENTION = ("sdpa", "eager")
-MAX_MASK_ELEMENTS = 1 << 26  # a [U, Ns, Ns] boolean mask of at most 64 MiB: longer packs are not built
+MAX_MASK_ELEMENTS = 1 << 26  # a [U, Ns, Ns] mask of at most 2^26 scores (256 MiB in float32): no longer packs
 _PAD, _PROMPT = -2, -1  # owner codes of a packed position; a completion token's owner is its row (>= 0)
 _OFF_ATTR = "_rlora_no_group_packing"
 

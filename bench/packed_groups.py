@@ -2,7 +2,7 @@
 against shared prompts' padded rows, on one batch, alternating in one process:
 
     .venv/bin/python bench/packed_groups.py [--model smollm2] [--prompts 2] [--G 8] [--prompt 46]
-        [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32] [--force]
+        [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32] [--force | --capacity N]
 
 P prompts x G rows of random tokens; each row's completion length uniform in [LO, HI], one row of each prompt
 at HI (a row that ran to the length limit, as in the demo's steps). LoRA r16/alpha32 on all linear layers with
@@ -10,6 +10,9 @@ random non-zero B (float32 adapters on a float32 or bfloat16 base), GRPO (beta 0
 (accumulate_policy_gradient). Reported: seconds per update (median, min-max over the repeats), what autograd keeps
 for the backward (the distinct storages saved: the update's activation memory, independent of the allocator), the
 ratio packed / padded, and how far the two layouts' log-probs and gradients are apart (max |diff|, cosine).
+The packed layout is the estimate's choice (bins of `cheapest_capacity` completion tokens per sequence); --force
+packs even where the estimate prefers the padded pass, --capacity N packs in bins of N tokens (N at least a prompt's
+rows' total: one sequence per prompt).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--force", action="store_true",
                         help="pack even where the arithmetic estimate (packing_pays) would not, to check the estimate")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="pack in bins of this many completion tokens, whatever the estimate says")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     quiet_libraries()
@@ -87,13 +92,16 @@ def main() -> int:
     mask_BT = rollout.completion_mask_BTc.bool()
     if args.force:
         packed_groups.packing_pays = lambda *_, **__: True
+    if args.capacity is not None:
+        packed_groups.cheapest_capacity = lambda *_, **__: args.capacity
     batch = trim(rollout.to(model_device(model)))
-    chosen = plan_packing(model, batch, prompt_groups(batch)) is not None
+    layout = plan_packing(model, batch, prompt_groups(batch))
     print(f"# {args.model} {args.dtype}, LoRA r16 all-linear; {args.prompts} prompts x {args.G} rows, "
           f"prompt {args.prompt}, completions {lo}-{hi} ({int(mask_BT.sum())} of {mask_BT.numel()} positions real); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print(f"# the estimate (packing_pays) {'packs' if chosen else 'does not pack'} this batch"
-          f"{' (forced: --force)' if args.force else ''}")
+    forced = " (forced: --force)" if args.force else f" (forced: --capacity {args.capacity})" if args.capacity else ""
+    print("# the estimate does not pack this batch" if layout is None else
+          f"# packed{forced}: {len(layout.prompt_S)} sequences of {layout.num_positions} positions")
     times: dict[bool, list[float]] = {True: [], False: []}
     grads: dict[bool, torch.Tensor] = {}
     for repeat in range(args.repeats + 1):  # the first round warms up

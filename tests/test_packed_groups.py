@@ -9,8 +9,8 @@ from rlora.batching import trim
 from rlora.models import packed_groups
 from rlora.models.logprobs import completion_hidden, completion_logprobs
 from rlora.models.packed_groups import (
-    MAX_MASK_ELEMENTS, group_packing_unsupported, packed_attention_mask, packed_layout, packing_pays, plan_packing,
-    set_group_packing,
+    MAX_MASK_ELEMENTS, assign_bins, cheapest_capacity, group_packing_unsupported, packed_attention_mask, packed_cost,
+    packed_layout, packing_pays, plan_packing, set_group_packing,
 )
 from rlora.models.loading import causal_lm
 from rlora.models.shared_prompts import prompt_cache_unsupported, prompt_groups, set_prompt_sharing
@@ -25,7 +25,7 @@ def test_the_layout_puts_each_prompt_first_and_its_rows_completions_after_it_in_
     layout = packed_layout([1, 0, 0, 1, 0], [2, 0, 3, 1, 1], num_prompts=2, prompt_len=3, device=torch.device("cpu"))
     P, X = -1, -2  # prompt, padding
     assert layout.num_positions == 7
-    assert layout.owner_UN.tolist() == [[P, P, P, 2, 2, 2, 4], [P, P, P, 0, 0, 3, X]]
+    assert layout.owner_SN.tolist() == [[P, P, P, 2, 2, 2, 4], [P, P, P, 0, 0, 3, X]]
     assert layout.token_row_N.tolist() == [0, 0, 2, 2, 2, 3, 4]
     assert layout.token_t_N.tolist() == [0, 1, 0, 1, 2, 0, 0]
     assert layout.token_seq_N.tolist() == [1, 1, 0, 0, 0, 1, 0]
@@ -34,7 +34,7 @@ def test_the_layout_puts_each_prompt_first_and_its_rows_completions_after_it_in_
     # 1, at flat positions seq x 7 + slot
     assert layout.source_M.tolist() == [1 * 7 + 3, 0 * 7 + 3, 0 * 7 + 4]
     assert layout.target_row_M.tolist() == [0, 2, 2] and layout.target_t_M.tolist() == [0, 0, 1]
-    assert layout.inverse_B == (1, 0, 0, 1, 0)
+    assert layout.sequence_B == (1, 0, 0, 1, 0) and layout.prompt_S.tolist() == [0, 1]
 
 
 def test_the_mask_lets_a_completion_read_its_prompt_and_itself_only():
@@ -42,9 +42,9 @@ def test_the_mask_lets_a_completion_read_its_prompt_and_itself_only():
     position of left padding."""
     layout = packed_layout([1, 0, 0, 1, 0], [2, 0, 3, 1, 1], num_prompts=2, prompt_len=3, device=torch.device("cpu"))
     prompt_mask_UT = torch.tensor([[1, 1, 1], [0, 1, 1]])
-    allowed = packed_attention_mask(layout.owner_UN, prompt_mask_UT)
+    allowed = packed_attention_mask(layout.owner_SN, prompt_mask_UT)
     assert allowed.shape == (2, 1, 7, 7)
-    owner = layout.owner_UN.tolist()
+    owner = layout.owner_SN.tolist()
     for u in range(2):
         for q in range(7):
             for k in range(7):
@@ -61,22 +61,71 @@ def test_packing_pays_where_padding_costs_more_than_the_extra_attention():
     """Hand-computed per layer. Demo-like: 1 prompt of 46, 8 rows padded to 48, 200 real tokens, a SmolLM2 layer
     (2 x 3.54M per token, 4 x 576 per pair): packed, 246 positions cost 1.74e9 + 0.14e9 (attention) against
     shared prompts' 46 + 8 x 48 positions, 3.04e9 + 0.09e9."""
-    assert packing_pays(1, 46, 246, 8, 48, flops_per_token=7.08e6, flops_per_pair=2304)
+    def pays(num_positions, prompt_len, rows, completion_len, per_token, per_pair, num_sequences=1, **kwargs):
+        cost = packed_cost(num_sequences, num_positions, per_token, per_pair)
+        return cost is not None and packing_pays(cost, 1, prompt_len, rows, completion_len, per_token, per_pair,
+                                                 **kwargs)
+
+    assert packed_cost(1, 246, 7.08e6, 2304) == 246 * 7.08e6 + 246 ** 2 * 2304
+    assert pays(246, 46, 8, 48, 7.08e6, 2304)
     # rows padded to 1000 on a layer where attention is dear (per token 1000, per pair 100); 2000 real tokens:
     # packed 2046 x 1000 + 2046^2 x 100 = 4.21e8 against (46 + 8000) x 1000 + (46^2 + 8 x 1000 x 1046) x 100
-    # = 8.45e8: fewer pairs too, so it packs. 6000 real tokens: packed 6046^2 x 100 = 3.66e9 against 8.45e8: not
-    assert packing_pays(1, 46, 2046, 8, 1000, flops_per_token=1000, flops_per_pair=100)
-    assert not packing_pays(1, 46, 6046, 8, 1000, flops_per_token=1000, flops_per_pair=100)
+    # = 8.45e8: fewer pairs too, so it packs. 6000 real tokens in one sequence: 6046^2 x 100 = 3.66e9: not; in 3
+    # sequences of 2046: 1.26e9, still not
+    assert pays(2046, 46, 8, 1000, 1000, 100)
+    assert not pays(6046, 46, 8, 1000, 1000, 100)
+    assert not pays(2046, 46, 8, 1000, 1000, 100, num_sequences=3)
     # where the cache pass may not run (gradient checkpointing, a sharded base) the other pass is unshared: 8 rows of
     # 1046 positions, 8 x 1046 x 1000 + 8 x 1046^2 x 100 = 8.84e8. 2928 packed positions: 2928 x 1000 + 2928^2 x 100
     # = 8.60e8, more than the cache pass's 8.45e8 (not packed there) but less than the unshared pass's (packed)
-    assert not packing_pays(1, 46, 2928, 8, 1000, flops_per_token=1000, flops_per_pair=100)
-    assert packing_pays(1, 46, 2928, 8, 1000, flops_per_token=1000, flops_per_pair=100, cache_pass=False)
-    assert not packing_pays(1, 46, 6046, 8, 1000, flops_per_token=1000, flops_per_pair=100, cache_pass=False)
+    assert not pays(2928, 46, 8, 1000, 1000, 100)
+    assert pays(2928, 46, 8, 1000, 1000, 100, cache_pass=False)
+    assert not pays(6046, 46, 8, 1000, 1000, 100, cache_pass=False)
     # no padding to save (every row as long as the longest): the extra attention alone, never packed
-    assert not packing_pays(1, 46, 46 + 8 * 48, 8, 48, flops_per_token=7.08e6, flops_per_pair=2304)
+    assert not pays(46 + 8 * 48, 46, 8, 48, 7.08e6, 2304)
     side = int(MAX_MASK_ELEMENTS ** 0.5) + 1  # a mask over the cap is never built, however cheap
-    assert not packing_pays(1, 10, side, 100, side, flops_per_token=1e12, flops_per_pair=0)
+    assert packed_cost(1, side, 1e12, 0) is None and packed_cost(1, side - 1, 1e12, 0) is not None
+
+
+def test_rows_go_into_bins_first_fit_longest_first():
+    """Prompt 0's rows 0-3 (lengths 5, 3, 4, 2), prompt 1's rows 4-5 (7, 0). Capacity 7: row 0 opens bin 0 (5),
+    row 2 does not fit there (9) and opens bin 1 (4), row 1 fits bin 1 (7), row 3 bin 0 (7); prompt 1 gets bin 2."""
+    inverse, lengths = [0, 0, 0, 0, 1, 1], [5, 3, 4, 2, 7, 0]
+    assert assign_bins(inverse, lengths, 2, capacity=7) == ([0, 1, 1, 0, 2, 2], [0, 0, 1], [7, 7, 7])
+    assert assign_bins(inverse, lengths, 2, capacity=None) == ([0, 0, 0, 0, 1, 1], [0, 1], [14, 7])
+    # rows longer than the capacity go alone, a row without tokens into its prompt's first bin however full
+    assert assign_bins(inverse, lengths, 2, capacity=3) == ([0, 2, 1, 3, 4, 4], [0, 0, 0, 0, 1], [5, 4, 3, 2, 7])
+    assert assign_bins([0, 0, 0], [3, 3, 3], 1, capacity=6) == ([0, 0, 1], [0, 0], [6, 3])  # ties in row order
+
+
+def test_a_layout_in_bins_heads_each_bin_with_its_prompt():
+    """The rows above with capacity 7 and prompts of 2 positions: sequence 0 = prompt 0, row 0 (5), row 3 (2);
+    sequence 1 = prompt 0, row 1 (3), row 2 (4); sequence 2 = prompt 1, row 4 (7) (row 5 has no token)."""
+    layout = packed_layout([0, 0, 0, 0, 1, 1], [5, 3, 4, 2, 7, 0], num_prompts=2, prompt_len=2,
+                           device=torch.device("cpu"), capacity=7)
+    P = -1
+    assert layout.num_positions == 9
+    assert layout.owner_SN.tolist() == [[P, P, 0, 0, 0, 0, 0, 3, 3], [P, P, 1, 1, 1, 2, 2, 2, 2],
+                                        [P, P, 4, 4, 4, 4, 4, 4, 4]]
+    assert layout.prompt_S.tolist() == [0, 0, 1] and layout.sequence_B == (0, 1, 1, 0, 2, 2)
+    assert layout.token_seq_N.tolist() == [0] * 5 + [1] * 3 + [1] * 4 + [0] * 2 + [2] * 7
+    assert layout.token_slot_N.tolist() == [2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 7, 8, 7, 8, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_the_cheapest_capacity_by_hand():
+    """One prompt of 10, rows of 100 and 7 x 10 (padded to 100), per token 1000, per pair 100. Capacity 100: bins
+    [100] and [7 x 10], 2 x 110 positions: 2.2e5 + 2 x 110^2 x 100 = 2.64e6; 200 (a whole group): 180 positions,
+    1.8e5 + 3.24e6 = 3.42e6; the cache pass (10 + 800) x 1000 + (100 + 800 x 110) x 100 = 9.62e6: bins of 100."""
+    inverse, lengths = [0] * 8, [100] + [10] * 7
+    assert cheapest_capacity(inverse, lengths, 1, 10, 100, 1000, 100) == 100
+    assert cheapest_capacity(inverse, lengths, 1, 10, 100, 1000, 0) == 200  # attention free: fewest positions
+    # every row as long as the longest: 8 x 10 tokens in bins of 10 / 20 / 40 / 80 cost 160 / 120 / 100 / 90 x 1000
+    # + 3200 / 3600 / 5000 / 8100 x 100, against the cache pass's 90 x 1000 + 1700 x 100: never packed
+    assert cheapest_capacity([0] * 8, [10] * 8, 1, 10, 10, 1000, 100) is None
+    # a whole group over the mask's cap (11010^2 > 2^26) still packs in bins: [4000], [4 x 1000], [3 x 1000] make
+    # 3 x 4010^2 = 4.8e7 pairs; bins of 8000 (2 x 8010^2 = 1.3e8) and the whole group are over it
+    big = [4000] + [1000] * 7
+    assert cheapest_capacity([0] * 8, big, 1, 10, 4000, 1, 0) == 4000
 
 
 def _packed_and_unshared(model, run, attention="sdpa"):
@@ -122,7 +171,23 @@ def _assert_packed_is_unshared(model, batch, attention="sdpa", atol=1e-12):
     return hidden, grads
 
 
-def test_packed_groups_give_the_unshared_logprobs_entropies_and_their_gradients(tiny_model_dir):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_rows_in_several_bins_per_prompt_give_the_unshared_hidden_states_and_gradients(tiny_model_dir, monkeypatch,
+                                                                                       attention):
+    """Bins of 7 completion tokens: each prompt's rows (lengths 6, 5, 2 and 6, 3, 1) fill two bins, one row alone
+    and two together; each bin repeats its prompt, whose last state starts its own rows' completions."""
+    monkeypatch.setattr(packed_groups, "cheapest_capacity", lambda *args, **kwargs: 7)
+    model = _policy(tiny_model_dir, pack=True)
+    batch = trim(_rollout(model, tiny_model_dir))
+    layout = plan_packing(model, batch, prompt_groups(batch))
+    assert layout.prompt_S.tolist() == [0, 0, 1, 1] and len(set(layout.sequence_B)) == 4
+    _assert_packed_is_unshared(model, batch, attention, atol=1e-12 if attention == "sdpa" else 1e-6)
+
+
+@pytest.mark.parametrize("capacity", [None, 7])
+def test_packed_groups_give_the_unshared_logprobs_entropies_and_their_gradients(tiny_model_dir, monkeypatch, capacity):
+    if capacity is not None:  # in bins (above); None: what the estimate picks
+        monkeypatch.setattr(packed_groups, "cheapest_capacity", lambda *args, **kwargs: capacity)
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
     assert_same_logprobs_and_gradients(*_packed_and_unshared(model, lambda: logprobs_and_gradients(model, batch)),

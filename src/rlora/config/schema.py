@@ -308,7 +308,8 @@ class TrainConfig(OptimizerConfig):
         "where the numbers stay those of separate rows (models/shared_prompts.py)")
     pack_groups: bool = Field(
         True, description="Where prompts are shared, each prompt and its rows' completions run as one sequence "
-        "without the completions' padding, when that is less arithmetic (models/packed_groups.py)")
+        "(or a few, for long completions) without the completions' padding, when that is less arithmetic "
+        "(models/packed_groups.py)")
     release_memory: bool = Field(
         False, description="Return freed blocks over 1 MiB to the OS at once (glibc): lower peak RSS, more system time")
     autocast: Literal["auto", "bfloat16", "off"] = Field(

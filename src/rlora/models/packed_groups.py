@@ -1,10 +1,10 @@
-"""A group's prompt and its rows' completions packed into one sequence in a log-prob pass (train.pack_groups).
+"""A group's prompt and its rows' completions packed into sequences in a log-prob pass (train.pack_groups).
 
 Shared prompts (models/shared_prompts.py) run each distinct prompt once, but the completions still run as a
 [B, Tc] batch padded to the longest: in the demo 40 % of those positions are padding, and every linear map
-computes them. Packed, each distinct prompt of a micro-batch becomes one sequence
+computes them. Packed, each distinct prompt of a micro-batch becomes one sequence or a few ("bins")
 
-    [prompt (Tp, left-padded as in the batch) | completion of its 1st row | of its 2nd row | ...]
+    [prompt (Tp, left-padded as in the batch) | completion of one of its rows | of another | ...]
 
 without the completions' padding, and a 4-D attention mask lets each completion token see the prompt's real
 tokens and the earlier tokens of its own completion, nothing else. Position ids are those of the unpacked row,
@@ -12,8 +12,11 @@ so every real token computes what it computes in its own row (up to the rounding
 products: float64 hidden states agree to 1e-12 in tests/test_packed_groups.py).
 
 The price: attention is computed for every (query, key) pair of a sequence, masked or not, so a group of long
-completions costs more attention than its padded rows did. `packing_pays` compares both layouts' arithmetic
-(linear maps per token, attention per pair) and packs only when that is smaller. The mask is a dense tensor
+completions in one sequence costs more attention than its padded rows did. Long rows therefore go into several
+bins of a prompt, each holding at most `capacity` completion tokens (first-fit, longest rows first; a copy of the
+prompt heads each bin), which keeps the pairs near those of the padded rows while the padding is still dropped.
+`cheapest_capacity` weighs the layouts' arithmetic (linear maps per token, attention per pair) for a few
+capacities and packs only when the cheapest costs less than the pass that runs otherwise. The mask is a dense tensor
 the attention reads as given (transformers' "sdpa" and "eager" attention; others are not packed).
 """
 
@@ -30,7 +33,7 @@ from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
 PACKABLE_ATTENTION = ("sdpa", "eager")
-MAX_MASK_ELEMENTS = 1 << 26  # a [U, Ns, Ns] mask of at most 2^26 scores (256 MiB in float32): no longer packs
+MAX_MASK_ELEMENTS = 1 << 26  # an [S, Ns, Ns] mask of at most 2^26 scores (256 MiB in float32): no longer packs
 _PAD, _PROMPT = -2, -1  # owner codes of a packed position; a completion token's owner is its row (>= 0)
 _OFF_ATTR = "_rlora_no_group_packing"
 
@@ -56,20 +59,21 @@ def group_packing_unsupported(model: nn.Module) -> str | None:
 @dataclass(frozen=True)
 class PackedLayout:
     """Where each token of a micro-batch sits once its groups are packed; every tensor is on the batch's device.
-    U sequences (one per distinct prompt) of Ns positions, N completion tokens."""
+    S sequences (bins: one or more per distinct prompt) of Ns positions, N completion tokens."""
 
-    num_positions: int  # Ns: the longest sequence (the prompt's Tp + its rows' completion lengths)
-    owner_UN: torch.Tensor  # [U, Ns] _PAD, _PROMPT or the row whose completion the token belongs to
+    num_positions: int  # Ns: the longest sequence (the prompt's Tp + the completion lengths of its bin's rows)
+    owner_SN: torch.Tensor  # [S, Ns] _PAD, _PROMPT or the row whose completion the token belongs to
+    prompt_S: torch.Tensor  # [S] the distinct prompt (index into prompt_groups' first rows) that heads each sequence
     token_seq_N: torch.Tensor  # [N] the sequence of each completion token (tokens of row 0 first, in order)
     token_slot_N: torch.Tensor  # [N] its position in that sequence
     token_row_N: torch.Tensor  # [N] its row
     token_t_N: torch.Tensor  # [N] its index in the row's completion
-    # the M tokens followed by another of their row: where each sits in the flattened [U * Ns] output, and the
+    # the M tokens followed by another of their row: where each sits in the flattened [S * Ns] output, and the
     # (row, t) whose next token its output predicts (completion_hidden's position t + 1)
     source_M: torch.Tensor
     target_row_M: torch.Tensor
     target_t_M: torch.Tensor
-    inverse_B: tuple[int, ...]  # each row's prompt, on the host
+    sequence_B: tuple[int, ...]  # each row's sequence, on the host
 
 
 def plan_packing(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tensor, torch.Tensor]
@@ -89,48 +93,101 @@ def plan_packing(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tens
         return None
     lengths, inverse = host[:B], host[B:2 * B]
     U, Tp = len(first_U), batch.prompt_ids_BTp.shape[1]
-    num_positions = Tp + max(sum(n for n, u in zip(lengths, inverse) if u == g) for g in range(U))
-    if not packing_pays(U, Tp, num_positions, B, Tc, *layer_flops(model),
-                        cache_pass=prompt_cache_unsupported(model) is None):
+    capacity = cheapest_capacity(inverse, lengths, U, Tp, Tc, *layer_flops(model),
+                                 cache_pass=prompt_cache_unsupported(model) is None)
+    if capacity is None:
         return None
-    return packed_layout(inverse, lengths, U, Tp, mask_BT.device)
+    return packed_layout(inverse, lengths, U, Tp, mask_BT.device, capacity)
+
+
+def assign_bins(inverse_B: list[int], lengths_B: list[int], num_prompts: int, capacity: int | None
+                ) -> tuple[list[int], list[int], list[int]]:
+    """Rows into bins of at most `capacity` completion tokens (None: one bin per prompt), each bin holding rows of
+    one prompt: first-fit with each prompt's rows longest first (ties in row order), a row longer than the capacity
+    alone in its bin, a row without completion tokens in its prompt's first bin -> (each row's bin, each bin's
+    prompt, each bin's completion tokens); bins are numbered prompt by prompt, in the order they were opened."""
+    rows_U: list[list[int]] = [[] for _ in range(num_prompts)]
+    for b, u in enumerate(inverse_B):
+        rows_U[u].append(b)
+    bin_B = [0] * len(inverse_B)
+    prompt_S: list[int] = []
+    fill_S: list[int] = []
+    for u, rows in enumerate(rows_U):
+        first_bin = len(prompt_S)
+        for b in sorted(rows, key=lambda b: -lengths_B[b]):  # a stable sort: ties stay in row order
+            length = lengths_B[b]
+            s = next((s for s in range(first_bin, len(prompt_S))
+                      if capacity is None or length == 0 or fill_S[s] + length <= capacity), None)
+            if s is None:
+                s = len(prompt_S)
+                prompt_S.append(u)
+                fill_S.append(0)
+            bin_B[b] = s
+            fill_S[s] += length
+    return bin_B, prompt_S, fill_S
+
+
+def cheapest_capacity(inverse_B: list[int], lengths_B: list[int], num_prompts: int, prompt_len: int,
+                      completion_len: int, flops_per_token: float, flops_per_pair: float, cache_pass: bool = True
+                      ) -> int | None:
+    """The bin capacity (completion tokens per packed sequence) whose layout costs the least arithmetic, tried at
+    1, 2, 4, ... times the longest completion up to a whole prompt's rows in one bin; None where even that costs
+    more than the pass that runs otherwise (packing_pays) or its mask would be too large."""
+    longest = max(max(lengths_B, default=0), 1)
+    most = max((sum(n for n, u in zip(lengths_B, inverse_B) if u == p) for p in range(num_prompts)), default=0)
+    best: tuple[float, int] | None = None
+    capacity = longest
+    while True:
+        _, prompt_S, fill_S = assign_bins(inverse_B, lengths_B, num_prompts, capacity)
+        cost = packed_cost(len(prompt_S), prompt_len + max(fill_S), flops_per_token, flops_per_pair)
+        if cost is not None and (best is None or cost < best[0]):
+            best = (cost, capacity)
+        if capacity >= most:
+            break
+        capacity *= 2
+    if best is None or not packing_pays(best[0], num_prompts, prompt_len, len(lengths_B), completion_len,
+                                        flops_per_token, flops_per_pair, cache_pass):
+        return None
+    return best[1]
 
 
 def packed_layout(inverse_B: list[int], lengths_B: list[int], num_prompts: int, prompt_len: int,
-                  device: torch.device) -> PackedLayout:
-    """The packed layout of rows whose distinct prompt is inverse_B[b] and completion length lengths_B[b]; each
-    sequence holds its prompt's Tp = prompt_len positions, then its rows' completions in row order."""
-    seq_lengths = [prompt_len] * num_prompts
+                  device: torch.device, capacity: int | None = None) -> PackedLayout:
+    """The packed layout of rows whose distinct prompt is inverse_B[b] and completion length lengths_B[b], in bins
+    of at most `capacity` completion tokens (assign_bins; None: one sequence per prompt). Each sequence holds its
+    prompt's Tp = prompt_len positions, then its rows' completions in row order."""
+    sequence_B, prompt_S, _ = assign_bins(inverse_B, lengths_B, num_prompts, capacity)
+    seq_lengths = [prompt_len] * len(prompt_S)
     offset_B = []
-    for u, length in zip(inverse_B, lengths_B):
-        offset_B.append(seq_lengths[u])
-        seq_lengths[u] += length
+    for s, length in zip(sequence_B, lengths_B):
+        offset_B.append(seq_lengths[s])
+        seq_lengths[s] += length
     lengths = torch.tensor(lengths_B, dtype=torch.long)
     token_row_N = torch.repeat_interleave(torch.arange(len(lengths_B)), lengths)
     row_start_B = torch.cumsum(lengths, 0) - lengths
     token_t_N = torch.arange(len(token_row_N)) - row_start_B[token_row_N]
-    token_seq_N = torch.tensor(inverse_B, dtype=torch.long)[token_row_N]
+    token_seq_N = torch.tensor(sequence_B, dtype=torch.long)[token_row_N]
     token_slot_N = torch.tensor(offset_B, dtype=torch.long)[token_row_N] + token_t_N
     num_positions = max(seq_lengths)
-    owner_UN = torch.full((num_prompts, num_positions), _PAD, dtype=torch.long)
-    owner_UN[:, :prompt_len] = _PROMPT
-    owner_UN[token_seq_N, token_slot_N] = token_row_N
+    owner_SN = torch.full((len(prompt_S), num_positions), _PAD, dtype=torch.long)
+    owner_SN[:, :prompt_len] = _PROMPT
+    owner_SN[token_seq_N, token_slot_N] = token_row_N
     predicts_N = token_t_N < lengths[token_row_N] - 1
     source_M = (token_seq_N * num_positions + token_slot_N)[predicts_N]
     move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    return PackedLayout(num_positions, move(owner_UN), move(token_seq_N), move(token_slot_N), move(token_row_N),
-                        move(token_t_N), move(source_M), move(token_row_N[predicts_N]), move(token_t_N[predicts_N]),
-                        tuple(inverse_B))
+    return PackedLayout(num_positions, move(owner_SN), move(torch.tensor(prompt_S, dtype=torch.long)),
+                        move(token_seq_N), move(token_slot_N), move(token_row_N), move(token_t_N), move(source_M),
+                        move(token_row_N[predicts_N]), move(token_t_N[predicts_N]), tuple(sequence_B))
 
 
-def packed_attention_mask(owner_UN: torch.Tensor, prompt_mask_UT: torch.Tensor) -> torch.Tensor:
-    """[U, 1, Ns, Ns] boolean, True where query position q may read key position k: a real prompt token reads the
+def packed_attention_mask(owner_SN: torch.Tensor, prompt_mask_ST: torch.Tensor) -> torch.Tensor:
+    """[S, 1, Ns, Ns] boolean, True where query position q may read key position k: a real prompt token reads the
     real prompt tokens up to itself, a completion token the prompt's real tokens and its own completion up to
     itself, every position itself (so that no row of the attention is empty; padding reads nothing else)."""
-    U, Ns = owner_UN.shape
-    Tp = prompt_mask_UT.shape[1]
-    owner = owner_UN.clone()
-    owner[:, :Tp] = torch.where(prompt_mask_UT.bool(), _PROMPT, _PAD)  # the prompt's left padding
+    Ns = owner_SN.shape[1]
+    Tp = prompt_mask_ST.shape[1]
+    owner = owner_SN.clone()
+    owner[:, :Tp] = torch.where(prompt_mask_ST.bool(), _PROMPT, _PAD)  # the prompt's left padding
     index = torch.arange(Ns, device=owner.device)
     causal_NN = index[:, None] >= index[None, :]
     query, key = owner[:, :, None], owner[:, None, :]
@@ -139,17 +196,23 @@ def packed_attention_mask(owner_UN: torch.Tensor, prompt_mask_UT: torch.Tensor) 
     return (reads_prompt | own_completion | torch.eye(Ns, dtype=torch.bool, device=owner.device))[:, None]
 
 
-def packing_pays(num_prompts: int, prompt_len: int, num_positions: int, num_rows: int, completion_len: int,
+def packed_cost(num_sequences: int, num_positions: int, flops_per_token: float, flops_per_pair: float
+                ) -> float | None:
+    """Arithmetic per decoder layer of S packed sequences of Ns positions: linear maps flops_per_token for every
+    position, attention flops_per_pair for every (query, key) pair the kernel computes, masked or not; None where
+    the [S, Ns, Ns] mask would exceed MAX_MASK_ELEMENTS."""
+    pairs = num_sequences * num_positions ** 2
+    if pairs > MAX_MASK_ELEMENTS:
+        return None
+    return num_sequences * num_positions * flops_per_token + pairs * flops_per_pair
+
+
+def packing_pays(packed: float, num_prompts: int, prompt_len: int, num_rows: int, completion_len: int,
                  flops_per_token: float, flops_per_pair: float, cache_pass: bool = True) -> bool:
-    """Whether the packed layout costs less arithmetic per decoder layer than the pass that runs otherwise: linear
-    maps cost flops_per_token for every position, attention flops_per_pair for every (query, key) pair the
-    kernel computes, masked or not. cache_pass: shared prompts' pass (U prompts of Tp, then B rows of Tc on their
-    prompts' keys); where it may not run (models/shared_prompts.py prompt_cache_unsupported), the unshared pass
-    (B rows of Tp + Tc)."""
-    packed_pairs = num_prompts * num_positions ** 2
-    if packed_pairs > MAX_MASK_ELEMENTS:
-        return False
-    packed = num_prompts * num_positions * flops_per_token + packed_pairs * flops_per_pair
+    """Whether the packed layout's arithmetic (packed_cost) is less than that of the pass that runs otherwise, per
+    decoder layer. cache_pass: shared prompts' pass (U prompts of Tp, then B rows of Tc on their prompts' keys);
+    where it may not run (models/shared_prompts.py prompt_cache_unsupported), the unshared pass (B rows of
+    Tp + Tc)."""
     if cache_pass:
         other = ((num_prompts * prompt_len + num_rows * completion_len) * flops_per_token
                  + (num_prompts * prompt_len ** 2 + num_rows * completion_len * (prompt_len + completion_len))
@@ -180,28 +243,30 @@ def packed_prompt_hidden(model: nn.Module, batch: RolloutSlice, groups: tuple[to
     decoder = causal_lm(model).get_decoder()
     B, Tc = batch.completion_ids_BTc.shape
     Tp = batch.prompt_ids_BTp.shape[1]
-    U, Ns = layout.owner_UN.shape
-    prompt_mask_UT = batch.prompt_mask_BTp[first_U]
-    ids_UN = batch.prompt_ids_BTp.new_zeros(U, Ns)
-    ids_UN[:, :Tp] = batch.prompt_ids_BTp[first_U]
-    positions_UN = ids_UN.new_zeros(U, Ns)
-    positions_UN[:, :Tp] = position_ids_from_mask(prompt_mask_UT)
+    S, Ns = layout.owner_SN.shape
+    first_S = first_U[layout.prompt_S]  # the first row of each sequence's prompt
+    prompt_mask_ST = batch.prompt_mask_BTp[first_S]
+    ids_SN = batch.prompt_ids_BTp.new_zeros(S, Ns)
+    ids_SN[:, :Tp] = batch.prompt_ids_BTp[first_S]
+    positions_SN = ids_SN.new_zeros(S, Ns)
+    positions_SN[:, :Tp] = position_ids_from_mask(prompt_mask_ST)
     seq_N, slot_N, row_N, t_N = layout.token_seq_N, layout.token_slot_N, layout.token_row_N, layout.token_t_N
-    ids_UN[seq_N, slot_N] = batch.completion_ids_BTc[row_N, t_N]
-    positions_UN[seq_N, slot_N] = prompt_mask_UT.sum(-1)[seq_N] + t_N  # a completion continues its prompt
+    ids_SN[seq_N, slot_N] = batch.completion_ids_BTc[row_N, t_N]
+    positions_SN[seq_N, slot_N] = prompt_mask_ST.sum(-1)[seq_N] + t_N  # a completion continues its prompt
     # added to the scores, built once in the dtype they are computed in: eager attention adds it as it is, and
     # sdpa would otherwise turn a boolean mask into such a tensor in every layer and keep each for the backward
-    device = ids_UN.device
+    device = ids_SN.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
         decoder.get_input_embeddings().weight.dtype
-    bias_U1NN = torch.zeros((U, 1, Ns, Ns), dtype=dtype, device=device).masked_fill(
-        ~packed_attention_mask(layout.owner_UN, prompt_mask_UT), torch.finfo(dtype).min)
-    hidden_UNH = decoder(input_ids=ids_UN, attention_mask=bias_U1NN, position_ids=positions_UN,
+    bias_S1NN = torch.zeros((S, 1, Ns, Ns), dtype=dtype, device=device).masked_fill(
+        ~packed_attention_mask(layout.owner_SN, prompt_mask_ST), torch.finfo(dtype).min)
+    hidden_SNH = decoder(input_ids=ids_SN, attention_mask=bias_S1NN, position_ids=positions_SN,
                          use_cache=False).last_hidden_state
     # completion token t > 0 is predicted by the position of token t - 1; each such source is read once, so the
     # backward is a gather, not an accumulation into repeated indices (whose order varies between CPU threads)
-    later_BTH = hidden_UNH.new_zeros(B, max(Tc - 1, 0), hidden_UNH.shape[-1]).index_put(
-        (layout.target_row_M, layout.target_t_M), hidden_UNH.reshape(U * Ns, -1)[layout.source_M])
-    # completion token 0 is predicted by the prompt's last position (prompts are left-padded), shared by the rows
-    first_BH = PromptRows(list(layout.inverse_B), U, device)(hidden_UNH[:, Tp - 1:Tp])
+    later_BTH = hidden_SNH.new_zeros(B, max(Tc - 1, 0), hidden_SNH.shape[-1]).index_put(
+        (layout.target_row_M, layout.target_t_M), hidden_SNH.reshape(S * Ns, -1)[layout.source_M])
+    # completion token 0 is predicted by the prompt's last position (prompts are left-padded), that of the row's
+    # own sequence, shared by the rows of that sequence
+    first_BH = PromptRows(list(layout.sequence_B), S, device)(hidden_SNH[:, Tp - 1:Tp])
     return torch.cat([first_BH, later_BTH], dim=1)

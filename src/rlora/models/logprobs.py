@@ -8,12 +8,17 @@ Two paths give the same numbers:
   works unchanged.
 - full: the model's own forward with `logits_to_keep` (any architecture), materialising [B, Tc, vocab].
 Log-softmax is `logit - logsumexp` in float32, logits divided by the temperature each token was sampled at
-(the row's, or per token where the rollout carries temperature_BTc: phase-aware sampling).
+(the row's, or per token where the rollout carries temperature_BTc: phase-aware sampling). The [N, vocab] logits
+are the largest tensors of a pass, and each elementwise pass over them costs about as much as the output layer's
+product on a GPU: the chunked path divides the float32 hidden states by the temperature before the output layer
+([N, H] instead of [N, vocab]), and the target's log-prob has a backward of its own (`_TargetLogProb`: one softmax,
+in place, where autograd's logsumexp and gather make and add two [N, vocab] tensors).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from rlora.models.frozen_prefix import PrefixSlice, suffix_hidden
@@ -72,19 +77,44 @@ def token_temperatures(batch: RolloutSlice) -> torch.Tensor:
     return torch.where(batch.completion_mask_BTc.bool(), batch.temperature_BTc[:, :Tc], row_BT)
 
 
-def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature_N: torch.Tensor,
+def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature_N: torch.Tensor | None,
                    with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target under softmax(logits / temperature), and the entropy (with a gradient only
-    if entropy_grad: the same numbers either way)."""
-    scaled_NV = logits_NV.float() / temperature_N[..., None]
-    logsumexp_N = torch.logsumexp(scaled_NV, dim=-1)
-    logp_N = scaled_NV.gather(-1, targets_N[..., None]).squeeze(-1) - logsumexp_N
+    if entropy_grad: the same numbers either way). temperature_N None: the logits are divided already."""
+    scaled_NV = logits_NV.float()
+    if temperature_N is not None:
+        scaled_NV = scaled_NV / temperature_N[..., None]
+    if with_entropy and entropy_grad:  # an entropy bonus: both through autograd's graph
+        logsumexp_N = torch.logsumexp(scaled_NV, dim=-1)
+        logp_N = scaled_NV.gather(-1, targets_N[..., None]).squeeze(-1) - logsumexp_N
+        return logp_N, logsumexp_N - torch.linalg.vecdot(torch.softmax(scaled_NV, dim=-1), scaled_NV)
+    logp_N, logsumexp_N = _TargetLogProb.apply(scaled_NV, targets_N)
     entropy_N = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            scaled, logsumexp = (scaled_NV, logsumexp_N) if entropy_grad else (scaled_NV.detach(), logsumexp_N.detach())
-            entropy_N = logsumexp - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+        with torch.no_grad():
+            entropy_N = logsumexp_N - torch.linalg.vecdot(torch.softmax(scaled_NV, dim=-1), scaled_NV)
     return logp_N, entropy_N
+
+
+class _TargetLogProb(torch.autograd.Function):
+    """(x[target] - logsumexp(x), logsumexp(x)) per row of x_NV; the gradient flows through the first only:
+    d/dx = g (onehot(target) - softmax(x)), made as one [N, V] tensor in place. The same float32 operations as
+    autograd's (exp(x - lse) * -g, then + g at the target), so the same gradient, without its second [N, V]
+    tensor (the gather's) and the sum of the two."""
+
+    @staticmethod
+    def forward(ctx, x_NV: torch.Tensor, targets_N: torch.Tensor):
+        logsumexp_N = torch.logsumexp(x_NV, dim=-1)
+        ctx.save_for_backward(x_NV, logsumexp_N, targets_N)
+        ctx.mark_non_differentiable(logsumexp_N)
+        return x_NV.gather(-1, targets_N[..., None]).squeeze(-1) - logsumexp_N, logsumexp_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_N: torch.Tensor, _grad_logsumexp: torch.Tensor | None):
+        x_NV, logsumexp_N, targets_N = ctx.saved_tensors
+        grad_NV = torch.sub(x_NV, logsumexp_N[..., None]).exp_().mul_(-grad_N[..., None])
+        return grad_NV.scatter_add_(-1, targets_N[..., None], grad_N[..., None]), None
 
 
 def _full_logprobs(model, batch: RolloutSlice, with_entropy: bool, entropy_grad: bool):
@@ -132,7 +162,8 @@ def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_toke
     entropies, recording = [], [True]
 
     def chunk_logp(h_CH, targets_C, temperature_C):
-        logp_C, entropy_C = token_logprobs(head(h_CH), targets_C, temperature_C, with_entropy and recording[0])
+        logits_CV, temperature_C = head_logits(head, h_CH, temperature_C)
+        logp_C, entropy_C = token_logprobs(logits_CV, targets_C, temperature_C, with_entropy and recording[0])
         if entropy_C is not None:
             entropies.append(entropy_C)
         return logp_C
@@ -149,11 +180,21 @@ def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_toke
     return logp_BT, entropy_BT
 
 
+def head_logits(head, h_CH: torch.Tensor, temperature_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (logits, the temperature still to divide them by, or None). An output layer without a bias is linear
+    in its input, so logits / T = head(h / T): divided there, over H instead of vocab elements; only float32
+    hidden states (a bfloat16 base's would round h / T once more)."""
+    if h_CH.dtype == torch.float32 and getattr(getattr(head, "base_layer", head), "bias", None) is None:
+        return head(h_CH / temperature_C[:, None]), None
+    return head(h_CH), temperature_C
+
+
 def _chunks_with_entropy_grad(head, chunks, checkpointed: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Log-probs and entropies of all chunks, both with gradients: one checkpointed function returns the
     pair, so backward recomputes each chunk's logits once for both (no `recording` trick needed)."""
     def chunk_fn(h_CH, targets_C, temperature_C):
-        return token_logprobs(head(h_CH), targets_C, temperature_C, True, entropy_grad=True)
+        logits_CV, temperature_C = head_logits(head, h_CH, temperature_C)
+        return token_logprobs(logits_CV, targets_C, temperature_C, True, entropy_grad=True)
 
     outs = [checkpoint(chunk_fn, *args, use_reentrant=False) if checkpointed else chunk_fn(*args) for args in chunks]
     if not outs:  # no completion tokens at all

@@ -51,7 +51,7 @@ def test_chunked_path_equals_full_path(tiny_model_dir, qwen2_untied_dir, case):
         assert torch.allclose(logp[mask], full_logp[mask], atol=1e-5, rtol=0)
         assert torch.allclose(entropy[mask], full_entropy[mask], atol=1e-5, rtol=0)
         # the chunked path divides the hidden states by the temperature, the full path the logits: float32 rounds
-        # them differently, so gradients agree to float32's resolution relative to the largest (~6.6 here)
+        # them differently, so gradients agree to float32's resolution relative to the largest
         assert torch.allclose(grads, full_grads, atol=1e-6 * float(full_grads.abs().max()), rtol=1e-5)
         assert (logp[~mask] == 0).all() and (entropy[~mask] == 0).all()
     assert full_grads.abs().max() > 0
@@ -161,4 +161,43 @@ def test_the_temperature_divides_the_hidden_states_where_the_output_layer_is_lin
     logits, left = head_logits(biased, h_CH, temperature_C)
     assert left is temperature_C and torch.equal(logits, biased(h_CH))
     logits, left = head_logits(head.to(torch.bfloat16), h_CH.bfloat16(), temperature_C)
-    assert left is temperature_C
+    assert left is temperature_C and torch.equal(logits, head(h_CH.bfloat16()))
+
+
+@pytest.mark.parametrize("lora_bias", [False, True])
+def test_a_lora_output_layer_folds_the_temperature_only_without_a_bias(lora_bias):
+    """peft's LoRA on the output layer: the base layer has no bias, but lora_bias gives lora_B one, and then
+    head(h / T) != head(h) / T: the logits are divided instead. Either way the logits equal head(h) / T."""
+    from peft import LoraConfig, get_peft_model
+
+    g = torch.Generator().manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(16, 300, bias=False)),
+                           LoraConfig(r=4, target_modules=["0"], lora_bias=lora_bias))
+    head = model.base_model.model[0]
+    for name, p in head.named_parameters():
+        if "lora_" in name:
+            p.data = torch.randn(p.shape, generator=g)  # lora_B (and its bias) start at 0
+    h_CH, temperature_C = torch.randn(5, 16, generator=g), torch.rand(5, generator=g) + 0.5
+    logits, left = head_logits(head, h_CH, temperature_C)
+    assert (left is temperature_C) == lora_bias
+    divided = logits if left is None else logits / left[:, None]
+    assert torch.allclose(divided, head(h_CH) / temperature_C[:, None], atol=1e-5, rtol=1e-5)
+
+
+def test_the_entropy_stays_float32_under_autocast():
+    """Under bfloat16 autocast (train.autocast) the logits arrive in bfloat16; the log-softmax, its entropy and the
+    gradient are float32 (autocast would run e.g. linalg.vecdot in bfloat16: 0.1 nats off on such logits)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 32000, generator=g) * 6).bfloat16().requires_grad_()
+    targets = torch.randint(0, 32000, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = token_logprobs(x, targets, torch.ones(64), with_entropy=True)
+        logp_e, entropy_e = token_logprobs(x, targets, torch.ones(64), with_entropy=True, entropy_grad=True)
+    log_softmax64 = torch.log_softmax(x.detach().double(), dim=-1)
+    entropy64 = -(log_softmax64.exp() * log_softmax64).sum(-1)
+    assert logp.dtype == entropy.dtype == torch.float32
+    for value in (entropy, entropy_e):
+        assert torch.allclose(value.double(), entropy64, atol=1e-4, rtol=0)
+    assert torch.allclose(logp.double(), log_softmax64.gather(-1, targets[:, None]).squeeze(-1), atol=1e-4, rtol=0)
+    (grad,) = torch.autograd.grad(entropy_e.sum(), x)
+    assert grad.dtype == torch.bfloat16 and torch.isfinite(grad.float()).all()

@@ -190,6 +190,7 @@ def test_packed_groups_give_the_unshared_logprobs_entropies_and_their_gradients(
         monkeypatch.setattr(packed_groups, "cheapest_capacity", lambda *args, **kwargs: capacity)
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
+    assert plan_packing(model, batch, prompt_groups(batch)) is not None
     assert_same_logprobs_and_gradients(*_packed_and_unshared(model, lambda: logprobs_and_gradients(model, batch)),
                                        batch.completion_mask_BTc.bool())
 
@@ -221,11 +222,14 @@ def test_no_packing_where_it_is_off_unsupported_or_would_drop_a_token(tiny_model
     assert plan_packing(model, batch, groups) is None
 
 
-def test_rows_without_or_with_one_token_and_a_prompt_with_one_row(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("capacity", [None, 5])
+def test_rows_without_or_with_one_token_and_a_prompt_with_one_row(tiny_model_dir, monkeypatch, capacity):
     """Packing forced (whatever the estimate says): completions of 0 and 1 tokens, one prompt with a single row,
     the other's rows not next to each other; float64 hidden states at real positions and the gradients as
-    unshared."""
+    unshared. Capacity 5: that prompt's rows (0, 5, 1 tokens) in two bins, the row without tokens in the first."""
     monkeypatch.setattr(packed_groups, "packing_pays", lambda *args, **kwargs: True)
+    if capacity is not None:
+        monkeypatch.setattr(packed_groups, "cheapest_capacity", lambda *args, **kwargs: capacity)
     model = _policy(tiny_model_dir, pack=True)
     batch = _rollout(model, tiny_model_dir)
     groups = prompt_groups(batch)
@@ -234,7 +238,8 @@ def test_rows_without_or_with_one_token_and_a_prompt_with_one_row(tiny_model_dir
     for row, length in enumerate([0, 1, 5, 1]):
         batch.completion_mask_BTc[row, length:] = 0
     batch = trim(batch)
-    assert plan_packing(model, batch, prompt_groups(batch)) is not None
+    layout = plan_packing(model, batch, prompt_groups(batch))
+    assert layout is not None and len(layout.prompt_S) == (2 if capacity is None else 3)
     _assert_packed_is_unshared(model, batch)
 
 

@@ -87,12 +87,13 @@ def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature
     if with_entropy and entropy_grad:  # an entropy bonus: both through autograd's graph
         logsumexp_N = torch.logsumexp(scaled_NV, dim=-1)
         logp_N = scaled_NV.gather(-1, targets_N[..., None]).squeeze(-1) - logsumexp_N
-        return logp_N, logsumexp_N - torch.linalg.vecdot(torch.softmax(scaled_NV, dim=-1), scaled_NV)
+        return logp_N, logsumexp_N - (torch.softmax(scaled_NV, dim=-1) * scaled_NV).sum(-1)
     logp_N, logsumexp_N = _TargetLogProb.apply(scaled_NV, targets_N)
     entropy_N = None
     if with_entropy:
         with torch.no_grad():
-            entropy_N = logsumexp_N - torch.linalg.vecdot(torch.softmax(scaled_NV, dim=-1), scaled_NV)
+            # a product and a sum, not linalg.vecdot, which autocast would run in bfloat16
+            entropy_N = logsumexp_N - (torch.softmax(scaled_NV, dim=-1) * scaled_NV).sum(-1)
     return logp_N, entropy_N
 
 
@@ -100,7 +101,8 @@ class _TargetLogProb(torch.autograd.Function):
     """(x[target] - logsumexp(x), logsumexp(x)) per row of x_NV; the gradient flows through the first only:
     d/dx = g (onehot(target) - softmax(x)), made as one [N, V] tensor in place. The same float32 operations as
     autograd's (exp(x - lse) * -g, then + g at the target), so the same gradient, without its second [N, V]
-    tensor (the gather's) and the sum of the two."""
+    tensor (the gather's) and the sum of the two. Differentiable once (no create_graph through it: nothing in
+    rlora takes second derivatives of log-probs)."""
 
     @staticmethod
     def forward(ctx, x_NV: torch.Tensor, targets_N: torch.Tensor):
@@ -181,10 +183,12 @@ def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_toke
 
 
 def head_logits(head, h_CH: torch.Tensor, temperature_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (logits, the temperature still to divide them by, or None). An output layer without a bias is linear
-    in its input, so logits / T = head(h / T): divided there, over H instead of vocab elements; only float32
-    hidden states (a bfloat16 base's would round h / T once more)."""
-    if h_CH.dtype == torch.float32 and getattr(getattr(head, "base_layer", head), "bias", None) is None:
+    """-> (logits, the temperature still to divide them by, or None). An output layer none of whose modules adds a
+    bias (its base layer, a LoRA's lora_B with peft's lora_bias, wrappers) is linear in its input, so logits / T =
+    head(h / T): divided there, over H instead of vocab elements. Only float32 hidden states: a bfloat16 base's
+    would round h / T once more (under autocast the head rounds h / T to bfloat16 where it would round h: the
+    same size of error)."""
+    if h_CH.dtype == torch.float32 and all(getattr(m, "bias", None) is None for m in head.modules()):
         return head(h_CH / temperature_C[:, None]), None
     return head(h_CH), temperature_C
 

@@ -155,7 +155,7 @@ def packed_layout(inverse_B: list[int], lengths_B: list[int], num_prompts: int, 
                   device: torch.device, capacity: int | None = None) -> PackedLayout:
     """The packed layout of rows whose distinct prompt is inverse_B[b] and completion length lengths_B[b], in bins
     of at most `capacity` completion tokens (assign_bins; None: one sequence per prompt). Each sequence holds its
-    prompt's Tp = prompt_len positions, then its rows' completions in row order."""
+    prompt's Tp = prompt_len positions, then the completions of its bin's rows in row order."""
     sequence_B, prompt_S, _ = assign_bins(inverse_B, lengths_B, num_prompts, capacity)
     seq_lengths = [prompt_len] * len(prompt_S)
     offset_B = []
@@ -236,7 +236,7 @@ def layer_flops(model: nn.Module) -> tuple[float, float]:
 
 def packed_prompt_hidden(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tensor, torch.Tensor],
                          layout: PackedLayout) -> torch.Tensor:
-    """completion_hidden of `batch` with each prompt and its rows' completions run as one packed sequence ->
+    """completion_hidden of `batch` with each prompt and its rows' completions run packed (one sequence per bin) ->
     [B, Tc, H]: position t holds the final hidden state that predicts completion token t. Position 0 holds the
     prompt's last state in every row (also a row without completion tokens); later padding positions hold 0."""
     first_U, _ = groups

@@ -210,7 +210,7 @@ class ModelWorker:
         keep_BT = mask_BT.bool()
         if not supports_chunked(self.model):
             logits = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids, use_cache=False).logits
-            logp_BT, _ = token_logprobs(logits, targets_BT, torch.ones_like(targets_BT, dtype=torch.float32), False)
+            logp_BT, _ = token_logprobs(logits, targets_BT, None, False)  # temperature 1
             return logp_BT * mask_BT
         hidden_BTH = hf.get_decoder()(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids,
                                       use_cache=False).last_hidden_state
@@ -219,7 +219,7 @@ class ModelWorker:
 
         def chunk_logp(h_CH, t_C, lo):
             with head_routed(lo, lo + len(t_C)):
-                return token_logprobs(head(h_CH), t_C, torch.ones(len(t_C), device=t_C.device), False)[0]
+                return token_logprobs(head(h_CH), t_C, None, False)[0]  # temperature 1
 
         grad = torch.is_grad_enabled() and hidden_NH.requires_grad
         parts = [checkpoint(chunk_logp, hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], lo, use_reentrant=False)

@@ -21,6 +21,7 @@ import torch
 from serve_helpers import sdk_server
 from tinker import types
 
+from rlora.serve import logprobs as serve_logprobs
 from rlora.serve import losses as losses_module
 from rlora.serve import worker as worker_module
 from rlora.serve.jobs import MAX_BATCH_MEMBERS, Batchable, Jobs
@@ -136,7 +137,7 @@ def test_a_batch_of_clients_of_other_ranks_and_targets_gets_what_each_gets_alone
     # micro-batches of a few rows that mix clients, output-layer chunks of 7 positions that cut through clients'
     # rows: the routing of every piece and of the chunks backward recomputes is exercised
     monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 24)
-    monkeypatch.setattr(worker_module, "HEAD_CHUNK", 7)
+    monkeypatch.setattr(serve_logprobs, "HEAD_CHUNK", 7)
     requests = [lambda c, k=k: c.forward_backward([ce_datum(s) for s in DATA[k]], "cross_entropy") for k in range(3)]
     batched, alone = batched_then_alone(server, clients, alone_clients, requests)
     for k in range(3):

@@ -12,9 +12,8 @@ queued back to back run in one pass (serve/batched.py); everything else runs one
   every adapter off). Snapshots are loaded as adapters `sampler_N` when sampled, the newest few kept loaded;
   the decoder of the last one sampled (its merged weight copies) is kept for the next request (serve/sampling.py).
 - A session's clients and samplers are freed when it finishes (free_session); their numbers are capped.
-- Log-probs come from the decoder's last hidden states and the output layer a chunk of positions at a time
-  (checkpointed when training), or from the model's full logits for a family rlora's chunked path does not
-  cover; sampling is rlora's built-in engine (transformers `generate` for the families it does not run).
+- Log-probs come from serve/logprobs.py (the output layer a chunk of positions at a time); sampling is rlora's
+  built-in engine (transformers `generate` for the families it does not run).
 """
 
 from __future__ import annotations
@@ -24,41 +23,35 @@ import math
 import secrets
 import warnings
 from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
-from rlora.models.logprobs import completion_logprobs, supports_chunked, token_logprobs
+from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
+from rlora.serve.logprobs import sequence_logprobs, unrouted
 from rlora.serve.losses import LOSSES, TokenLoss
 from rlora.serve.sampling import Sampler, ViewGenerator, responses, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
-from rlora.tensors import position_ids_from_mask
 from rlora.train.optim import optimizer_step
 
 LORA_ALPHA = 32
 MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward (on a GPU)
 CPU_MICRO_BATCH_TOKENS = 1024  # on a CPU: forwards of 4096 tokens were 1.5x slower per token (docs/serve.md)
-HEAD_CHUNK = 256  # positions per output-layer chunk
 LOADED_SAMPLERS = 4  # snapshots kept loaded as adapters
 UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one per step)
 IDLE_ADAPTER = "idle"  # the adapter that keeps the peft model from ever having none (_add_adapter)
 MAX_TRAINEES = 64  # training clients at once (each an adapter and its AdamW state in memory)
 MAX_SAMPLERS = 1024  # sampling sessions on saved snapshots or the base at once (each a config and a path)
-
-
-def _unrouted(lo: int, hi: int):
-    return nullcontext()
 
 
 class _NoSchedule:
@@ -200,33 +193,9 @@ class ModelWorker:
         return ids_BT.to(device), mask_BT.to(device), targets_BT.to(device), {k: v.to(device) for k, v in inputs.items()}
 
     def token_logprobs(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor,
-                       head_routed=_unrouted) -> torch.Tensor:
-        """log p(targets_BT[b, t] | ids_BT[b, :t + 1]) under the model as it is switched now, [B, T] float32
-        (0 on padding). Right padding; positions from the mask. head_routed(lo, hi): the context in which the
-        output layer runs kept positions lo..hi (serve/batched.py routes each to its client's adapter); entered
-        inside the checkpointed chunk, which backward runs again."""
-        hf = causal_lm(self.model)
-        position_ids = position_ids_from_mask(mask_BT)
-        keep_BT = mask_BT.bool()
-        if not supports_chunked(self.model):
-            logits = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids, use_cache=False).logits
-            logp_BT, _ = token_logprobs(logits, targets_BT, None, False)  # temperature 1
-            return logp_BT * mask_BT
-        hidden_BTH = hf.get_decoder()(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids,
-                                      use_cache=False).last_hidden_state
-        hidden_NH, targets_N = hidden_BTH[keep_BT], targets_BT[keep_BT]
-        head = hf.get_output_embeddings()
-
-        def chunk_logp(h_CH, t_C, lo):
-            with head_routed(lo, lo + len(t_C)):
-                return token_logprobs(head(h_CH), t_C, None, False)[0]  # temperature 1
-
-        grad = torch.is_grad_enabled() and hidden_NH.requires_grad
-        parts = [checkpoint(chunk_logp, hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], lo, use_reentrant=False)
-                 if grad else chunk_logp(hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], lo)
-                 for lo in range(0, len(targets_N), HEAD_CHUNK)]
-        logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
-        return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))
+                       head_routed=unrouted) -> torch.Tensor:
+        """serve/logprobs.py sequence_logprobs under the model as it is switched now."""
+        return sequence_logprobs(self.model, ids_BT, mask_BT, targets_BT, head_routed)
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
         if len(tokens) > self.max_length:

@@ -1,0 +1,52 @@
+"""Log-probs of given tokens for `rlora serve`'s forward_backward and prompt log-probs, under the model as it is
+switched now: the decoder's last hidden states and the output layer a chunk of positions at a time (checkpointed
+when training), or the model's full logits for a family rlora's chunked path does not cover."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rlora.models.loading import causal_lm
+from rlora.models.logprobs import supports_chunked, token_logprobs
+from rlora.tensors import position_ids_from_mask
+
+HEAD_CHUNK = 256  # positions per output-layer chunk
+
+
+def unrouted(lo: int, hi: int):
+    """head_routed for a pass of one adapter: the output layer runs as it is."""
+    return nullcontext()
+
+
+def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor,
+                      head_routed=unrouted) -> torch.Tensor:
+    """log p(targets_BT[b, t] | ids_BT[b, :t + 1]), [B, T] float32 (0 on padding), at temperature 1. Right padding;
+    positions from the mask. head_routed(lo, hi): the context in which the output layer runs kept positions lo..hi
+    (serve/batched.py routes each to its client's adapter); entered inside the checkpointed chunk, which backward
+    runs again."""
+    hf = causal_lm(model)
+    position_ids = position_ids_from_mask(mask_BT)
+    keep_BT = mask_BT.bool()
+    if not supports_chunked(model):
+        logits = model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids, use_cache=False).logits
+        logp_BT, _ = token_logprobs(logits, targets_BT, None, False)
+        return logp_BT * mask_BT
+    hidden_BTH = hf.get_decoder()(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state
+    hidden_NH, targets_N = hidden_BTH[keep_BT], targets_BT[keep_BT]
+    head = hf.get_output_embeddings()
+
+    def chunk_logp(h_CH, t_C, lo):
+        with head_routed(lo, lo + len(t_C)):
+            return token_logprobs(head(h_CH), t_C, None, False)[0]
+
+    grad = torch.is_grad_enabled() and hidden_NH.requires_grad
+    chunks = [(hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], lo)
+              for lo in range(0, len(targets_N), HEAD_CHUNK)]
+    parts = [checkpoint(chunk_logp, *chunk, use_reentrant=False) if grad else chunk_logp(*chunk) for chunk in chunks]
+    logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
+    return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))

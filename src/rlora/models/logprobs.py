@@ -9,8 +9,8 @@ Two paths give the same numbers:
 - full: the model's own forward with `logits_to_keep` (any architecture), materialising [B, Tc, vocab].
 Log-softmax is `logit - logsumexp` in float32, logits divided by the temperature each token was sampled at
 (the row's, or per token where the rollout carries temperature_BTc: phase-aware sampling). The [N, vocab] logits
-are the largest tensors of a pass, and each elementwise pass over them costs about as much as the output layer's
-product on a GPU: the chunked path divides the float32 hidden states by the temperature before the output layer
+are the largest tensors of a pass, and on a GPU each elementwise pass over them should cost about as much time as
+the output layer's product (memory-bound; an estimate, not measured): the chunked path divides the float32 hidden states by the temperature before the output layer
 ([N, H] instead of [N, vocab]), and the target's log-prob has a backward of its own (`_TargetLogProb`: one softmax,
 in place, where autograd's logsumexp and gather make and add two [N, vocab] tensors).
 """

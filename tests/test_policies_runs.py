@@ -13,9 +13,10 @@ from conftest import tiny_overrides
 from test_policies import base_model
 from test_reward_adapter import rm_folder  # noqa: F401 - the reward model fixture
 from rlora.cli import main
-from rlora.config import LoraConfig
+from rlora.config import LoraConfig, ModelConfig
+from rlora.errors import UserError
 from rlora.models import multi_lora as mlr
-from rlora.models.loading import load_tokenizer, peft_lora_config
+from rlora.models.loading import load_base_model, load_tokenizer, peft_lora_config
 
 def _policies_arg(specs):
     return "policies=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in s.items()) + "}" for s in specs) + "]"
@@ -119,7 +120,6 @@ def test_a_checkpoint_from_before_a_new_policy_key_still_resumes(tmp_path):
     import yaml
 
     from rlora.config import load_config, to_yaml
-    from rlora.errors import UserError
     from rlora.train.resume import check_same_run
 
     cfg = load_config(None, [_policies_arg([{"name": "a"}, {"name": "b", "lr": 0.001}])])
@@ -146,6 +146,15 @@ def test_one_policy_and_a_bad_name_are_one_line(tiny_model_dir, prompts_file, tm
     assert main(["train", *args, "lora.target_modules=[q_proj, lm_head]", _policies_arg([{"name": "a"}, {"name": "c"}])]) == 2
     err = capsys.readouterr().err.strip()
     assert "an adapter on 'lm_head' (outside the decoder layers) is not supported" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_adapter_outside_the_decoder_layers_is_refused_on_the_model(tiny_model_dir):
+    """The config refuses `lm_head` by name before the model loads; the model's own modules are checked too (an
+    output layer under another name, or a pattern that matches it)."""
+    base = load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir)
+    with pytest.raises(UserError, match="an adapter on 'lm_head' .outside the decoder layers. is not supported"):
+        mlr.attach_policies(base, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]), ["a", "b"], [1, 2])
 
 
 def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path):
@@ -219,9 +228,8 @@ def test_policies_resume_exactly(tiny_model_dir, prompts_file, tmp_path, capsys)
 def test_a_reward_adapter_scores_beside_several_policies(tiny_model_dir, rm_folder, prompts_file, tmp_path, capsys):
     """The reward adapter on the policies' base scores what the reward model loaded alone scores; every policy
     stays trainable; a run with it trains both policies."""
-    from rlora.config import ModelConfig, RewardSpec, RLConfig
+    from rlora.config import RewardSpec, RLConfig
     from rlora.data.prompts import PromptSets
-    from rlora.models.loading import load_base_model
     from rlora.rewards.reward_adapter import attach_reward_adapters
     from rlora.rewards.scoring import resolve_rewards
     from test_reward_adapter import reference_scores

@@ -274,6 +274,12 @@ REFUSALS: tuple[Refusal, ...] = (
               ("algo.name=adaptive_grpo",), "policies-adaptive"),
     _policies(lambda cfg: cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false",
               ("algo.replay.enabled=true",), "policies-replay"),
+    # the output layer by name, before the model loads (models/multi_lora.attach_policies checks the modules too)
+    Refusal("policies-output-layer", ("train",),
+            lambda cfg: cfg.policies is not None and isinstance(cfg.lora.target_modules, list)
+            and "lm_head" in cfg.lora.target_modules,
+            "policies: an adapter on 'lm_head' (outside the decoder layers) is not supported: target linear layers "
+            "inside the decoder layers", ("policies=[{name: a}, {name: b}]", "lora.target_modules=[q_proj, lm_head]")),
     _policies(lambda cfg: cfg.rollout.engine != "builtin", "rollout.engine=hf",
               "use rollout.engine=builtin (it batches the policies)", HF, "policies-hf-engine"),
     # ---- a sharded base (train.fsdp)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 
-from rlora.models.logprobs import head_logits, completion_logprobs, token_logprobs
+from rlora.models import logprobs
+from rlora.models.logprobs import head_logits, completion_logprobs, recomputes_logits, token_logprobs
 from rlora.models.loading import causal_lm, trainable_parameters
 from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.models.tiny import build_random_model
@@ -60,12 +61,14 @@ def test_chunked_path_equals_full_path(tiny_model_dir, qwen2_untied_dir, case):
 PEAK_SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
     from rlora.models.tiny import build_random_model
+    from rlora.models import logprobs
     from rlora.models.logprobs import completion_logprobs
     from rlora.models.loading import attach_lora, load_base_model
     from rlora.config import LoraConfig, ModelConfig
     from rlora.types import RolloutSlice
     torch.set_num_threads(1)
     folder, chunk = sys.argv[1], int(sys.argv[2])
+    logprobs.KEEP_LOGITS_BYTES_CPU = 0  # every chunk recomputed in the backward, as on a GPU: one chunk at a time
     model = attach_lora(load_base_model(ModelConfig(path=folder), folder), LoraConfig(rank=4))
     def batch(B, Tp, Tc):
         g = torch.Generator().manual_seed(0)
@@ -86,7 +89,8 @@ PEAK_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow  # 40 s: two processes, each with ~2 GB of full-vocabulary logits
 def test_chunked_path_peak_memory_is_a_fraction_of_the_full_path(tmp_path):
     """8 x 384 completion tokens over a 32k vocabulary: full fp32 logits are 8*385*32000*4 B = 394 MB
-    (plus their log-softmax and gradient); the chunked path holds one 128 x 32000 chunk (16 MB, a few copies) at a time.
+    (plus their log-softmax and gradient); the chunked path, its logits recomputed in the backward (what a GPU does,
+    and a CPU past KEEP_LOGITS_BYTES_CPU), holds one 128 x 32000 chunk (16 MB, a few copies) at a time.
     Each path runs in a fresh process and reports how much its peak resident memory grew. glibc is told
     to give freed blocks over 1 MB back at once (MALLOC_MMAP_THRESHOLD_), so peak RSS tracks the live
     tensors rather than heap fragmentation."""
@@ -101,6 +105,35 @@ def test_chunked_path_peak_memory_is_a_fraction_of_the_full_path(tmp_path):
     full, chunked = growth(0), growth(128)
     assert full > 390, f"the full path must hold the logits ({full:.0f} MB): else this test measures nothing"
     assert chunked < 0.15 * full, (chunked, full)  # measured: 122 MB against 1917 MB
+
+
+def test_which_passes_recompute_their_logits():
+    # float32 logits of 1000 positions x 50,000 tokens: 200 MB (kept on a CPU); x 6000 positions: 1.2 GB (not)
+    assert not recomputes_logits(1000, 50_000, torch.device("cpu"))
+    assert recomputes_logits(6000, 50_000, torch.device("cpu"))
+    assert recomputes_logits(1000, 50_000, torch.device("cuda", 0))  # a GPU checkpoints every chunk, as before
+    assert not recomputes_logits(2**28 // 1000, 1000, torch.device("cpu"))  # exactly the budget: kept
+
+
+def test_kept_logits_give_the_gradients_of_recomputed_ones(tiny_model_dir, monkeypatch):
+    """On a CPU a gradient pass within KEEP_LOGITS_BYTES_CPU keeps its chunks' logits for the backward: the output
+    layer runs once per chunk instead of twice (forward, then again in the backward), for the same gradient."""
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model, scale=0.2)
+    micro = vary_lengths(sample(model, tokenizer, tok, seed=4), tok.pad_id).select(slice(0, 8))
+    weights = torch.randn(micro.completion_ids_BTc.shape, generator=torch.Generator().manual_seed(2))
+    head_calls = []
+    causal_lm(model).get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
+    chunk = 7
+    num_chunks = -(-int(micro.completion_mask_BTc.sum()) // chunk)
+    logp_kept, entropy_kept, kept = logp_and_grads(model, micro, chunk, weights)
+    assert len(head_calls) == num_chunks > 1
+    head_calls.clear()
+    monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES_CPU", 0)
+    logp, entropy, recomputed = logp_and_grads(model, micro, chunk, weights)
+    assert len(head_calls) == 2 * num_chunks
+    assert torch.equal(logp_kept, logp) and torch.equal(entropy_kept, entropy)
+    assert torch.equal(kept, recomputed) and kept.abs().max() > 0
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):

@@ -3,9 +3,11 @@
 Two paths give the same numbers:
 - chunked (the families of CHUNKABLE_MODEL_TYPES): run the decoder to its last hidden states, keep only
   the positions that predict real completion tokens, and apply the output layer a chunk of positions at a
-  time. With gradients, each chunk is checkpointed, so at most one chunk's [chunk, vocab] logits exist at
-  once; the backward pass recomputes them. The output layer is called as a module, so a tied or LoRA-carrying head
-  works unchanged.
+  time. With gradients on a GPU, or where the pass's logits would exceed KEEP_LOGITS_BYTES_CPU on a CPU, each chunk
+  is checkpointed, so at most one chunk's [chunk, vocab] logits exist at once and the backward pass recomputes
+  them; otherwise the chunks' logits are kept for the backward (recomputing them is one more output-layer product
+  per token, ~10 % of an update's arithmetic on SmolLM2, and a CPU is short of arithmetic, not memory). The
+  output layer is called as a module, so a tied or LoRA-carrying head works unchanged.
 - full: the model's own forward with `logits_to_keep` (any architecture), materialising [B, Tc, vocab].
 Log-softmax is `logit - logsumexp` in float32, logits divided by the temperature each token was sampled at
 (the row's, or per token where the rollout carries temperature_BTc: phase-aware sampling). The [N, vocab] logits
@@ -34,6 +36,8 @@ from rlora.types import RolloutSlice
 # Families whose logits are exactly lm_head(final hidden state): no logit scale; Gemma 3 only without its
 # optional final logit soft-capping (supports_chunked checks it).
 CHUNKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "gemma3_text")
+# The float32 logits a gradient pass on a CPU keeps for its backward rather than recomputing them (recomputes_logits)
+KEEP_LOGITS_BYTES_CPU = 1 << 30
 
 
 def supports_chunked(model) -> bool:
@@ -145,6 +149,13 @@ def completion_hidden(model, batch: RolloutSlice, prefix: PrefixSlice | None = N
     return last_BTH[:, -(Tc + 1):-1]
 
 
+def recomputes_logits(num_tokens: int, vocab: int, device: torch.device) -> bool:
+    """Whether a gradient pass over num_tokens positions checkpoints its output-layer chunks (their logits recomputed
+    in the backward) instead of keeping the float32 [num_tokens, vocab] logits: always on a GPU (as before; what a GPU
+    run is short of is memory), on a CPU only past KEEP_LOGITS_BYTES_CPU."""
+    return device.type != "cpu" or num_tokens * vocab * 4 > KEEP_LOGITS_BYTES_CPU
+
+
 def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_tokens: int, entropy_grad: bool,
                       prefix: PrefixSlice | None):
     hf = causal_lm(model)
@@ -155,7 +166,8 @@ def _chunked_logprobs(model, batch: RolloutSlice, with_entropy: bool, chunk_toke
     targets_N = batch.completion_ids_BTc[keep_BT]
     temperature_N = token_temperatures(batch)[keep_BT]
     head = hf.get_output_embeddings()
-    checkpointed = torch.is_grad_enabled() and hidden_NH.requires_grad
+    checkpointed = (torch.is_grad_enabled() and hidden_NH.requires_grad
+                    and recomputes_logits(len(targets_N), hf.config.get_text_config().vocab_size, hidden_NH.device))
     chunks = [(hidden_NH[lo:lo + chunk_tokens], targets_N[lo:lo + chunk_tokens], temperature_N[lo:lo + chunk_tokens])
               for lo in range(0, len(targets_N), chunk_tokens)]
     if with_entropy and entropy_grad:

@@ -1,6 +1,6 @@
 """Log-probs of given tokens for `rlora serve`'s forward_backward and prompt log-probs, under the model as it is
-switched now: the decoder's last hidden states and the output layer a chunk of positions at a time (checkpointed
-when training), or the model's full logits for a family rlora's chunked path does not cover."""
+switched now: the decoder's last hidden states and the output layer a chunk of positions at a time (when training,
+checkpointed where models/logprobs.recomputes_logits says: on a GPU, or a CPU past its budget of kept logits), or the model's full logits for a family rlora's chunked path does not cover."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlora.models.loading import causal_lm
-from rlora.models.logprobs import supports_chunked, token_logprobs
+from rlora.models.logprobs import recomputes_logits, supports_chunked, token_logprobs
 from rlora.tensors import position_ids_from_mask
 
 HEAD_CHUNK = 256  # positions per output-layer chunk
@@ -44,9 +44,11 @@ def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Ten
         with head_routed(lo, lo + len(t_C)):
             return token_logprobs(head(h_CH), t_C, None, False)[0]
 
-    grad = torch.is_grad_enabled() and hidden_NH.requires_grad
+    recompute = (torch.is_grad_enabled() and hidden_NH.requires_grad
+                 and recomputes_logits(len(targets_N), hf.config.get_text_config().vocab_size, hidden_NH.device))
     chunks = [(hidden_NH[lo:lo + HEAD_CHUNK], targets_N[lo:lo + HEAD_CHUNK], lo)
               for lo in range(0, len(targets_N), HEAD_CHUNK)]
-    parts = [checkpoint(chunk_logp, *chunk, use_reentrant=False) if grad else chunk_logp(*chunk) for chunk in chunks]
+    parts = [checkpoint(chunk_logp, *chunk, use_reentrant=False) if recompute else chunk_logp(*chunk)
+             for chunk in chunks]
     logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
     return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))

@@ -4,6 +4,8 @@ the adapter learnt so far is saved and summary.json says why, then the error rea
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 from conftest import tiny_overrides
@@ -11,7 +13,7 @@ from test_rm import PAIRS, rm_config
 from test_sft import REPETITIVE, sft_config, write_jsonl
 
 from rlora.cli import main
-from rlora.errors import UserError
+from rlora.errors import Terminated, UserError
 from rlora.train import grpo, supervised
 from rlora.train.lifecycle import kept_on_stop, stop_status
 from rlora.train.outputs import RunDir
@@ -20,6 +22,7 @@ from rlora.train.step import RewardFailure
 
 def test_the_status_names_what_stopped_the_run():
     assert stop_status(KeyboardInterrupt()) == "interrupted"
+    assert stop_status(Terminated()) == "terminated"
     assert stop_status(RewardFailure("5 of 8 rewards failed")) == "stopped: reward failures"
     assert stop_status(UserError("disk full")) == "failed: UserError: disk full"
 
@@ -85,3 +88,27 @@ def test_an_interrupted_run_keeps_its_adapter_and_says_so(command, tiny_model_di
     assert summary["last_metrics"]["step"] == 1  # the step that completed
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
     assert saved.exists()
+
+
+def test_a_terminated_run_keeps_its_adapter_and_exits_143(tiny_model_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    """SIGTERM (kill, timeout, a scheduler) stops a run as Ctrl-C does: a real signal, sent to this process in the
+    second step, saves the adapter and summary.json; the exit code is 128 + 15, and the handler main() installed is
+    gone afterwards."""
+    real_step, calls = grpo.grpo_step, []
+
+    def second_step_is_terminated(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "grpo_step", second_step_is_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    run = tmp_path / "run"
+    argv = ["train", *tiny_overrides(tiny_model_dir, prompts_file, str(run), **{"train.steps": 3, "eval.before": "false"})]
+    assert main(argv) == 143
+    assert "rlora: terminated (SIGTERM) (a run that had started training saved its adapter" in capsys.readouterr().err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "terminated" and summary["last_metrics"]["step"] == 1
+    assert (run / "adapter" / "adapter_model.safetensors").exists()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -9,12 +9,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from rlora import __version__
-from rlora.errors import UserError
+from rlora.errors import Terminated, UserError
 from rlora.logging.console import info, quiet_libraries
 from rlora.plot import plot_runs
 
@@ -274,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     quiet_libraries()  # after parsing: --help, --version and usage errors exit without importing transformers
+    with _sigterm_interrupts():
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         if args.command not in ("train", *SUPERVISED) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError(f"rlora {args.command} runs in one process (every rank would write the same output): run "
@@ -297,10 +306,31 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"rlora: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if args.command == "serve":
             return 0
         saved = " (a run that had started training saved its adapter and summary.json)" if args.command in ("train", "sft", "rm") else ""
-        print(f"rlora: interrupted{saved}", file=sys.stderr)
-        return 130
+        terminated = isinstance(stop, Terminated)
+        print(f"rlora: {'terminated (SIGTERM)' if terminated else 'interrupted'}{saved}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     return 0
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises Terminated (an interrupt) while a command runs, so a training run killed by `timeout`, a
+    scheduler or `docker stop` keeps its adapter as on Ctrl-C; the previous handler comes back afterwards (main()
+    may be called in a longer-lived process, e.g. the tests). Only the main thread may set handlers. `rlora serve`:
+    uvicorn installs its own (a graceful shutdown) while it serves."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

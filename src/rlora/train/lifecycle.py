@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from rlora.errors import Terminated
 from rlora.logging.console import info
 from rlora.train.outputs import RunDir
 
 
 def stop_status(stop: BaseException) -> str:
     """summary.json's status for what stopped a run: an error may name its own (`run_status`, e.g. reward failures)."""
+    if isinstance(stop, Terminated):
+        return "terminated"
     if isinstance(stop, KeyboardInterrupt):
         return "interrupted"
     return getattr(stop, "run_status", None) or f"failed: {type(stop).__name__}: {stop}"

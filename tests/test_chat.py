@@ -51,8 +51,24 @@ def test_parse_adapter_specs(adapters, tmp_path):
         parse_named_adapters([f"x={a}", f"x={b}"])
     with pytest.raises(UserError, match="not usable"):
         parse_named_adapters([f"my.x={a}"])
-    with pytest.raises(UserError, match="not a PEFT adapter folder"):
+    with pytest.raises(UserError, match="'/no/such/folder' not found"):
         parse_named_adapters(["y=/no/such/folder"])
+
+
+def test_a_run_folder_as_adapter_names_the_adapter_inside(adapters, tmp_path):
+    """`--adapter run1` (a run's output folder) says which folder to give, not only that run1 is no adapter."""
+    run = tmp_path / "run1"
+    run.mkdir()
+    (run / "adapter").symlink_to(adapters["a"])
+    with pytest.raises(UserError, match=f"is a run folder: give its adapter, --adapter {run / 'adapter'}$"):
+        parse_named_adapters([str(run)])
+    several = tmp_path / "polrun"
+    (several / "policies" / "p1").mkdir(parents=True)
+    (several / "policies" / "p1" / "adapter").symlink_to(adapters["b"])
+    with pytest.raises(UserError, match=f"run of several policies: .* --adapter p1={several}/policies/p1/adapter$"):
+        parse_named_adapters([str(several)])
+    with pytest.raises(UserError, match="is not a PEFT adapter folder"):  # any other folder: as before
+        parse_named_adapters([str(tmp_path / "polrun" / "policies")])
 
 
 def test_conversation_messages_reset_and_drop():
@@ -117,7 +133,7 @@ def test_save_writes_the_conversation_atomically(tmp_path):
     state.conv.add_user("hello")
     state.conv.add_reply("hi there", "a", 0)
     target = tmp_path / "sub" / "conv.json"
-    assert "saved 2 messages" in apply_command(state, Command("save", str(target))).text
+    assert "saved 3 messages" in apply_command(state, Command("save", str(target))).text  # the system prompt too
     saved = json.loads(target.read_text())
     assert saved["model"] == "m" and saved["adapters"] == {"a": "/ad/a"} and saved["dropped_messages"] == 0
     assert saved["sampling"] == {"max_new_tokens": 256, "temperature": 0.7, "top_p": 1.0, "seed": 0, "greedy": False}
@@ -126,6 +142,14 @@ def test_save_writes_the_conversation_atomically(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["conv.json"]  # no temporary file left
     bad = apply_command(state, Command("save", str(tmp_path)))  # a folder: one-line error, no crash
     assert bad.error and "could not save" in bad.text
+
+
+def test_save_counts_the_messages_the_file_holds(tmp_path):
+    state = _state()
+    state.conv.system = "sys"  # only a system prompt: the file holds one message, and says so
+    target = tmp_path / "conv.json"
+    assert apply_command(state, Command("save", str(target))).text == f"saved 1 message to {target}"
+    assert len(json.loads(target.read_text())["messages"]) == 1
 
 
 class ScriptedBot:
@@ -254,7 +278,7 @@ def test_bad_input_is_one_line_exit_2(tiny_model_dir, adapters, tmp_path, capsys
     (not_lora / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
     base = ["chat", "--model", tiny_model_dir]
     cases = [
-        (base + ["--adapter", f"a={tmp_path / 'missing'}"], "is not a PEFT adapter folder"),
+        (base + ["--adapter", f"a={tmp_path / 'missing'}"], "missing' not found"),
         (["chat", "--adapter", f"a={adapters['a']}", "--adapter", f"o={other_adapter}"], "does not fit model"),
         (base + ["--adapter", other_adapter], "does not fit model"),
         (base + ["--adapter", adapters["a"], "--adapter", adapters["a"]], "given twice"),

@@ -275,3 +275,31 @@ def test_torn_log_line_is_dropped_on_resume(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
     run.drop_steps_after(2, ("metrics.jsonl",))
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_max_time_stops_after_the_step_that_passes_it(tiny_model_dir, prompts_file, tmp_path, capsys):
+    """A limit shorter than one step: the run stops after step 1 (and says '1 step', not '1 steps')."""
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
+        "train.steps": 3, "train.max_time_s": 0.001, "eval.before": "false", "eval.after": "false"})]) == 0
+    assert "train.max_time_s=0.001 reached after 1 step\n" in capsys.readouterr().err
+    assert [m["step"] for m in _metrics(out)] == [1]
+
+
+def test_eval_size_of_a_data_file_without_held_out_prompts_does_not_block_a_resume(tmp_path):
+    """data.eval_size counts rows of data.eval_path (or a task's held-out draws): with a data.path and no eval_path
+    it selects nothing, so a resume may leave it at its default; with an eval_path it is compared."""
+    from rlora.config import load_config, to_yaml
+    from rlora.errors import UserError
+    from rlora.train.resume import check_same_run
+
+    def checkpoint(*overrides):
+        cfg = load_config(None, ["data.task=null", "data.path=rows.jsonl", *overrides])
+        (tmp_path / "state.json").write_text(json.dumps({"step": 1, "config": to_yaml(cfg)}))
+
+    checkpoint("data.eval_size=4")
+    assert check_same_run(load_config(None, ["data.task=null", "data.path=rows.jsonl"]), tmp_path)["step"] == 1
+    checkpoint("data.eval_size=4", "data.eval_path=held.jsonl")
+    with pytest.raises(UserError, match="different data.eval_size"):
+        check_same_run(load_config(None, ["data.task=null", "data.path=rows.jsonl", "data.eval_path=held.jsonl"]),
+                       tmp_path)

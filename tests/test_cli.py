@@ -10,6 +10,9 @@ import torch
 
 from conftest import tiny_overrides
 from rlora.cli import main
+from rlora.config import load_config
+from rlora.errors import UserError
+from rlora.train.sources import check_context
 
 
 def run_cli(args, capsys):
@@ -155,7 +158,27 @@ BAD_INPUTS = [
     ("humaneval scored by gym", lambda t, m, p: ["data.task=humaneval", "data.task_args={}", f"train.output_dir={t / 'o'}"],
      "use rewards: [{fn: code}]"),
     ("unknown device", lambda t, m, p: ["model.device=gpu"], "invalid value for model.device"),
+    # the tiny model has 2048 positions: past them a run once filled the memory with its KV cache and was killed
+    ("completions past the model's positions", lambda t, m, p: tiny_overrides(
+        m, p, str(t / "o"), **{"rollout.max_new_tokens": 5000}), "rollout.max_new_tokens=5000 does not fit the model's 2048"),
+    ("evaluations past the model's positions", lambda t, m, p: tiny_overrides(
+        m, p, str(t / "o"), **{"eval.max_new_tokens": 2048}), "eval.max_new_tokens=2048 does not fit the model's 2048"),
 ]
+
+
+def test_the_completion_budget_is_checked_against_the_longest_prompt():
+    cfg = load_config(None, ["rollout.max_new_tokens=90", "eval.max_new_tokens=50"])
+    prompts = [[1] * 7, [1] * 10]
+    check_context(cfg, None, prompts, 100)  # 10 + 90 = 100 positions: fits exactly
+    check_context(cfg, None, prompts, None)  # a model that states no limit: nothing to check
+    with pytest.raises(UserError, match=r"^rollout.max_new_tokens=90 does not fit the model's 99 positions after the "
+                                        r"longest prompt \(10 tokens\): set rollout.max_new_tokens <= 89$"):
+        check_context(cfg, None, prompts, 99)
+    cfg.eval.max_new_tokens = 95
+    with pytest.raises(UserError, match=r"eval.max_new_tokens=95 .* set eval.max_new_tokens <= 90$"):
+        check_context(cfg, None, prompts, 100)
+    with pytest.raises(UserError, match=r"after the longest prompt \(10 tokens\): shorten the prompts$"):
+        check_context(cfg, None, prompts, 10)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -235,3 +258,12 @@ def test_truncated_adapter_file_and_adapter_for_another_base(tiny_model_dir, pro
         code, err = run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o2"), **{
             "lora.init_from": str(adapter)})], capsys)
         assert code == 2 and "is damaged" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_bad_data_file_under_the_demo_config_prints_one_line(tmp_path, capsys):
+    """The demo resolves `auto` settings and says what it chose, but only after the inputs' checks: a bad input
+    prints its error and nothing else."""
+    code, err = run_cli(["train", "data.task=null", f"data.path={tmp_path / 'no.jsonl'}",
+                         f"train.output_dir={tmp_path / 'o'}"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("rlora: error: data file not found"), err

@@ -95,3 +95,72 @@ def test_example_configs_validate():
         assert command in roots, f"{path.name} must start with the command that runs it (# rlora train/sft/rm ...)"
         assert first.split()[3] == f"configs/{path.name}", f"{path.name}: the first line names another file"
         assert isinstance(load_config(str(path), model_cls=roots[command]), roots[command])
+
+
+def test_misspelt_key_in_a_list_of_sections_names_the_valid_keys():
+    """policies is `list[PolicySpec] | None`: the suggestion looks inside the Optional and the list."""
+    from rlora.config.schema import PolicySpec
+
+    with pytest.raises(UserError) as err:
+        load_config(None, ["policies=[{name: a, lr: 1e-4}, {name: b, lrr: 3e-4}]"])
+    assert str(err.value) == "unknown config key 'policies.1.lrr' (did you mean 'policies.1.lr'?)"
+    with pytest.raises(UserError) as err:
+        load_config(None, ["policies=[{name: a}, {name: b, zzzz: 1}]"])
+    assert "lr" in PolicySpec.model_fields
+    assert str(err.value) == f"unknown config key 'policies.1.zzzz' (valid: {', '.join(PolicySpec.model_fields)})"
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` dropped train.steps without a word."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("data: {task: chain_sum}\ntrain:\n  steps: 3\nrewards: [{fn: gym}]\ntrain:\n  lr: 1.0e-4\n")
+    with pytest.raises(UserError) as err:
+        load_config(str(path))
+    assert str(err.value) == (f"key 'train' is given twice in {path} (lines 2 and 5): YAML would silently keep only "
+                              "the last one: give it once")
+    path.write_text("train:\n  steps: 3\n  lr: 1.0e-4\n  steps: 4\n")
+    with pytest.raises(UserError, match=r"key 'steps' is given twice in .* \(lines 2 and 4\)"):
+        load_config(str(path))
+    # a key brought in by a merge (<<: *anchor) may be overridden: that is what the merge is for
+    from rlora.config.loading import _read_yaml
+
+    path.write_text("a: &c {steps: 3, lr: 1.0e-4}\nb:\n  <<: *c\n  steps: 5\n")
+    assert _read_yaml(str(path)) == {"a": {"steps": 3, "lr": 1e-4}, "b": {"steps": 5, "lr": 1e-4}}
+
+
+def test_a_whole_section_check_does_not_repeat_the_section():
+    """A section's own check (eval.pass_k against eval.num_samples) names its keys; the section's dict is left out.
+    A single value's error still shows the value it got."""
+    with pytest.raises(UserError) as err:
+        load_config(None, ["eval.pass_k=[1, 4]"])
+    assert str(err.value) == ("invalid value for eval: eval.pass_k=[1, 4]: each k must be between 1 and "
+                              "eval.num_samples=1")
+    with pytest.raises(UserError) as err:
+        load_config(None, ["eval=5"])
+    assert str(err.value).endswith("(got 5)")
+    with pytest.raises(UserError) as err:
+        load_config(None, ["policies=[{name: a}, {name: b, seed: x}]"])
+    assert str(err.value).startswith("invalid value for policies.1.seed: ") and str(err.value).endswith("(got 'x')")
+
+
+def test_both_of_two_exclusive_keys_say_how_to_unset_one():
+    """The demo sets data.task and configs/sft_math.yaml sets train.epochs: the message says how to unset it, and
+    doing so loads."""
+    from pathlib import Path
+
+    from rlora.config import SFTConfig
+
+    sft_math = str(Path(__file__).resolve().parents[1] / "configs" / "sft_math.yaml")
+    with pytest.raises(UserError) as err:
+        load_config(None, ["data.path=rows.jsonl"])
+    assert str(err.value) == ("set exactly one of data.task (a reasoning-gym task) or data.path (a local file), "
+                              "not both (data.task=null unsets the task chain_sum, e.g. the demo's)")
+    assert load_config(None, ["data.path=rows.jsonl", "data.task=null"]).data.path == "rows.jsonl"
+    with pytest.raises(UserError) as err:
+        load_config(None, ["data.task=null"])
+    assert str(err.value) == "set exactly one of data.task (a reasoning-gym task) or data.path (a local file)"
+    with pytest.raises(UserError) as err:
+        load_config(sft_math, ["train.steps=2"], model_cls=SFTConfig)
+    assert str(err.value) == ("set train.steps or train.epochs, not both (train.epochs=null or train.steps=null "
+                              "unsets one)")
+    assert load_config(sft_math, ["train.steps=2", "train.epochs=null"], model_cls=SFTConfig).train.steps == 2

@@ -2,12 +2,15 @@ import json
 
 import pytest
 
-from rlora.config import DataConfig
+from conftest import tiny_overrides
+from rlora.cli import main
+from rlora.config import DataConfig, load_config
 from rlora.data.files import read_prompt_file
 from rlora.data.prompts import PromptOrder, load_prompt_sets, render_prompt
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.models.tiny import build_tokenizer
+from rlora.train.session import check_data_and_rewards, check_inputs
 from rlora.types import Example
 
 ROWS = [{"question": "1 + 1 =", "answer": "2", "level": 1}, {"question": "2 + 2 =", "answer": "4", "level": 2}]
@@ -55,6 +58,90 @@ def test_bad_files(tmp_path):
     weird.write_text("x")
     with pytest.raises(UserError, match="unsupported extension"):
         read_prompt_file(str(weird), "prompt", None)
+
+
+def test_a_malformed_json_line_is_named_as_an_editor_counts(tmp_path):
+    good = json.dumps({"prompt": "a"})
+    # line 4 is bad and line 2 blank: pyarrow says "row 2" (from 0, blank lines skipped), an editor shows line 4
+    jsonl = tmp_path / "mal4.jsonl"
+    jsonl.write_text(f"{good}\n\n{good}\n{{\"prompt\": }}\n{good}\n")
+    with pytest.raises(UserError, match=r"could not read data file .*mal4.jsonl: line 4: Expecting value \(column 12\)$"):
+        read_prompt_file(str(jsonl), "prompt", None)
+    not_object = tmp_path / "list.jsonl"
+    not_object.write_text(f"{good}\n[1, 2]\n")
+    with pytest.raises(UserError, match=r"line 2: not a JSON object"):
+        read_prompt_file(str(not_object), "prompt", None)
+    array = tmp_path / "rows.json"
+    array.write_text(f'[{good},\n {{"prompt" "b"}}]\n')
+    with pytest.raises(UserError, match=r"rows.json: not valid JSON: Expecting ':' delimiter at line 2, column 12$"):
+        read_prompt_file(str(array), "prompt", None)
+
+
+def test_a_missing_data_file_names_the_absolute_path_looked_at(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=rf"data file not found: {tmp_path}/problems.jsonl \(a relative data path is read "
+                                        "from the current directory, not from the config file's folder"):
+        read_prompt_file("problems.jsonl", "prompt", None)
+    cfg = load_config(None, ["data.task=null", "data.path=problems.jsonl"])
+    with pytest.raises(UserError, match=rf"data file not found: {tmp_path}/problems.jsonl \("):
+        check_data_and_rewards(cfg)
+
+
+def _rows_file(tmp_path, rows, name="rows.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_rows_without_an_answer_are_refused_before_the_model_loads(tiny_model_dir, tmp_path, capsys):
+    rows = _rows_file(tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}, {"prompt": "c"}])
+    args = tiny_overrides(tiny_model_dir, rows, str(tmp_path / "o"), rewards="[{fn: format}, {fn: math}]",
+                          **{"data.eval_path": "null"})
+    assert main(["train", *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlora: error:")]
+    assert lines == [f"rlora: error: data file {rows}, row 2: column 'answer' is missing (null), but reward 'math' "
+                     "compares completions with it: fill in the answer or remove the row"]
+    assert not (tmp_path / "o").exists(), "refused before anything is written"
+    # a row without the key, an empty answer, a renamed answer column, a held-out file: each named
+    for bad, column, message in [({"prompt": "c"}, "answer", "row 2: column 'answer' is missing"),
+                                 ({"prompt": "c", "answer": " "}, "answer", "row 2: column 'answer' is empty"),
+                                 ({"prompt": "c", "solution": None}, "solution", "row 2: column 'solution' is missing")]:
+        path = _rows_file(tmp_path, [{"prompt": "a", column: "1"}, bad], name="bad.jsonl")
+        for setting in ("data.path", "data.eval_path"):
+            cfg = load_config(None, tiny_overrides(tiny_model_dir, str(tmp_path / "ok.jsonl"), str(tmp_path / "o"), **{
+                "data.answer_column": column, "rewards": "[{fn: math}]", setting: path}))
+            _rows_file(tmp_path, [{"prompt": "a", column: "1"}], name="ok.jsonl")
+            with pytest.raises(UserError, match=rf"data file {path}, {message}"):
+                check_data_and_rewards(cfg)
+    no_column = _rows_file(tmp_path, [{"prompt": "a"}], name="plain.jsonl")
+    for answer_column, message in [("answer", "it has no column 'answer'"), ("null", "data.answer_column is null")]:
+        cfg = load_config(None, tiny_overrides(tiny_model_dir, no_column, str(tmp_path / "o"), **{
+            "rewards": "[{fn: math}]", "data.answer_column": answer_column}))
+        with pytest.raises(UserError, match=rf"reward 'math' compares completions with the answer column, but {message}"):
+            check_data_and_rewards(cfg)
+
+
+def test_rows_without_an_answer_are_fine_for_rewards_that_do_not_compare_with_it(tiny_model_dir, tmp_path):
+    rows = _rows_file(tmp_path, [{"prompt": "a", "answer": None}, {"prompt": "b"}])
+    for rewards in ("[{fn: rewards_for_tests.count_a}]", "[{fn: format}]"):
+        cfg = load_config(None, tiny_overrides(tiny_model_dir, rows, str(tmp_path / "o"), rewards=rewards))
+        assert len(check_data_and_rewards(cfg)) == 1
+
+
+def test_a_run_without_held_out_prompts_says_so(tiny_model_dir, prompts_file, tmp_path, capsys):
+    def notice(**extra):
+        capsys.readouterr()
+        cfg = load_config(None, tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **extra))
+        check_inputs(cfg)
+        return " ".join(capsys.readouterr().err.split())  # the console wraps long lines at its width
+
+    assert "no held-out evaluation" not in notice()  # data.eval_path set: its first eval_size rows
+    # data.path alone trains on every row: eval.before/after have nothing to evaluate, and eval_size counts nothing
+    assert "set data.eval_path to a file of held-out prompts" in notice(**{"data.eval_path": "null"})
+    assert "data.eval_size=0 holds out no prompts" in notice(**{"data.eval_size": 0})
+    assert "no held-out evaluation" not in notice(**{"data.eval_path": "null", "eval.before": "false", "eval.after": "false"})
+    sets = load_prompt_sets(DataConfig(path=prompts_file, eval_size=4))
+    assert len(sets.train) == 8 and sets.eval == []  # every row still trains
 
 
 def test_task_splits_are_disjoint_and_bad_task_is_caught():

@@ -100,11 +100,12 @@ def test_run_folder_evaluates_its_adapter_greedily(tiny_model_dir, prompts_file,
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["-a", "/no/such/adapter"], "is not a PEFT adapter folder"),
+    (["-a", "/no/such/adapter"], "'/no/such/adapter' not found"),
     (["eval.pass_k=[8]"], "eval.pass_k"),
     (["eval.temperature=0"], "eval.num_samples=4 with greedy decoding"),
     (["data.eval_path=null"], "no held-out prompts"),
     (["--no-base"], "--no-base needs at least one --adapter"),
+    (["eval.max_new_tokens=4000"], "eval.max_new_tokens=4000 does not fit the model's 2048 positions"),
     (["-a", "base=/x"], "not usable"),
 ])
 def test_bad_input_is_one_line(extra, message, tiny_model_dir, prompts_file, tmp_path, capsys):

@@ -181,3 +181,59 @@ def test_each_panel_plots_the_column_its_title_names(tmp_path, monkeypatch):
                 steps, values = _column(runs[line.get_label()], column)
                 assert list(line.get_xdata()) == steps, (name, column, line.get_label())
                 assert list(line.get_ydata()) == pytest.approx(values, rel=1e-12), (name, column, line.get_label())
+
+
+# ---- a run of several policies: its policies' metrics, as training draws them --------------------------------
+
+def _write_policies_run(folder: Path, policies: dict[str, list[dict]]) -> Path:
+    """A run of several policies as `rlora train` leaves it: the run's metrics.jsonl holds only NAME/ columns
+    (and the shared step time); each policy's own metrics.jsonl holds its columns under the plain names."""
+    steps = len(next(iter(policies.values())))
+    _write_run(folder, [{"step": i, "step_s": 0.5, **{f"{name}/reward_mean": rows[i - 1]["reward_mean"]
+                                                         for name, rows in policies.items()}}
+                        for i in range(1, steps + 1)])
+    for name, rows in policies.items():
+        _write_run(folder / "policies" / name, rows)
+    # the config's order is the order (and colours) training gave them, here not the alphabetical one
+    (folder / "config.yaml").write_text("policies:\n" + "".join(f"- name: {name}\n" for name in policies))
+    return folder
+
+
+def _reward_lines(monkeypatch, runs: list[str], output: str | None = None) -> dict[str, list[float]]:
+    """{legend label: y values} of the reward panel of overview.png, as plot_runs draws it."""
+    from rlora import plot
+
+    drawn = {}
+    monkeypatch.setattr(plot, "_save", lambda fig, path: drawn.setdefault(path.name, fig) and path)
+    plot_runs(runs, output)
+    [ax] = [ax for ax in drawn["overview.png"].axes if ax.get_ylabel() == "reward_mean"]
+    return {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+
+
+def test_a_run_of_several_policies_plots_each_policy(tmp_path, monkeypatch, capsys):
+    policies = {"zeta": _rows(3, scale=1.0), "alpha": _rows(3, scale=3.0)}
+    run = _write_policies_run(tmp_path / "polrun", policies)
+    lines = _reward_lines(monkeypatch, [str(run)])
+    assert lines == {name: pytest.approx([r["reward_mean"] for r in rows]) for name, rows in policies.items()}
+    assert list(lines) == ["zeta", "alpha"]  # the config's order, labelled as training labels them
+    monkeypatch.undo()
+    assert main(["plot", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "reward_mean: skipped" not in err and "entropy: skipped" not in err, err
+    _assert_png(run / "plots" / "reward_mean.png")
+
+
+def test_overlaying_a_run_of_several_policies_keeps_its_policies(tmp_path, monkeypatch):
+    single = _write_run(tmp_path / "run1", _rows(4))
+    multi = _write_policies_run(tmp_path / "polrun", {"a": _rows(2, scale=2.0), "b": _rows(2, scale=5.0)})
+    lines = _reward_lines(monkeypatch, [str(single), str(multi)], output=str(tmp_path / "cmp"))
+    assert list(lines) == ["run1", "polrun/a", "polrun/b"]
+    assert lines["polrun/b"] == pytest.approx([2.5, 5.0])
+
+
+def test_training_plots_of_several_policies_match_rlora_plot(tmp_path, monkeypatch):
+    """plot_after_run is given the policies' folders (train/grpo.py); `rlora plot RUN` draws the same series."""
+    run = _write_policies_run(tmp_path / "polrun", {"a": _rows(2), "b": _rows(2, scale=4.0)})
+    from_cli = _reward_lines(monkeypatch, [str(run)])
+    from_training = _reward_lines(monkeypatch, [str(run / "policies" / n) for n in ("a", "b")], str(run / "plots"))
+    assert from_cli == from_training

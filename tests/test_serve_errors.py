@@ -213,7 +213,8 @@ def test_the_command_refuses_bad_arguments_in_one_line(model_dir, tmp_path, caps
         (["--api-key", "secret"], "--api-key must start with 'tml-'"),
         (["--port", "70000"], "is not a TCP port"),
         (["--port", str(held.getsockname()[1])], "cannot listen on 127.0.0.1"),
-        (["--model", str(tmp_path / "missing")], "is not a Hugging Face model folder"),
+        (["--model", str(tmp_path / "missing")], f"--model '{tmp_path / 'missing'}' not found"),
+        (["--model", "smollm2-135m"], "did you mean 'smollm2-135m-instruct'?"),
         (["--model", model_dir, "--state-dir", str(not_a_folder)], "is not a writable folder"),
     ]
     for args, message in cases:

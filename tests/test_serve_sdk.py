@@ -207,3 +207,21 @@ def test_snapshots_beyond_those_kept_loaded_come_back_and_old_unnamed_ones_expir
     with pytest.raises(tinker.NotFoundError, match="unknown or expired sampling session"):  # refused on arrival
         unnamed[0].sample(model_input, 1, params).result()
     assert len(unnamed[-1].sample(model_input, 1, params).result().sequences) == 1
+
+
+def test_the_docs_example_runs_without_deprecation_warnings(server, monkeypatch, capsys):
+    """docs/serve.md's example, on the test server's model: tinker 0.38 returns futures where clients were
+    returned before, and warns (FutureWarning) when a future is used as the client; the example calls .result()."""
+    import re
+    import warnings
+    from pathlib import Path
+
+    docs = (Path(__file__).parent.parent / "docs" / "serve.md").read_text()
+    example = re.search(r"```python\n(.*?)```", docs, re.S).group(1).replace('"smollm2-135m-instruct"', repr(server.model))
+    monkeypatch.setenv("TINKER_BASE_URL", server.url)
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(example, "docs/serve.md", "exec"), {})
+    assert not [str(w.message) for w in caught if "Using the future as" in str(w.message)]
+    assert capsys.readouterr().out.startswith(tuple("0123456789"))  # the loss, a number

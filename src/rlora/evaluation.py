@@ -21,13 +21,13 @@ from rlora.config import RLConfig, load_config, to_yaml
 from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render_prompt
 from rlora.errors import UserError
 from rlora.logging.console import info, progress_bar
-from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer, resolve_model_path
+from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer, max_positions, resolve_model_path
 from rlora.models.named_adapters import activated, attach_named, is_molora_folder, parse_named_adapters
 from rlora.rewards.reward_adapter import attach_reward_adapters, reward_adapters
 from rlora.rollout.backends import build_generator
 from rlora.envs.registry import env_factory
 from rlora.train.evaluate import eval_sampling, evaluate
-from rlora.train.sources import episode_renderer, longest_context, rollout_source
+from rlora.train.sources import check_context, episode_renderer, longest_context, rollout_source
 from rlora.train.session import check_data_and_rewards, seed_everything
 from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
 from rlora.train.policies import POLICIES_FOLDER
@@ -137,6 +137,7 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     params = eval_sampling(cfg)
     exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})  # evaluation samples in the model's dtype
     renderer = episode_renderer(tokenizer, make_env) if make_env is not None else None
+    check_context(cfg, renderer, prompt_ids, max_positions(resolve_model_path(cfg.model.path), cfg.model.trust_remote_code))
     longest = longest_context(cfg, renderer, prompt_ids) if renderer else max(map(len, prompt_ids)) + params.max_new_tokens
     generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
     source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)

@@ -21,11 +21,11 @@ from rlora.models.named_adapters import is_molora_folder, recorded_base
 def adapter_base(adapter: str, base: str | None) -> str:
     """The base model folder: --base if given, else the adapter's own base_model_name_or_path."""
     if base is not None:
-        return resolve_model_path(base)
+        return resolve_model_path(base, "--base")
     recorded = recorded_base(adapter)
     if not recorded:
         raise UserError(f"adapter '{adapter}' does not name its base model: pass --base MODEL")
-    return resolve_model_path(recorded)
+    return resolve_model_path(recorded, "the adapter's base")
 
 
 def refuse_molora(adapter: str) -> None:

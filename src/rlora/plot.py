@@ -2,6 +2,8 @@
 
 One run: RUN_DIR/plots/<metric>.png for each metric, plus overview.png with all of them in one grid.
 Several runs: the same figures with the runs overlaid in each axes (legend: folder names), in -o OUT.
+A run of several policies (RUN_DIR/policies/NAME/metrics.jsonl) stands for its policies, overlaid as training
+draws them (legend: NAME; RUN/NAME beside other runs).
 Drawn with matplotlib's Agg canvas directly (no pyplot): no display, no global figure state.
 """
 
@@ -13,10 +15,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from rlora.errors import UserError, first_line
 from rlora.logging.console import info
 
 METRICS_FILE = "metrics.jsonl"
+POLICIES_FOLDER = "policies"  # train/policies.py (not imported: it pulls in torch, and the CLI imports this module)
 # metrics.jsonl key -> axes title
 METRICS = {
     "reward_mean": "reward (mean)",
@@ -79,13 +84,44 @@ def _labels(runs: list[str]) -> list[str]:
     return names if len(set(names)) == len(names) else list(runs)
 
 
+def _policy_folders(run: str) -> list[Path]:
+    """The policies of a run of several (RUN/policies/NAME/metrics.jsonl), in the config's order (the colours
+    training gave them), else by name; [] for any other folder. The run's own metrics.jsonl holds only the
+    NAME/reward_mean columns of such a run, which no panel names, so its policies' files are what to draw."""
+    root = Path(run) / POLICIES_FOLDER
+    if not root.is_dir():
+        return []
+    found = {p.name: p for p in sorted(root.iterdir()) if (p / METRICS_FILE).is_file()}
+    order = [name for name in _configured_policies(Path(run)) if name in found]
+    return [found[name] for name in order + sorted(set(found) - set(order))]
+
+
+def _configured_policies(run: Path) -> list[str]:
+    """The policy names in RUN/config.yaml's `policies:`; [] when it is missing or unreadable (order only)."""
+    try:
+        config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+        return [str(p["name"]) for p in config.get("policies") or []]
+    except (OSError, ValueError, yaml.YAMLError, AttributeError, TypeError, KeyError):
+        return []
+
+
+def _expand(runs: list[str]) -> list[tuple[str, str]]:
+    """(folder, label) of each series: a run, or each policy of a run of several, labelled NAME as training
+    labels them when it is the only run, RUN/NAME beside other runs."""
+    series = []
+    for run, label in zip(runs, _labels(runs)):
+        policies = _policy_folders(run) if Path(run).is_dir() else []
+        series += [(str(p), p.name if len(runs) == 1 else f"{label}/{p.name}") for p in policies] or [(run, label)]
+    return series
+
+
 def plot_runs(runs: list[str], output: str | None = None) -> PlotResult:
     """Write one PNG per metric and overview.png; returns the files and the metrics no run has."""
     if not runs:
         raise UserError("give at least one run folder")
     if len(runs) > 1 and output is None:
         raise UserError(f"{len(runs)} runs are overlaid into one set of figures: say where with -o OUT")
-    loaded = [RunMetrics(label, read_metrics(run)) for run, label in zip(runs, _labels(runs))]
+    loaded = [RunMetrics(label, read_metrics(folder)) for folder, label in _expand(runs)]
     present = [key for key in METRICS if any(run.series(key)[0] for run in loaded)]
     if not present:
         raise UserError(f"no metric to plot ({', '.join(METRICS)}) in {', '.join(runs)}")
@@ -127,7 +163,7 @@ def _figure(keys: list[str], runs: list[RunMetrics]):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
-        if len(runs) > 1:
+        if len(runs) > 1:  # several runs, or the policies of one
             ax.legend(fontsize="small")
     return fig
 

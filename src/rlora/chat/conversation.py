@@ -182,7 +182,8 @@ def _cmd_save(state: ChatState, arg: str) -> Outcome:
         path = save_conversation(state, arg)
     except OSError as err:
         return Outcome(f"could not save to '{arg}': {first_line(err)}", error=True)
-    return Outcome(f"saved {len(state.conv.turns)} messages to {path}")
+    count = len(state.to_json()["messages"])  # what the file holds: the system prompt is one of its messages
+    return Outcome(f"saved {count} message{'' if count == 1 else 's'} to {path}")
 
 
 def _cmd_help(state: ChatState, arg: str) -> Outcome:

@@ -29,7 +29,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def choose_model(model: str | None, adapters: dict[str, str]) -> str:
     """--model, else the first adapter's recorded base, else the built-in alias -> a loadable path."""
     if model is not None:
-        return resolve_model_path(model)
+        return resolve_model_path(model, "--model")
     first = next(iter(adapters.values()), None)
     base = recorded_base(first) if first is not None else None
     if base is None:

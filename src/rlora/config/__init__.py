@@ -13,6 +13,7 @@ from rlora.config.refusals import (
     REFUSALS,
     RefusedCombination,
     check_config,
+    check_init_from_keys,
     check_launch,
 )
 from rlora.config.schema import (
@@ -76,6 +77,7 @@ __all__ = [
     "TrainConfig",
     "apply_presets",
     "check_config",
+    "check_init_from_keys",
     "check_launch",
     "demo_config_text",
     "load_config",

@@ -59,6 +59,30 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, first: int, again: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last one silently, so a second
+    `train:` section would drop every key of the first. Keys brought in by a `<<: *anchor` merge may still be
+    overridden (that is what a merge is for): only the mapping's own keys are compared."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str | None) -> dict[str, Any]:
     if path is None:
         text, where = demo_config_text(), "built-in demo config"
@@ -72,7 +96,10 @@ def _read_yaml(path: str | None) -> dict[str, Any]:
             raise UserError(f"config file {path} is not UTF-8 text") from None
         where = path
     try:
-        loaded = yaml.safe_load(text)
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass (above)
+    except _DuplicateKey as err:
+        raise UserError(f"key '{err.key}' is given twice in {where} (lines {err.first} and {err.again}): YAML would "
+                        "silently keep only the last one: give it once") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -85,21 +112,35 @@ def _read_yaml(path: str | None) -> dict[str, Any]:
     return loaded
 
 
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config class inside an annotation: PPOConfig, `PPOConfig | None`, `list[PolicySpec] | None` ->
+    the class; None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):  # the members of a Union / Optional, the item type of a list
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _class_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The config class at a location such as ('policies', 1) -> PolicySpec; None where it is a plain value."""
+    cls: type[BaseModel] | None = model_cls
+    for part in loc:
+        if isinstance(part, int):  # an index into a list of sections
+            continue
+        field = cls.model_fields.get(part) if cls is not None else None
+        cls = _model_in(field.annotation) if field is not None else None
+        if cls is None:
+            return None
+    return cls
+
+
 def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     """Valid key names at a location such as ('train', 'stpes') -> fields of TrainConfig."""
-    cls: Any = model_cls
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = cls.model_fields.get(part)
-        if field is None:
-            return []
-        annotation = field.annotation
-        inner = getattr(annotation, "__args__", None)
-        cls = inner[0] if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) else annotation
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
-            return []
-    return list(cls.model_fields)
+    cls = _class_at(model_cls, loc[:-1])
+    return list(cls.model_fields) if cls is not None else []
 
 
 def _format_validation_error(err: ValidationError, model_cls: type[BaseModel]) -> str:
@@ -115,16 +156,20 @@ def _format_validation_error(err: ValidationError, model_cls: type[BaseModel]) -
     message = first["msg"].removeprefix("Value error, ")
     if not loc:
         return f"invalid config: {message}"
-    return f"invalid value for {dotted}: {message} (got {first.get('input')!r})"
+    value = first.get("input")
+    if isinstance(value, dict) and _class_at(model_cls, loc) is not None:
+        # a whole section's check failed (e.g. eval.pass_k against eval.num_samples): its message names the keys,
+        # and the section's dict would only repeat them
+        return f"invalid value for {dotted}: {message}"
+    return f"invalid value for {dotted}: {message} (got {value!r})"
 
 
 def _section_class(owner: type[BaseModel], key: str) -> type[BaseModel]:
     """The section class of owner.key (`PPOConfig | None` -> PPOConfig)."""
-    annotation = owner.model_fields[key].annotation
-    for candidate in typing.get_args(annotation) or (annotation,):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    raise TypeError(f"{owner.__name__}.{key} is not a config section")
+    found = _model_in(owner.model_fields[key].annotation)
+    if found is None:
+        raise TypeError(f"{owner.__name__}.{key} is not a config section")
+    return found
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None, model_cls: type[BaseModel] = RLConfig):

@@ -12,8 +12,10 @@ traits (rlora/presets.py, the data the registry builds its flags from), never fr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlora.config.schema import LoraConfig, RLConfig
@@ -65,6 +67,47 @@ def _molora_lora_message(cfg) -> str:
         return ("lora.init_from loads a PEFT adapter; molora starts its experts fresh: remove lora.init_from "
                 "(continuing from a MoLoRA folder is not supported yet)")
     return f"lora.{key} is not supported with molora: remove lora.{key}"
+
+
+# lora.* keys that lora.init_from does not apply (PEFT loads the adapter with its own), by adapter_config.json's names
+_ADAPTER_KEYS = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "target_modules",
+                 "use_rslora": "use_rslora"}
+
+
+def _adapter_settings(folder: Path) -> dict[str, Any] | None:
+    """The lora.* values recorded in an adapter folder's adapter_config.json (None where it cannot be read)."""
+    try:
+        meta = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    settings = {key: meta.get(name) for key, name in _ADAPTER_KEYS.items()}
+    if isinstance(settings["target_modules"], list):  # PEFT saves all-linear as full module paths: compare the names
+        settings["target_modules"] = {str(name).rpartition(".")[2] for name in settings["target_modules"]}
+    return settings
+
+
+def check_init_from_keys(lora: LoraConfig) -> None:
+    """lora.init_from loads the adapter with its own rank, alpha, dropout, targets and rsLoRA flag: refuse a lora.* key
+    it would silently ignore, set to something other than its default and to something other than the adapter's own
+    value (a config that repeats the adapter's rank is fine). Not a row of the table: it reads the adapter folder,
+    so the recipes call it from their input checks once the folder is known to be an adapter (check_adapter_folder);
+    `rlora eval` of a run whose starting adapter has since moved is not refused."""
+    adapter = _adapter_settings(Path(lora.init_from)) if lora.init_from else None
+    if adapter is None:
+        return
+    defaults = LoraConfig()
+    for key in _ADAPTER_KEYS:
+        value = getattr(lora, key)
+        if value == getattr(defaults, key):
+            continue
+        if key == "target_modules" and isinstance(value, list):
+            value = set(value)
+        if value != adapter[key]:
+            theirs = sorted(adapter[key]) if isinstance(adapter[key], set) else adapter[key]
+            raise UserError(f"lora.init_from loads the adapter with its own rank, alpha and target modules ("
+                            f"{lora.init_from} has {key} {theirs}): remove lora.{key}")
 
 
 def _traits(cfg) -> Traits:
@@ -151,7 +194,10 @@ REFUSALS: tuple[Refusal, ...] = (
             ("train.full_finetune=true", "model.quantization=8bit")),
     # ---- data and batches
     Refusal("data-task-or-path", ("train",), lambda cfg: (cfg.data.task is None) == (cfg.data.path is None),
-            "set exactly one of data.task (a reasoning-gym task) or data.path (a local file)", ("data.path=rows.jsonl",)),
+            # both set is usually data.path given on top of a config with a task (the demo's): say how to unset it
+            lambda cfg: "set exactly one of data.task (a reasoning-gym task) or data.path (a local file)" + (
+                f", not both (data.task=null unsets the task {cfg.data.task}, e.g. the demo's)"
+                if cfg.data.task is not None else ""), ("data.path=rows.jsonl",)),
     Refusal("data-seed-is-eval-seed", ("train",),
             lambda cfg: cfg.data.task is not None and cfg.data.seed == cfg.data.eval_seed,
             "data.seed equals data.eval_seed: the held-out split would repeat the training problems",
@@ -166,7 +212,9 @@ REFUSALS: tuple[Refusal, ...] = (
                         f"train.micro_batch_size={cfg.train.micro_batch_size}",
             ("train.batch_size=6", "train.micro_batch_size=4")),
     Refusal("steps-and-epochs", ("sft",), lambda cfg: cfg.train.epochs is not None and cfg.train.steps is not None,
-            "set train.steps or train.epochs, not both", ("train.steps=3", "train.epochs=1")),
+            # one of the two is often a preset of the config file: null unsets it from the command line
+            "set train.steps or train.epochs, not both (train.epochs=null or train.steps=null unsets one)",
+            ("train.steps=3", "train.epochs=1")),
     Refusal("no-rewards", ("train",), lambda cfg: not cfg.rewards and cfg.env is None,
             "no reward functions: add e.g. `rewards: [{fn: gym}]` to the config", ("rewards=[]",)),
     # ---- environments (multi-turn episodes)

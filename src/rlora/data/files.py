@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rlora.errors import UserError, first_line
@@ -18,11 +19,52 @@ def is_prompt(value) -> bool:
     )
 
 
+def check_data_file(path: str) -> None:
+    """UserError unless `path` is a file. The message names the absolute path looked at: a relative data path is
+    read from the current directory, while reward files (`fn: FILE.py:fn`) are found next to the config file, so
+    a run started from another folder would otherwise name a path that looks right."""
+    file = Path(path)
+    if file.is_file():
+        return
+    where = "" if file.is_absolute() else (" (a relative data path is read from the current directory, not from the "
+                                           "config file's folder: run from the folder it is relative to, or give an "
+                                           "absolute path)")
+    raise UserError(f"data file not found: {file.absolute()}{where}")
+
+
+def _first_bad_json_line(text: str) -> str | None:
+    """`line N: problem` for the first line of JSON Lines text that is not one JSON object (N from 1, as an
+    editor counts, blank lines included; pyarrow's own message counts rows from 0 and skips blank lines)."""
+    # split on newlines only: splitlines() also breaks at U+2028 and the like, which JSON strings may hold
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"line {number}: {err.msg} (column {err.colno})"
+        if not isinstance(row, dict):
+            return f"line {number}: not a JSON object (one {{\"column\": value, ...}} per line)"
+    return None
+
+
+def _json_problem(text: str, suffix: str) -> str | None:
+    """Where a .json/.jsonl file that `datasets` could not read first goes wrong, or None (then its message stands)."""
+    if suffix == ".jsonl":
+        return _first_bad_json_line(text)
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().startswith("{"):  # JSON Lines in a .json file (datasets reads it)
+            return _first_bad_json_line(text)
+        return f"not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
+
+
 def read_table(path: str):
     """A local json/jsonl/parquet/csv file as a `datasets` table with at least one row (else UserError)."""
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"data file not found: {path}")
+    check_data_file(path)
     loader = _LOADERS.get(file.suffix.lower())
     if loader is None:
         raise UserError(f"data file {path}: unsupported extension '{file.suffix}' (use .json, .jsonl, .parquet, .csv)")
@@ -40,7 +82,8 @@ def read_table(path: str):
         table = datasets.load_dataset(loader, data_files=str(file), split="train")
     except Exception as err:  # noqa: BLE001 - any parse failure is a malformed file for the user
         cause = err.__cause__ or err
-        raise UserError(f"could not read data file {path}: {first_line(cause)}") from None
+        problem = _json_problem(text, file.suffix.lower()) if loader == "json" else None
+        raise UserError(f"could not read data file {path}: {problem or first_line(cause)}") from None
     if len(table) == 0:
         raise UserError(f"data file {path} has no rows")
     return table

@@ -35,6 +35,35 @@ def load_prompt_sets(cfg: DataConfig) -> PromptSets:
     return PromptSets(train=train, eval=held_out[: cfg.eval_size])
 
 
+def check_answers(sets: PromptSets, cfg: DataConfig, reward: str) -> None:
+    """A reward that compares completions with each row's `answer` (the built-in `math`) cannot score a row whose
+    answer is null, missing or empty: every sample of it would fail at its step, after the model has loaded. So
+    such rows are refused up front, naming the first one (rows counted from 1, as read_prompt_file counts)."""
+    column = cfg.answer_column or "answer"
+    for path, examples in ((cfg.path, sets.train), (cfg.eval_path, sets.eval)):
+        if examples and all("answer" not in ex.columns for ex in examples):
+            setting = "data.answer_column is null" if cfg.answer_column is None else f"it has no column '{column}'"
+            raise UserError(f"data file {path}: reward '{reward}' compares completions with the answer column, but "
+                            f"{setting}: set data.answer_column to the column holding the reference answers")
+        for number, ex in enumerate(examples, start=1):
+            value = ex.columns.get("answer")
+            if value is None or value != value or (isinstance(value, str) and not value.strip()):  # NaN: a blank cell
+                what = "empty" if isinstance(value, str) else "missing (null)"
+                raise UserError(f"data file {path}, row {number}: column '{column}' is {what}, but reward '{reward}' "
+                                "compares completions with it: fill in the answer or remove the row")
+
+
+def held_out_notice(cfg: DataConfig) -> str | None:
+    """Why a run with eval.before/after on evaluates nothing, or None when it has held-out prompts. A data.path
+    run holds out nothing by itself (every row trains): its held-out set is data.eval_path's first eval_size rows."""
+    if cfg.task is None and cfg.eval_path is None:
+        return ("no held-out evaluation: data.path has no held-out rows (every row trains, and data.eval_size counts "
+                "rows of data.eval_path, which is not set): set data.eval_path to a file of held-out prompts")
+    if cfg.eval_size == 0:
+        return "no held-out evaluation: data.eval_size=0 holds out no prompts: set data.eval_size > 0"
+    return None
+
+
 def _fixed_split(examples: list[Example], cfg: DataConfig) -> PromptSets:
     """A fixed problem set: eval_size problems drawn with eval_seed are held out, the rest (up to train_size,
     in the set's order) train."""

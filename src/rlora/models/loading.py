@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from huggingface_hub import constants, try_to_load_from_cache
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerBase
 
 from rlora.config import LoraConfig, ModelConfig
 from rlora.errors import UserError, first_line
-from rlora.models.embedded import resolve_alias
+from rlora.models.embedded import ALIASES, resolve_alias
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,17 +30,74 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
-def resolve_model_path(name: str) -> str:
-    """Built-in alias -> cached folder; existing local folder -> itself; else a hub id (needs internet)."""
+def resolve_model_path(name: str, option: str = "model.path") -> str:
+    """Built-in alias -> cached folder; existing local folder -> itself; else a hub id (in the local Hugging Face
+    cache, or with the hub reachable). Anything else is refused now: handed to the hub offline, a typo costs a
+    minute of huggingface_hub retries before a generic error. option: what the user set, for the messages."""
     alias_folder = resolve_alias(name)
     if alias_folder is not None:
         return alias_folder
-    if looks_like_local_path(name):
+    # 'mymodels/qwen' with mymodels/ here is a mistyped local path, not the hub id of an org 'mymodels'
+    if looks_like_local_path(name) or Path(name.split("/")[0]).expanduser().is_dir():
         folder = Path(name).expanduser()
+        if not folder.exists():
+            raise UserError(f"{option} '{name}' not found{_close_entries(folder)}")
         if not (folder / "config.json").is_file():
-            raise UserError(f"model.path '{name}' is not a Hugging Face model folder (no config.json there)")
+            raise UserError(f"{option} '{name}' is not a Hugging Face model folder (no config.json there)")
         return str(folder)
+    if "/" not in name:  # a hub id is always 'org/name'
+        close = difflib.get_close_matches(name.lower(), ALIASES, n=1, cutoff=0.6)
+        hint = f": did you mean '{close[0]}'?" if close else ": give a model folder, an alias or a hub id 'org/name'"
+        raise UserError(f"{option} '{name}' is not a local folder or a built-in alias ({', '.join(ALIASES)}){hint}")
+    return _hub_model(name, option)
+
+
+def _close_entries(folder: Path) -> str:
+    """': close entries in PARENT: ...' for a path that does not exist, where its folder holds look-alikes."""
+    parent = folder.parent
+    try:
+        entries = [entry.name for entry in parent.iterdir()] if parent.is_dir() else []
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(folder.name, entries, n=3, cutoff=0.6)
+    return f" (close entries in {parent}/: {', '.join(close)})" if close else ""
+
+
+def _hub_model(name: str, option: str) -> str:
+    """A hub id: itself where it can load (cached, or the hub reachable to fetch or update it); the cached snapshot
+    folder when the hub is not reachable (a hub id makes transformers retry the network first)."""
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError as err:  # HFValidationError: not a valid repo id ('a b/c', '-x/y', ...)
+        raise UserError(f"{option} '{name}' is not a local folder or a valid hub id ({first_line(err)})") from None
+    offline = constants.is_offline_mode()
+    if isinstance(cached, str):
+        return str(Path(cached).parent) if offline or not hub_reachable() else name
+    if offline or not hub_reachable():
+        host = urlparse(constants.ENDPOINT).hostname
+        why = "HF_HUB_OFFLINE is set" if offline else f"{host} is not reachable"
+        raise UserError(f"{option} '{name}' is not a local folder, not a built-in alias ({', '.join(ALIASES)}), not in "
+                        f"the local Hugging Face cache, and {why}: give a local model folder")
     return name
+
+
+@functools.lru_cache(maxsize=1)  # a run resolves its model more than once: one probe per process
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub (HF_ENDPOINT) opens within timeout_s. In a thread: name resolution
+    has no timeout of its own and can hang where there is no network."""
+    url = urlparse(constants.ENDPOINT)
+    address = (url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443))
+    opened = threading.Event()
+
+    def probe() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
+            opened.set()
+        except OSError:
+            pass
+
+    threading.Thread(target=probe, daemon=True).start()
+    return opened.wait(timeout_s)
 
 
 @dataclass
@@ -115,6 +178,12 @@ def load_base_model(cfg: ModelConfig, path: str, place: bool = True) -> torch.nn
         model.to(device)
     model.requires_grad_(False)
     return model
+
+
+def max_positions(path: str, trust_remote_code: bool = False) -> int | None:
+    """The model config's max_position_embeddings (None where it states none), read without loading the weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
+    return getattr(config, "max_position_embeddings", None)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -52,6 +52,11 @@ def is_molora_folder(folder: str) -> bool:
 
 def check_lora_folder(folder: str) -> None:
     """A LoRA adapter folder, or a MoLoRA folder (its description checked)."""
+    path = Path(folder)
+    if not path.exists():
+        raise UserError(f"--adapter '{folder}' not found")
+    if not (path / "adapter_config.json").is_file() and not is_molora_folder(folder):
+        _refuse_run_folder(path)
     if is_molora_folder(folder):
         ml.read_molora_meta(folder)
         return
@@ -59,6 +64,21 @@ def check_lora_folder(folder: str) -> None:
     kind = _adapter_config(folder).get("peft_type")
     if kind != "LORA":
         raise UserError(f"--adapter '{folder}' is a {kind} adapter: rlora loads LoRA adapters only")
+
+
+def _refuse_run_folder(run: Path) -> None:
+    """The output folder of `rlora train` holds its adapter (or each policy's) a level down: name the one to give,
+    rather than only that this folder is not an adapter."""
+    if _is_adapter(run / "adapter"):
+        raise UserError(f"--adapter '{run}' is a run folder: give its adapter, --adapter {run / 'adapter'}")
+    policies = sorted(p for p in (run / "policies").glob("*/adapter") if _is_adapter(p))
+    if policies:
+        raise UserError(f"--adapter '{run}' is a run of several policies: give each policy's adapter, e.g. "
+                        f"--adapter {policies[0].parent.name}={policies[0]}")
+
+
+def _is_adapter(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file() or is_molora_folder(str(folder))
 
 
 def recorded_base(folder: str) -> str | None:

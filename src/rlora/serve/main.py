@@ -54,7 +54,7 @@ def check_port_free(host: str, port: int) -> None:
 def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: str = "float32",
           max_body: int = MAX_BODY) -> tuple[FastAPI, Served]:
     """The app serving `model` (a folder or an rlora alias), its state under `state_dir`."""
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, "--model")
     if not Path(path).is_dir():
         raise UserError(f"--model '{model}' is not a model folder here or an rlora alias (rlora serve runs offline: "
                         "no model hub)")

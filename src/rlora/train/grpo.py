@@ -147,7 +147,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
                 update(step + 1, progress_line(last, s.policies))
                 out_of_time = bool(cfg.train.max_time_s) and time.perf_counter() - t0 >= cfg.train.max_time_s
                 if all_reduce_sums(world, [float(out_of_time)])[0]:  # every rank stops after the same step
-                    info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} steps")
+                    info(f"train.max_time_s={cfg.train.max_time_s} reached after {step + 1} "
+                         f"step{'s' if step else ''}")
                     break
     sinks.close()
     save_final(s)

@@ -147,6 +147,8 @@ def check_same_run(cfg, folder: Path) -> dict:
         then, now = saved.get(section), current.get(section)
         if field:
             then, now = (then or {}).get(field), (now or {}).get(field)
+        if section == "data" and not field:
+            then, now = _used_data_settings(then), _used_data_settings(now)
         if then != now:
             where = _first_difference(then, now, key)
             raise UserError(f"train.resume: checkpoint {folder} was made with a different {where}: resume with the "
@@ -155,6 +157,14 @@ def check_same_run(cfg, folder: Path) -> dict:
     if state["step"] > cfg.train.steps:
         raise UserError(f"train.resume: checkpoint is at step {state['step']}, beyond train.steps={cfg.train.steps}")
     return state
+
+
+def _used_data_settings(data: dict | None) -> dict | None:
+    """The data section without eval_size where it selects nothing (a data.path run without data.eval_path has no
+    held-out prompts to count), so that changing it does not refuse a resume."""
+    if not data or data.get("path") is None or data.get("eval_path") is not None:
+        return data
+    return {key: value for key, value in data.items() if key != "eval_size"}
 
 
 def saved_setting(folder: Path, section: str, key: str):

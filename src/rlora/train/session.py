@@ -7,6 +7,7 @@ Session the recipe (train/grpo.py) and the steps (train/step.py, train/ppo_step.
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,27 +16,29 @@ import numpy as np
 import torch
 
 from rlora.algos.registry import Algorithm, get_algorithm
-from rlora.config import RLConfig, apply_presets, check_config, check_launch
-from rlora.data.prompts import PromptSets, load_prompt_sets, render_prompt
+from rlora.config import RLConfig, apply_presets, check_config, check_init_from_keys, check_launch
+from rlora.data.files import check_data_file
+from rlora.data.prompts import PromptSets, check_answers, held_out_notice, load_prompt_sets, render_prompt
 from rlora.data.tasks import check_task
 from rlora.envs.registry import EnvFactory, env_factory
 from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.train.sinks import check_sinks
-from rlora.train.sources import RolloutSource, episode_renderer, longest_context, rollout_source
+from rlora.train.sources import RolloutSource, check_context, episode_renderer, longest_context, rollout_source
 from rlora.machine import fast_fp16_weights, native_half
 from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model, load_tokenizer,
-    model_device, quantization_config, resolve_device, resolve_model_path,
+    max_positions, model_device, quantization_config, resolve_device, resolve_model_path,
 )
 from rlora.models.multi_lora import attach_policies
 from rlora.models.packed_groups import set_group_packing
 from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.models.value_model import Critic, attach_critic
 from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
+from rlora.rewards.builtin import BUILTIN_REWARDS
 from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
@@ -95,18 +98,24 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
     resume_from = find_checkpoint(cfg)
-    resolve_machine_settings(cfg, world, resume_from)
     if resume_from is None or not run_dir.holds_checkpoint(resume_from):
         on_rank_zero(world, run_dir.check_writable)
-    if resume_from is not None:
-        check_same_run(cfg, resume_from)  # fail before the model loads
-        if cfg.algo.replay.enabled:
-            check_replay_ranks(resume_from, world.size)
     check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
+        check_init_from_keys(cfg.lora)
     rewards = check_data_and_rewards(cfg)
     make_env = env_factory(cfg.env) if cfg.env is not None else None  # a bad env fails before the model loads
+    # after the checks above, so that their errors are the only line a bad input prints (these say what `auto` chose,
+    # and that eval.before/after will find no held-out prompts: train/grpo.py then skips them)
+    notice = held_out_notice(cfg.data) if cfg.eval.before or cfg.eval.after else None
+    if notice and world.is_main:
+        info(notice)
+    resolve_machine_settings(cfg, world, resume_from)
+    if resume_from is not None:
+        check_same_run(cfg, resume_from)  # fail before the model loads (the resolved settings compared too)
+        if cfg.algo.replay.enabled:
+            check_replay_ranks(resume_from, world.size)
     return run_dir, rewards, resume_from, make_env
 
 
@@ -174,14 +183,20 @@ def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
     if cfg.data.task is not None:
         check_task(cfg.data.task, cfg.data.task_args)
     for path in (cfg.data.path, cfg.data.eval_path):
-        if path is not None and not Path(path).is_file():
-            raise UserError(f"data file not found: {path}")
+        if path is not None:
+            check_data_file(path)
     quantization_config(cfg.model)  # bitsandbytes missing: say so before loading anything
     resolve_device(cfg.model.device)  # a GPU asked for but absent: say so before loading anything
     if cfg.data.task == "humaneval" and any(spec.fn == "gym" for spec in cfg.rewards):
         raise UserError("task 'humaneval' is scored by running its tests: use rewards: [{fn: code}] instead of gym")
     rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
     check_reward_adapters(rewards, cfg.model.path)
+    # built-in rewards whose signature takes `answer` (math) fail every sample of a row without one, at its step:
+    # such rows are refused now. Other rewards (format, a user's function) may not use the answer at all.
+    needs_answer = [spec.fn for spec in cfg.rewards if spec.fn in BUILTIN_REWARDS
+                    and "answer" in inspect.signature(BUILTIN_REWARDS[spec.fn]).parameters]
+    if cfg.data.path is not None and needs_answer:
+        check_answers(load_prompt_sets(cfg.data), cfg.data, needs_answer[0])
     return rewards
 
 
@@ -194,6 +209,12 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     renderer = episode_renderer(tokenizer, make_env) if make_env is not None else None  # before the model loads
+
+    def ids(examples: list[Example]) -> list[list[int]]:
+        return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
+
+    train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
+    check_context(cfg, renderer, train_ids + eval_ids, max_positions(model_path, cfg.model.trust_remote_code))
     base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp)  # fsdp: placed layer by layer
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)
@@ -210,10 +231,6 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     model.train()
     sharded = shard_base(model, world, resolve_device(cfg.model.device), cfg.train.fsdp_gather) if cfg.train.fsdp else None
 
-    def ids(examples: list[Example]) -> list[list[int]]:
-        return [render_prompt(tokenizer, ex, cfg.data.system_prompt, cfg.data.use_chat_template) for ex in examples]
-
-    train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
     longest = longest_context(cfg, renderer, train_ids + eval_ids)
     generator = build_generator(cfg.rollout, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
     eval_generator = generator

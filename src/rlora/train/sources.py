@@ -12,6 +12,7 @@ import torch
 
 from rlora.data.prompts import prompt_text
 from rlora.config import RLConfig
+from rlora.errors import UserError
 from rlora.envs.episodes import EpisodeLimits, EpisodeRunner
 from rlora.envs.protocol import Environment
 from rlora.envs.registry import EnvFactory
@@ -144,6 +145,29 @@ def longest_context(cfg: RLConfig, renderer: EpisodeRenderer | None, prompt_ids:
         return prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
     described = len(renderer.first_prompt([{"role": "user", "content": ""}]))  # the template's and the tools' share
     return prompt + described + cfg.env.max_total_tokens
+
+
+def check_context(cfg: RLConfig, renderer: EpisodeRenderer | None, prompt_ids: list[list[int]],
+                  max_positions: int | None) -> None:
+    """Refuse, before the model loads, a completion budget that cannot fit the model's positions with the longest
+    prompt: past them the model is out of its trained range, and the sampler's KV cache, sized for the budget, may
+    take all the memory first (a one-line error instead of a run killed for memory). max_positions: the model
+    config's max_position_embeddings (None: not stated, nothing to check)."""
+    if not max_positions or not prompt_ids:
+        return
+    need = longest_context(cfg, renderer, prompt_ids)
+    if need <= max_positions:
+        return
+    if renderer is not None:
+        key, budget = "env.max_total_tokens", cfg.env.max_total_tokens
+    elif (cfg.eval.max_new_tokens or 0) > cfg.rollout.max_new_tokens:
+        key, budget = "eval.max_new_tokens", cfg.eval.max_new_tokens
+    else:
+        key, budget = "rollout.max_new_tokens", cfg.rollout.max_new_tokens
+    room = max_positions - (need - budget)
+    fix = f"set {key} <= {room}" if room > 0 else "shorten the prompts"
+    raise UserError(f"{key}={budget} does not fit the model's {max_positions} positions after the longest prompt "
+                    f"({need - budget} tokens): {fix}")
 
 
 def rollout_source(cfg: RLConfig, generator: Generator, tok: TokenizerInfo, rewards: list[RewardFn],

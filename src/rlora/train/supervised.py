@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from rlora.config import check_config, check_launch
-from rlora.errors import UserError
+from rlora.config import check_config, check_init_from_keys, check_launch
+from rlora.data.files import check_data_file
 from rlora.logging.console import progress_bar
 from rlora.models.loading import check_adapter_folder, quantization_config, resolve_device
 from rlora.train.distributed import World, on_rank_zero
@@ -25,12 +24,13 @@ def check_inputs(cfg, command: str = "sft", world: World = World()) -> RunDir:
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
     on_rank_zero(world, run_dir.check_writable)
     for path in (cfg.data.path, cfg.data.eval_path):
-        if path is not None and not Path(path).is_file():
-            raise UserError(f"data file not found: {path}")
+        if path is not None:
+            check_data_file(path)
     quantization_config(cfg.model)
     resolve_device(cfg.model.device)  # a GPU asked for but absent: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
+        check_init_from_keys(cfg.lora)
     return run_dir
 
 

@@ -12,6 +12,9 @@ The -chunks sides decode fixed chunks of --max-rows rows (the next chunk starts 
 ends), the others refill a slot as soon as its rows end (continuous batching). It also prints the lock-step
 occupancy of one chunk of all rows, tokens / (rows x longest row): the share of a fixed-shape step's rows
 doing useful work when nothing refills them.
+builtin-compiled: the fixed-shape (static) step compiled with torch.compile (inductor, static shapes), warmed
+up on the measured call's own shapes (the compile time is printed, not counted): what a compiled graph would
+save per step on a CPU, where CUDA graphs do not exist.
 The adapter is LoRA r16/alpha32 on all linear layers with random non-zero B, so it changes the outputs.
 """
 
@@ -28,6 +31,7 @@ from bench_common import model_folder, random_up_factors, task_rows
 from rlora.logging.console import quiet_libraries
 from rlora.config import LoraConfig, ModelConfig
 from rlora.models.loading import add_model_eos_ids, attach_lora, load_base_model, load_tokenizer
+from rlora.rollout import graphed
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.rollout.packed import packed_fp16_available
@@ -43,6 +47,23 @@ def build(model_name: str, dtype: str):
     random_up_factors(model, seed=0)
     model.eval()
     return tokenizer, tok, model
+
+
+class CompiledStaticGenerator(BuiltinGenerator):
+    """The static decode step under torch.compile (a benchmark side, not an engine option: compiling a 30-layer
+    step took minutes of a 2-core CPU, and every new prompt width or row count compiles again)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs, decode="static")
+        self.compiled = torch.compile(graphed.static_decode_step, dynamic=False)
+
+    def sample(self, *args, **kwargs):
+        eager_step = graphed.static_decode_step
+        graphed.static_decode_step = self.compiled
+        try:
+            return super().sample(*args, **kwargs)
+        finally:
+            graphed.static_decode_step = eager_step
 
 
 def copy_bandwidth_gbs(device: torch.device, gib: float = 1.0, repeats: int = 10) -> float:
@@ -90,7 +111,7 @@ def main() -> int:
     parser.add_argument("--max-rows", type=int, default=None,
                         help="rows the built-in sides decode together (default: the engine's own limit)")
     parser.add_argument("--sides", default="builtin,builtin-bf16,hf",
-                        help="comma-separated subset of builtin, builtin-eager, builtin-static, builtin-chunks and "
+                        help="comma-separated subset of builtin, builtin-eager, builtin-static, builtin-compiled, builtin-chunks and "
                         "builtin-static-chunks (fixed chunks of --max-rows rows instead of continuous batching), "
                         "builtin-unmerged, builtin-bf16, "
                         "builtin-fp16w (float32 compute from float16 base weights, x86 CPUs), hf")
@@ -116,6 +137,7 @@ def main() -> int:
         "builtin": BuiltinGenerator(**ours, merge=True),  # GPU: CUDA graphs
         "builtin-eager": BuiltinGenerator(**ours, merge=True, decode="eager"),
         "builtin-static": BuiltinGenerator(**ours, merge=True, decode="static"),
+        "builtin-compiled": CompiledStaticGenerator(**ours, merge=True),
         "builtin-chunks": BuiltinGenerator(**ours, merge=True, continuous=False),
         "builtin-static-chunks": BuiltinGenerator(**ours, merge=True, decode="static", continuous=False),
         "builtin-unmerged": BuiltinGenerator(**ours, merge=False),
@@ -134,6 +156,11 @@ def main() -> int:
     times = {name: [] for name in sides}
     tokens = {name: [] for name in sides}
     for name, gen in sides.items():  # warm-up, not counted
+        if isinstance(gen, CompiledStaticGenerator):  # compiles for the measured call's shapes
+            start = time.perf_counter()
+            gen.sample(model, prompts, args.G, params, seed=0)
+            print(f"{name}: compiled in {time.perf_counter() - start:.1f} s (warm-up, not counted)")
+            continue
         gen.sample(model, prompts[:1], 2, SamplingParams(max_new_tokens=4), seed=0)
     for repeat in range(args.repeats):
         for name, gen in sides.items():

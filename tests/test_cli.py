@@ -260,10 +260,24 @@ def test_truncated_adapter_file_and_adapter_for_another_base(tiny_model_dir, pro
         assert code == 2 and "is damaged" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_bad_data_file_under_the_demo_config_prints_one_line(tmp_path, capsys):
-    """The demo resolves `auto` settings and says what it chose, but only after the inputs' checks: a bad input
-    prints its error and nothing else."""
-    code, err = run_cli(["train", "data.task=null", f"data.path={tmp_path / 'no.jsonl'}",
-                         f"train.output_dir={tmp_path / 'o'}"], capsys)
+@pytest.mark.parametrize("bad, message", [
+    ({"data.path": "no.jsonl"}, "data file not found"),
+    ({"model.path": "tiny-modle"}, "is not a local folder or a built-in alias"),
+    ({"rollout.max_new_tokens": 5000}, "rollout.max_new_tokens=5000 does not fit"),
+])
+def test_a_bad_input_under_auto_settings_prints_one_line(bad, message, tiny_model_dir, prompts_file, tmp_path, capsys):
+    """`auto` settings say what they chose, but only once every input check has passed (the model path and the
+    completion budget are checked after the tokenizer loads): a bad input prints its error and nothing else."""
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **{"rollout.sampler_dtype": "auto",
+                                                                               "algo.sampler_is_cap": 2.0, **bad})
+    code, err = run_cli(["train", *args], capsys)
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("rlora: error: data file not found"), err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("rlora: error:") and message in lines[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_auto_settings_are_announced_once_the_inputs_pass(tiny_model_dir, prompts_file, tmp_path, capsys):
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **{"rollout.sampler_dtype": "auto",
+                                                                               "train.steps": 1, "eval.before": "false"})
+    code, err = run_cli(["train", *args], capsys)
+    assert code == 0 and err.count("rollout.sampler_dtype=auto ->") == 1, err

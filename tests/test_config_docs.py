@@ -155,6 +155,6 @@ def test_qwen_configs_pass_the_checks_before_model_loading(name, tmp_path):
     check_task(cfg.data.task, cfg.data.task_args)
     assert "gym" in [spec.fn for spec in cfg.rewards]
     # everything rlora validates without a model (task, reward functions, output folder); loads no model
-    run_dir, rewards, resume_from, _ = check_inputs(cfg)
+    run_dir, rewards, resume_from, _, _ = check_inputs(cfg)
     assert len(rewards) == len(cfg.rewards) and resume_from is None
     assert not (tmp_path / "run").exists()

@@ -130,10 +130,8 @@ def test_rows_without_an_answer_are_fine_for_rewards_that_do_not_compare_with_it
 
 def test_a_run_without_held_out_prompts_says_so(tiny_model_dir, prompts_file, tmp_path, capsys):
     def notice(**extra):
-        capsys.readouterr()
         cfg = load_config(None, tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), **extra))
-        check_inputs(cfg)
-        return " ".join(capsys.readouterr().err.split())  # the console wraps long lines at its width
+        return " ".join(check_inputs(cfg).notices)  # printed once the model path and context checks have passed
 
     assert "no held-out evaluation" not in notice()  # data.eval_path set: its first eval_size rows
     # data.path alone trains on every row: eval.before/after have nothing to evaluate, and eval_size counts nothing

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[RewardFn], Path | None, EnvFactory | None]:
+class CheckedInputs(NamedTuple):
+    run_dir: RunDir
+    rewards: list[RewardFn]
+    resume_from: Path | None
+    make_env: EnvFactory | None
+    notices: list[str]  # what `auto` chose, a missing held-out set: printed once the last input check has passed
+
+
+def check_inputs(cfg: RLConfig, world: World = World()) -> CheckedInputs:
     """Everything that can be checked without loading the model, so bad input fails in a second."""
     # load_config did the first two; a config built in Python (RLConfig(...)) gets them here (both are idempotent)
     apply_presets(cfg)
@@ -106,26 +115,28 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> tuple[RunDir, list[Re
         check_init_from_keys(cfg.lora)
     rewards = check_data_and_rewards(cfg)
     make_env = env_factory(cfg.env) if cfg.env is not None else None  # a bad env fails before the model loads
-    # after the checks above, so that their errors are the only line a bad input prints (these say what `auto` chose,
-    # and that eval.before/after will find no held-out prompts: train/grpo.py then skips them)
-    notice = held_out_notice(cfg.data) if cfg.eval.before or cfg.eval.after else None
-    if notice and world.is_main:
-        info(notice)
-    resolve_machine_settings(cfg, world, resume_from)
+    # eval.before/after with no held-out prompts: train/grpo.py skips them, the notice says why
+    notices = [notice] if (cfg.eval.before or cfg.eval.after) and (notice := held_out_notice(cfg.data)) else []
+    notices += resolve_machine_settings(cfg, world, resume_from, announce=False)
     if resume_from is not None:
         check_same_run(cfg, resume_from)  # fail before the model loads (the resolved settings compared too)
         if cfg.algo.replay.enabled:
             check_replay_ranks(resume_from, world.size)
-    return run_dir, rewards, resume_from, make_env
+    return CheckedInputs(run_dir, rewards, resume_from, make_env, notices)
 
 
-def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from: Path | None = None) -> None:
-    """`auto` settings -> what this machine runs fastest (rlora.machine), printed once; config.yaml and the
-    checkpoints then hold the chosen value. A resumed run keeps its checkpoint's choice (the samples depend on
-    it), and rank 0 decides for every rank (ranks on other CPUs must still sample alike)."""
-    _resolve_autocast(cfg, world, resume_from)
+def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from: Path | None = None,
+                             announce: bool = True) -> list[str]:
+    """`auto` settings -> what this machine runs fastest (rlora.machine); config.yaml and the checkpoints then hold
+    the chosen value. A resumed run keeps its checkpoint's choice (the samples depend on it), and rank 0 decides for
+    every rank (ranks on other CPUs must still sample alike). -> the lines that say what was chosen (rank 0's;
+    printed now if announce, else by the caller once its input checks have passed)."""
+    notices = [line for line in [_resolve_autocast(cfg, world, resume_from)] if line]
+    if announce and world.is_main:
+        for line in notices:
+            info(line)
     if cfg.rollout.sampler_dtype != "auto":
-        return
+        return notices
     if resume_from is not None:
         # every checkpoint's config names its sampler dtype (the key predates `auto`, which it never holds)
         chosen, why = saved_setting(resume_from, "rollout", "sampler_dtype") or "model", "the checkpoint's"
@@ -137,15 +148,17 @@ def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from:
         chosen, why = _fastest_sampler(cfg, resolve_device(cfg.model.device))
     chosen, why = gather_objects(world, (chosen, why))[0]
     cfg.rollout.sampler_dtype = chosen
-    if world.is_main:
-        info(f"rollout.sampler_dtype=auto -> {chosen} ({why})")
+    line = f"rollout.sampler_dtype=auto -> {chosen} ({why})"
+    if announce and world.is_main:
+        info(line)
+    return notices + ([line] if world.is_main else [])
 
 
-def _resolve_autocast(cfg: RLConfig, world: World, resume_from: Path | None) -> None:
+def _resolve_autocast(cfg: RLConfig, world: World, resume_from: Path | None) -> str | None:
     """train.autocast=auto -> bfloat16 for a bfloat16 model where the device computes bf16 natively (elsewhere bf16
     arithmetic is emulated: slower), else off; a resumed run keeps its checkpoint's (a run before the key: off)."""
     if cfg.train.autocast != "auto":
-        return
+        return None
     if resume_from is not None:
         chosen, why = saved_setting(resume_from, "train", "autocast") or "off", "the checkpoint's"
     elif cfg.model.dtype != "bfloat16":
@@ -160,7 +173,8 @@ def _resolve_autocast(cfg: RLConfig, world: World, resume_from: Path | None) -> 
     cfg.train.autocast = chosen
     # a float32/float16 model leaves nothing to decide: say so only where the choice depended on the device or run
     if world.is_main and (cfg.model.dtype == "bfloat16" or resume_from is not None):
-        info(f"train.autocast=auto -> {chosen} ({why})")
+        return f"train.autocast=auto -> {chosen} ({why})"
+    return None
 
 
 def _fastest_sampler(cfg: RLConfig, device) -> tuple[str, str]:
@@ -201,12 +215,12 @@ def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
 
 
 def prepare(cfg: RLConfig, world: World = World()) -> Session:
-    run_dir, rewards, resume_from, make_env = check_inputs(cfg, world)
+    run_dir, rewards, resume_from, make_env, notices = check_inputs(cfg, world)
+    model_path = resolve_model_path(cfg.model.path)  # a typo or an unreachable hub: before the notices too
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     prompts = load_prompt_sets(cfg.data)
-    model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     renderer = episode_renderer(tokenizer, make_env) if make_env is not None else None  # before the model loads
 
@@ -215,6 +229,8 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
 
     train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
     check_context(cfg, renderer, train_ids + eval_ids, max_positions(model_path, cfg.model.trust_remote_code))
+    for line in notices if world.is_main else []:  # every input check has passed: say what `auto` chose
+        info(line)
     base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp)  # fsdp: placed layer by layer
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)

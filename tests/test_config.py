@@ -35,7 +35,8 @@ def test_resolved_config_round_trips(tmp_path):
     (["train.micro_batch_size=5"], "not divisible by train.micro_batch_size = 5"),
     (["data.path=x.jsonl"], "set exactly one of data.task"),
     (["data.eval_seed=0"], "held-out split would repeat"),
-    (["rewards=[]"], "no reward functions"),
+    (["rewards=[]"], "no reward functions: add e.g. `rewards: [{fn: gym}]`"),
+    (["rewards=[]", "data.task=null", "data.path=x.jsonl"], "no reward functions: add e.g. `rewards: [{fn: math}]`"),
     (["algo.name=grpp"], "did you mean 'grpo'"),
     (["rollout.num_generations=0"], "invalid value for rollout.num_generations"),
     (["rollout.num_generations=1", "train.micro_batch_size=2"], "rollout.num_generations=1 gives grpo no group"),
@@ -56,8 +57,11 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 
 
 def test_missing_and_non_mapping_config(tmp_path):
-    with pytest.raises(UserError, match="config file not found"):
+    with pytest.raises(UserError, match="config file not found") as missing:
         load_config(str(tmp_path / "nope.yaml"))
+    assert "KEY=VALUE" not in str(missing.value)
+    with pytest.raises(UserError, match=r"^config file not found: train.steps \(an override needs KEY=VALUE, "):
+        load_config("train.steps")  # `rlora train train.steps`: the '=' forgotten
     path = tmp_path / "list.yaml"
     path.write_text("- a\n- b\n")
     with pytest.raises(UserError, match="must be a mapping"):

@@ -84,7 +84,10 @@ def test_ppo_trains_on_episodes(tiny_model_dir, prompts_file, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("env, message", [
-    ("{fn: no_such_env}", "env fn 'no_such_env' is neither"),
+    ("{fn: no_such_env}", "env fn 'no_such_env' is not a built-in environment (calculator, tools, textarena): or give"),
+    ("{fn: calculater}", "env fn 'calculater' is not a built-in environment (calculator, tools, textarena): did you mean "
+                         "'calculator'?"),
+    ("{fn: no_module.no_such_env}", "env fn 'no_module.no_such_env'"),
     ("{fn: tools, args: {tools: [envs_for_tests.no_docstring]}}", "tool 'no_docstring' has no docstring"),
     ("{fn: tools, args: {tools: [envs_for_tests.nothing_here]}}", "has no function 'nothing_here'"),
     ("{fn: calculator, max_turns: 0}", "env.max_turns"),

@@ -89,7 +89,10 @@ def _read_yaml(path: str | None) -> dict[str, Any]:
     else:
         file = Path(path)
         if not file.is_file():
-            raise UserError(f"config file not found: {path}")
+            # `rlora train train.steps` (the '=' forgotten) reads as a config file's name
+            looks_like_key = "." in path and not path.endswith((".yaml", ".yml")) and "/" not in path
+            hint = f" (an override needs KEY=VALUE, e.g. {path}=...)" if looks_like_key else ""
+            raise UserError(f"config file not found: {path}{hint}")
         try:
             text = file.read_text(encoding="utf-8")
         except UnicodeDecodeError:

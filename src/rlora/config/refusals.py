@@ -216,7 +216,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "set train.steps or train.epochs, not both (train.epochs=null or train.steps=null unsets one)",
             ("train.steps=3", "train.epochs=1")),
     Refusal("no-rewards", ("train",), lambda cfg: not cfg.rewards and cfg.env is None,
-            "no reward functions: add e.g. `rewards: [{fn: gym}]` to the config", ("rewards=[]",)),
+            # gym scores a reasoning-gym task; a data file's rows are scored against their answer column
+            lambda cfg: "no reward functions: add e.g. `rewards: [{fn: %s}]` to the config"
+                        % ("gym" if cfg.data.task is not None else "math"), ("rewards=[]",)),
     # ---- environments (multi-turn episodes)
     Refusal("env-molora", ("train",), lambda cfg: cfg.env is not None and cfg.molora is not None,
             "molora routes by the prompt, which an episode extends turn by turn: train a LoRA policy with env",

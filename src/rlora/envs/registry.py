@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,13 @@ BUILTIN_ENVS: dict[str, Callable[..., Environment]] = {
 def env_factory(spec: EnvConfig) -> EnvFactory:
     """A function that makes one fresh environment per episode. It is called once here, so that a bad factory or
     bad arguments (an unknown tool, a tool without a docstring) fail before any model loads."""
-    make = BUILTIN_ENVS.get(spec.fn) or import_callable(spec.fn, kind="env fn")
+    make = BUILTIN_ENVS.get(spec.fn)
+    if make is None and "." not in spec.fn and ":" not in spec.fn:  # a bare name: a built-in, misspelt
+        close = difflib.get_close_matches(spec.fn, BUILTIN_ENVS, n=1)
+        hint = f"did you mean '{close[0]}'? Or" if close else "or"
+        raise UserError(f"env fn '{spec.fn}' is not a built-in environment ({', '.join(BUILTIN_ENVS)}): {hint} give "
+                        "module.function or FILE.py:function")
+    make = make or import_callable(spec.fn, kind="env fn")
     args = dict(spec.args)
 
     def factory() -> Environment:

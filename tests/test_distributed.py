@@ -231,6 +231,7 @@ def test_rm_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
             assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6) and a["eval_accuracy"] == b["eval_accuracy"]
 
 
+@pytest.mark.slow  # 62 s: three torchrun launches; the default suite keeps rlora rm's (the same supervised step loop)
 def test_sft_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     """rlora sft on 2 ranks: each trains half of every length-sorted batch (one micro-batch each, as the one
     process splits it), the target count and gradients summed: the adapter, losses, token counts and held-out

@@ -157,6 +157,7 @@ def test_an_adapter_outside_the_decoder_layers_is_refused_on_the_model(tiny_mode
         mlr.attach_policies(base, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]), ["a", "b"], [1, 2])
 
 
+@pytest.mark.slow  # 46 s: the default suite keeps the policies on 2 data-parallel ranks in tests/test_fsdp.py
 def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path):
     """torchrun with 2 ranks x 3 policies against 1 rank: each rank samples and trains its share of the step's
     prompts for every policy, and each policy's metrics are merged over the ranks. One micro-batch per group (see

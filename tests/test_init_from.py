@@ -123,3 +123,15 @@ def test_rm_starts_from_init_from(tiny_model_dir, init_adapter, tmp_path, capsys
     assert _distance(init_adapter, runs["fresh"] / "reward_model") > 1e-2
     [started], [fresh] = _rows(runs["init"]), _rows(runs["fresh"])
     assert abs(started["loss"] - fresh["loss"]) > 1e-4, (started["loss"], fresh["loss"])  # 0.88 and 0.66 that day
+
+
+def test_a_missing_init_from_folder_says_not_found(tiny_model_dir, prompts_file, tmp_path, capsys):
+    from conftest import tiny_overrides
+    from rlora.cli import main
+
+    missing = tmp_path / "run" / "adapter"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"),
+                                          **{"lora.init_from": str(missing)})]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"rlora: error: lora.init_from '{missing}' not found", err
+    assert not (tmp_path / "o").exists()

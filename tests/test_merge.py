@@ -44,7 +44,7 @@ def test_merge_bad_input_is_one_line(adapter_dir, tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     cases = [
-        (["merge", str(tmp_path / "nope"), "-o", str(tmp_path / "o1")], "is not a PEFT adapter folder"),
+        (["merge", str(tmp_path / "nope"), "-o", str(tmp_path / "o1")], "nope' not found"),
         (["merge", str(folder), "-o", str(out)], "already holds files"),
         (["merge", str(folder), "-o", str(tmp_path / "o2"), "--base",
           str(build_random_model(tmp_path / "other", family="qwen2", hidden=96, seed=2))], "does not fit model"),

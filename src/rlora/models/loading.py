@@ -214,6 +214,8 @@ def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):
 
 def check_adapter_folder(folder: str, key: str = "lora.init_from") -> None:
     path = Path(folder)
+    if not path.exists():  # a typo, or a run that has not written its adapter yet: say that, not "not an adapter"
+        raise UserError(f"{key} '{folder}' not found")
     if not (path / "adapter_config.json").is_file():
         raise UserError(f"{key} '{folder}' is not a PEFT adapter folder (no adapter_config.json)")
     try:

@@ -10,7 +10,7 @@ from rlora.data.prompts import PromptOrder, load_prompt_sets, render_prompt
 from rlora.data.tasks import check_task
 from rlora.errors import UserError
 from rlora.models.tiny import build_tokenizer
-from rlora.train.session import check_data_and_rewards, check_inputs
+from rlora.train.session import check_data_and_rewards, check_inputs, check_rows_answered
 from rlora.types import Example
 
 ROWS = [{"question": "1 + 1 =", "answer": "2", "level": 1}, {"question": "2 + 2 =", "answer": "4", "level": 2}]
@@ -112,19 +112,20 @@ def test_rows_without_an_answer_are_refused_before_the_model_loads(tiny_model_di
                 "data.answer_column": column, "rewards": "[{fn: math}]", setting: path}))
             _rows_file(tmp_path, [{"prompt": "a", column: "1"}], name="ok.jsonl")
             with pytest.raises(UserError, match=rf"data file {path}, {message}"):
-                check_data_and_rewards(cfg)
+                check_rows_answered(cfg, load_prompt_sets(cfg.data))
     no_column = _rows_file(tmp_path, [{"prompt": "a"}], name="plain.jsonl")
     for answer_column, message in [("answer", "it has no column 'answer'"), ("null", "data.answer_column is null")]:
         cfg = load_config(None, tiny_overrides(tiny_model_dir, no_column, str(tmp_path / "o"), **{
             "rewards": "[{fn: math}]", "data.answer_column": answer_column}))
         with pytest.raises(UserError, match=rf"reward 'math' compares completions with the answer column, but {message}"):
-            check_data_and_rewards(cfg)
+            check_rows_answered(cfg, load_prompt_sets(cfg.data))
 
 
 def test_rows_without_an_answer_are_fine_for_rewards_that_do_not_compare_with_it(tiny_model_dir, tmp_path):
     rows = _rows_file(tmp_path, [{"prompt": "a", "answer": None}, {"prompt": "b"}])
     for rewards in ("[{fn: rewards_for_tests.count_a}]", "[{fn: format}]"):
         cfg = load_config(None, tiny_overrides(tiny_model_dir, rows, str(tmp_path / "o"), rewards=rewards))
+        check_rows_answered(cfg, load_prompt_sets(cfg.data))  # no error: these rewards read no answer
         assert len(check_data_and_rewards(cfg)) == 1
 
 

@@ -28,7 +28,7 @@ from rlora.rollout.backends import build_generator
 from rlora.envs.registry import env_factory
 from rlora.train.evaluate import eval_sampling, evaluate
 from rlora.train.sources import check_context, episode_renderer, longest_context, rollout_source
-from rlora.train.session import check_data_and_rewards, seed_everything
+from rlora.train.session import check_data_and_rewards, check_rows_answered, seed_everything
 from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
 from rlora.train.policies import POLICIES_FOLDER
 
@@ -127,7 +127,9 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     check_reward_adapters_fit(rewards, candidates)
     folder = Path(output or default_output_dir("eval"))
     check_output(folder, overwrite)
-    examples = load_prompt_sets(cfg.data).eval
+    prompt_sets = load_prompt_sets(cfg.data)
+    check_rows_answered(cfg, PromptSets([], prompt_sets.eval))  # only the held-out rows are scored here
+    examples = prompt_sets.eval
     if not examples:
         raise UserError("no held-out prompts to evaluate: set data.eval_path (a file) or data.eval_size > 0 (a task)")
     if cfg.train.threads:

@@ -205,13 +205,21 @@ def check_data_and_rewards(cfg: RLConfig) -> list[RewardFn]:
         raise UserError("task 'humaneval' is scored by running its tests: use rewards: [{fn: code}] instead of gym")
     rewards = resolve_rewards(cfg.rewards, has_task=cfg.data.task is not None)
     check_reward_adapters(rewards, cfg.model.path)
-    # built-in rewards whose signature takes `answer` (math) fail every sample of a row without one, at its step:
-    # such rows are refused now. Other rewards (format, a user's function) may not use the answer at all.
-    needs_answer = [spec.fn for spec in cfg.rewards if spec.fn in BUILTIN_REWARDS
-                    and "answer" in inspect.signature(BUILTIN_REWARDS[spec.fn]).parameters]
-    if cfg.data.path is not None and needs_answer:
-        check_answers(load_prompt_sets(cfg.data), cfg.data, needs_answer[0])
     return rewards
+
+
+def check_rows_answered(cfg: RLConfig, prompts: PromptSets) -> None:
+    """A built-in reward that requires the `answer` column (math) fails every sample of a row without one, at its
+    step: a data file's such rows are refused as the prompts load, before the model does. Other rewards (format, a
+    user's function) may not use the answer at all."""
+    needs_answer = [spec.fn for spec in cfg.rewards if spec.fn in BUILTIN_REWARDS and _requires(BUILTIN_REWARDS[spec.fn], "answer")]
+    if cfg.data.path is not None and needs_answer:
+        check_answers(prompts, cfg.data, needs_answer[0])
+
+
+def _requires(fn, name: str) -> bool:
+    parameter = inspect.signature(fn).parameters.get(name)
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def prepare(cfg: RLConfig, world: World = World()) -> Session:
@@ -221,6 +229,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     prompts = load_prompt_sets(cfg.data)
+    check_rows_answered(cfg, prompts)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     renderer = episode_renderer(tokenizer, make_env) if make_env is not None else None  # before the model loads
 

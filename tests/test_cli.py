@@ -1,6 +1,7 @@
 """`rlora train` end to end on the tiny model, and the bad-input contract: one line, exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,32 @@ def test_existing_output_dir_is_not_overwritten(tiny_model_dir, prompts_file, tm
     code, err = run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out))], capsys)
     assert code == 2 and "already holds files" in err
     assert (out / "metrics.jsonl").read_text() == "{}\n"
+
+
+_USED = ("train.output_dir '{out}' already holds files: choose a new folder or set train.overwrite=true")
+
+
+@pytest.mark.parametrize("command, message", [
+    (["train", "train.output_dir={out}"], _USED),
+    (["sft", "configs/sft_math.yaml", "train.output_dir={out}"], _USED),
+    (["rm", "configs/rm_pairs.yaml", "train.output_dir={out}"], _USED),
+    (["eval", "-o", "{out}"], "--output '{out}' already holds files: choose another folder or pass --overwrite"),
+    (["merge", "runs/x/adapter", "-o", "{out}"],
+     "output folder '{out}' already holds files: choose another or pass --overwrite"),
+])
+def test_a_used_output_folder_is_refused_before_torch_loads(command, message, tmp_path):
+    """The commonest bad input of a rerun, refused in about a second, not after importing the training stack."""
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    script = ("import sys; from rlora.cli import main; code = main(sys.argv[1:]); "
+              "print(code, 'torch' in sys.modules)")
+    args = [arg.format(out=out) for arg in command]
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], env={**os.environ, "WORLD_SIZE": "1"})
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert done.stderr.strip() == "rlora: error: " + message.format(out=out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine\n"
 
 
 def test_module_entry_point_and_help():

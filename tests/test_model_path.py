@@ -86,3 +86,22 @@ def test_the_commands_name_the_option_given(no_network, tmp_path, capsys):
         assert main(args) == 2, args
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlora: error:")]
         assert len(errors) == 1 and errors[0].startswith(f"rlora: error: {option}"), errors
+
+
+def test_serve_loads_a_cached_hub_id_from_the_cache_even_with_the_hub_reachable(no_network, tiny_model_dir, tmp_path):
+    """rlora serve never fetches a model: a hub id in the cache is served from its snapshot, not refused as 'not a
+    model folder' because the hub happened to be reachable (train would hand the id to transformers)."""
+    import shutil
+
+    from rlora.serve.main import build
+
+    repo = tmp_path / "hf-cache" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("b" * 40)
+    shutil.copytree(tiny_model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("b" * 40)
+    no_network["reachable"] = True
+    _, served = build("org/tiny", tmp_path / "state")
+    assert served.names == [str(snapshot.resolve()), "org/tiny"]  # clients may name the base either way
+    with pytest.raises(UserError, match="rlora serve runs offline"):
+        build("org/absent", tmp_path / "state2")

@@ -15,6 +15,7 @@ import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NamedTuple
 
 from rlora import __version__
@@ -193,6 +194,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
+    from rlora.train.outputs import check_merge_output  # no torch: a used folder is refused in a second
+
+    check_merge_output(args.output, args.overwrite)
     from rlora.merge import merge_adapter  # torch: `rlora --help` and the other commands start without it
 
     target = merge_adapter(args.adapter, args.output, args.base, args.dtype, args.overwrite)
@@ -218,6 +222,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from rlora.train.outputs import check_eval_output  # no torch: a used folder is refused in a second
+
+    if args.output is not None:
+        check_eval_output(Path(args.output), args.overwrite)
     # torch: `rlora --help` and the other commands start without it
     from rlora.evaluation import BASE, Candidate, parse_adapters, resolve_config, run_eval_command
 
@@ -249,10 +257,22 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    _refuse_used_output_folder(cfg)
     from rlora.train.grpo import run_grpo  # torch: --print-config and config errors come without it
 
     run_grpo(cfg)
     return 0
+
+
+def _refuse_used_output_folder(cfg) -> None:
+    """A fresh run into a folder that already holds files is refused now rather than after ~10 s of importing the
+    training stack (the recipe checks again; resumes read the checkpoints there). A single process only: under
+    torchrun rank 0 makes the folder, and a later rank's look could find it already made."""
+    resume = getattr(cfg.train, "resume", None)  # sft and rm have none
+    if resume is None and cfg.train.output_dir is not None and os.environ.get("WORLD_SIZE", "1") == "1":
+        from rlora.train.outputs import RunDir  # no torch
+
+        RunDir(cfg.train.output_dir, cfg.train.overwrite).check_writable()
 
 
 def _supervised(args: argparse.Namespace) -> int:
@@ -266,6 +286,7 @@ def _supervised(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config_module.to_yaml(cfg), end="")
         return 0
+    _refuse_used_output_folder(cfg)
     getattr(importlib.import_module(spec.module), spec.function)(cfg)
     return 0
 

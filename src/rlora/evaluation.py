@@ -29,11 +29,10 @@ from rlora.envs.registry import env_factory
 from rlora.train.evaluate import eval_sampling, evaluate
 from rlora.train.sources import check_context, episode_renderer, longest_context, rollout_source
 from rlora.train.session import check_data_and_rewards, check_rows_answered, seed_everything
-from rlora.train.outputs import RunDir, check_parent_writable, default_output_dir, to_json
+from rlora.train.outputs import RunDir, check_eval_output, default_output_dir, to_json
 from rlora.train.policies import POLICIES_FOLDER
 
 BASE = "base"
-_TRAINING_OUTPUTS = ("metrics.jsonl", "adapter", "checkpoints", "summary.json")
 
 
 @dataclass(frozen=True)
@@ -94,19 +93,6 @@ def check_reward_adapters_fit(rewards, candidates: list[Candidate]) -> None:
                         "it with other rewards, or the reward model with LoRA adapters only")
 
 
-def check_output(folder: Path, overwrite: bool) -> None:
-    """An evaluation writes into a new folder, or over an earlier evaluation with --overwrite; never into a
-    training run (its adapter and logs stay untouched)."""
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--output '{folder}' exists and is a file")
-    if folder.is_dir() and any(folder.iterdir()):
-        if any((folder / name).exists() for name in _TRAINING_OUTPUTS):
-            raise UserError(f"--output '{folder}' holds a training run: write the evaluation to another folder")
-        if not overwrite:
-            raise UserError(f"--output '{folder}' already holds files: choose another folder or pass --overwrite")
-    check_parent_writable(folder, "--output")
-
-
 def write_outputs(folder: Path, cfg: RLConfig, report: dict, samples: dict[str, list[dict]]) -> None:
     """All files at the end (a failed evaluation writes nothing); eval.json last, as the mark of a complete
     one. Files of an earlier evaluation in the folder are replaced."""
@@ -126,7 +112,7 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     make_env = env_factory(cfg.env) if cfg.env is not None else None  # a bad env fails before the model loads
     check_reward_adapters_fit(rewards, candidates)
     folder = Path(output or default_output_dir("eval"))
-    check_output(folder, overwrite)
+    check_eval_output(folder, overwrite)
     prompt_sets = load_prompt_sets(cfg.data)
     check_rows_answered(cfg, PromptSets([], prompt_sets.eval))  # only the held-out rows are scored here
     examples = prompt_sets.eval

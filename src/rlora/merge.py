@@ -16,6 +16,7 @@ from rlora.errors import UserError, first_line
 from rlora.models.loading import check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path
 from rlora.models import molora as ml
 from rlora.models.named_adapters import is_molora_folder, recorded_base
+from rlora.train.outputs import check_merge_output
 
 
 def adapter_base(adapter: str, base: str | None) -> str:
@@ -41,9 +42,8 @@ def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str
                   overwrite: bool = False) -> Path:
     refuse_molora(adapter)
     check_adapter_folder(adapter, key="adapter")
+    check_merge_output(output, overwrite)
     target = Path(output)
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise UserError(f"output folder '{output}' already holds files: choose another or pass --overwrite")
     base_path = adapter_base(adapter, base)
     tokenizer, _ = load_tokenizer(base_path)
     model = load_base_model(ModelConfig(path=base_path, dtype=dtype), base_path)

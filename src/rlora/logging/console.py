@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -27,7 +28,21 @@ def metrics_line(m: dict) -> str:
 
 @contextmanager
 def progress_bar(description: str, total: int):
-    """Yields update(completed, text) for a bar with metrics text, elapsed time and ETA."""
+    """Yields update(completed, text) for a bar with metrics text, elapsed time and ETA; where the output is not a
+    terminal (logs, CI, a pipe), a plain line per update with text instead: a bar drawn there would come out once,
+    at the end, cut to the console's width."""
+    if not console.is_terminal:
+        last_line_at = [time.monotonic()]
+
+        def print_line(completed: int, text: str = "") -> None:
+            # each update with metrics (a training step); a bare count (evaluation batches) at most every 10 s
+            now = time.monotonic()
+            if text or completed >= total or now - last_line_at[0] >= 10.0:
+                console.print(f"{description} {completed}/{total}  {text}".rstrip(), soft_wrap=True)
+                last_line_at[0] = now
+
+        yield print_line
+        return
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[text]}"),
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
@@ -37,8 +52,6 @@ def progress_bar(description: str, total: int):
 
         def update(completed: int, text: str = "") -> None:
             progress.update(task, completed=completed, text=text)
-            if not console.is_terminal and text:  # logs and CI: a plain line per update instead of a live bar
-                console.print(f"{description} {completed}/{total}  {text}")
 
         yield update
 

@@ -66,19 +66,25 @@ def _close_entries(folder: Path) -> str:
 def _hub_model(name: str, option: str) -> str:
     """A hub id: itself where it can load (cached, or the hub reachable to fetch or update it); the cached snapshot
     folder when the hub is not reachable (a hub id makes transformers retry the network first)."""
-    try:
-        cached = try_to_load_from_cache(name, "config.json")
-    except ValueError as err:  # HFValidationError: not a valid repo id ('a b/c', '-x/y', ...)
-        raise UserError(f"{option} '{name}' is not a local folder or a valid hub id ({first_line(err)})") from None
+    cached = cached_hub_folder(name, option)
     offline = constants.is_offline_mode()
-    if isinstance(cached, str):
-        return str(Path(cached).parent) if offline or not hub_reachable() else name
+    if cached is not None:
+        return cached if offline or not hub_reachable() else name
     if offline or not hub_reachable():
         host = urlparse(constants.ENDPOINT).hostname
         why = "HF_HUB_OFFLINE is set" if offline else f"{host} is not reachable"
         raise UserError(f"{option} '{name}' is not a local folder, not a built-in alias ({', '.join(ALIASES)}), not in "
                         f"the local Hugging Face cache, and {why}: give a local model folder")
     return name
+
+
+def cached_hub_folder(name: str, option: str = "model.path") -> str | None:
+    """The local Hugging Face cache's snapshot folder of hub id `name` (where its config.json is), else None."""
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError as err:  # HFValidationError: not a valid repo id ('a b/c', '-x/y', ...)
+        raise UserError(f"{option} '{name}' is not a local folder or a valid hub id ({first_line(err)})") from None
+    return str(Path(cached).parent) if isinstance(cached, str) else None
 
 
 @functools.lru_cache(maxsize=1)  # a run resolves its model more than once: one probe per process

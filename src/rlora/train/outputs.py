@@ -67,6 +67,29 @@ def check_parent_writable(path: Path, what: str) -> None:
         raise UserError(f"cannot write {what} '{path}': no write permission in {parent}")
 
 
+_TRAINING_OUTPUTS = ("metrics.jsonl", "adapter", "checkpoints", "summary.json")
+
+
+def check_eval_output(folder: Path, overwrite: bool) -> None:
+    """An evaluation (`rlora eval --output`) writes into a new folder, or over an earlier evaluation with
+    --overwrite; never into a training run (its adapter and logs stay untouched)."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--output '{folder}' exists and is a file")
+    if folder.is_dir() and any(folder.iterdir()):
+        if any((folder / name).exists() for name in _TRAINING_OUTPUTS):
+            raise UserError(f"--output '{folder}' holds a training run: write the evaluation to another folder")
+        if not overwrite:
+            raise UserError(f"--output '{folder}' already holds files: choose another folder or pass --overwrite")
+    check_parent_writable(folder, "--output")
+
+
+def check_merge_output(output: str, overwrite: bool) -> None:
+    """`rlora merge` writes a whole model into a new or empty folder (or, with --overwrite, a used one)."""
+    target = Path(output)
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise UserError(f"output folder '{output}' already holds files: choose another or pass --overwrite")
+
+
 class RunDir:
     def __init__(self, path: str, overwrite: bool = False, writer: bool = True):
         self.path = Path(path)

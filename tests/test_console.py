@@ -1,0 +1,29 @@
+"""The progress output where stderr is not a terminal (a log file, CI, `| tee`): whole plain lines, never a bar
+drawn once at the end and cut to the console's width."""
+
+from rlora.logging import console as console_module
+from rlora.logging.console import progress_bar
+
+
+def test_piped_progress_prints_whole_lines(capsys, monkeypatch):
+    assert not console_module.console.is_terminal  # pytest captures stderr
+    long_text = "reward 0.500  kl -  clip 0.00  len 37.9  " + "x" * 120 + "  9.9s/step"
+    with progress_bar("train", 3) as update:
+        update(0, "")  # the start: no metrics yet, no line
+        update(1, long_text)
+        update(2, long_text)
+    with progress_bar("eval (before)", 100) as update:
+        update(32)  # a bare count within 10 s of the start: no line
+        update(100)  # done: one line
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"train 1/3  {long_text}", f"train 2/3  {long_text}", "eval (before) 100/100"]
+
+
+def test_piped_progress_counts_at_most_every_ten_seconds(capsys, monkeypatch):
+    clock = iter([0.0, 5.0, 11.0, 12.0])  # the bar's start, then three updates
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: next(clock))
+    with progress_bar("eval a", 100) as update:
+        update(25)
+        update(50)
+        update(75)
+    assert capsys.readouterr().err.splitlines() == ["eval a 50/100"]

@@ -1,5 +1,5 @@
 """The built-in sampler on the decoder families beyond Llama/Qwen2/Mistral (rollout/layouts.py): tiny random
-Qwen3, Gemma 3 text, Phi-3, OLMo 2 and SmolLM3 models (models/tiny.py switches on what sets each apart)
+Qwen3, Gemma 3 text, Phi-3, OLMo 2, OLMo 3 and SmolLM3 models (models/tiny.py switches on what sets each apart)
 against transformers' own implementation: greedy decoding against `generate` token for token, sampling
 log-probs against the trainer's, several policies against each alone, and what the sampler refuses."""
 
@@ -23,6 +23,7 @@ MODELS = {
     "gemma3_text": dict(family="gemma3_text", final_logit_softcapping=3.0),
     "phi3": dict(family="phi3", tie=False),
     "olmo2": dict(family="olmo2", tie=False),
+    "olmo3": dict(family="olmo3", tie=False),
     "smollm3": dict(family="smollm3"),
 }
 
@@ -84,9 +85,10 @@ def test_the_families_are_supported_within_their_limits(family_dirs):
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         assert unsupported_reason(model, max_length=512) is None, family
         assert unsupported_reason(model, max_length=None) == (
-            "sliding-window attention" if family == "gemma3_text" else None), family
-    gemma = AutoModelForCausalLM.from_pretrained(family_dirs["gemma3_text"])
-    assert unsupported_reason(gemma, max_length=513) == "sliding-window attention"  # its sliding layer's window: 512
+            "sliding-window attention" if family in ("gemma3_text", "olmo3") else None), family
+    for family in ("gemma3_text", "olmo3"):  # their sliding layer's window: 512
+        windowed = AutoModelForCausalLM.from_pretrained(family_dirs[family])
+        assert unsupported_reason(windowed, max_length=513) == "sliding-window attention", family
 
 
 def test_what_the_sampler_cannot_run_gets_a_reason(family_dirs):

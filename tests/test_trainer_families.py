@@ -14,13 +14,14 @@ from rlora.models.logprobs import completion_logprobs, supports_chunked
 from rlora.models.tiny import build_random_model
 
 # four layers, windows of 3 tokens where the family has them, so the per-layer masks must follow the layer
-# types (Gemma 3 also picks its local or global rotary embedding by layer type)
+# types (Gemma 3 and OLMo 3 also pick their rotary embedding by layer type)
 FOUR_LAYERS = {
     "qwen3": dict(family="qwen3", tie=False, use_sliding_window=True, sliding_window=3, max_window_layers=2),
     "gemma3_text": dict(family="gemma3_text", sliding_window=3,
                         layer_types=["sliding_attention", "full_attention"] * 2),
     "phi3": dict(family="phi3", tie=False, sliding_window=3),
     "olmo2": dict(family="olmo2", tie=False),
+    "olmo3": dict(family="olmo3", tie=False, sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2),
     "smollm3": dict(family="smollm3", no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=3),
 }
 

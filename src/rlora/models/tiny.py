@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
+    AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
     PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SmolLM3Config,
 )
 
@@ -39,7 +39,8 @@ def build_tokenizer(vocab_size: int = 512):
 
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
-           "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "smollm3": SmolLM3Config}
+           "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config,
+           "smollm3": SmolLM3Config}
 # What makes each newer family differ from Llama, switched on in its tiny model so that tests see it (for
 # 2 layers; config_extra overrides): Qwen3's head_dim apart from hidden / heads; Gemma 3's attention scale
 # apart from head_dim and one sliding layer (its window beyond the tests' lengths, its own rotary theta)
@@ -50,6 +51,10 @@ FAMILY_CONFIG = {
                         layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     "olmo2": {},
+    # OLMo 3: a sliding layer (its window beyond the tests' lengths) and a global one, each with its own theta
+    "olmo3": dict(sliding_window=512, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
     "smollm3": dict(no_rope_layers=[1, 0]),
 }
 

@@ -284,7 +284,7 @@ class DecoderView:
                 q_norm, k_norm = Cast(attn.q_norm, dtype), Cast(attn.k_norm, dtype)
                 if layout.qk_norm == "head":
                     q_norm, k_norm = HeadNorm(q_norm, head_dim), HeadNorm(k_norm, head_dim)
-            rope = attn.layer_type if layout.rope_by_layer_type else "default"
+            rope = config.layer_types[attn.layer_idx] if layout.rope_by_layer_type else "default"
             return LayerView(
                 qkv=Split(fused([getattr(attn, n) for n in layout.qkv]), [H * head_dim, K * head_dim, K * head_dim]),
                 o_proj=fused([attn.o_proj]),

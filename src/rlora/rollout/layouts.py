@@ -2,14 +2,14 @@
 
 The sampler (decoder.py, engine.py, graphed.py) runs one decoder-layer program for every family:
 
-    h = attn_in_norm(x)                       (skipped where the family has none: OLMo 2)
+    h = attn_in_norm(x)                       (skipped where the family has none: OLMo 2/3)
     q, k, v = split(qkv(h))                   (separate q/k/v modules, or one fused module split by sizes)
-    q, k = q_norm(q), k_norm(k)               (per head over d: Qwen3, Gemma 3; over all heads H*d: OLMo 2)
+    q, k = q_norm(q), k_norm(k)               (per head over d: Qwen3, Gemma 3; over all heads H*d: OLMo 2/3)
     q, k = rotate(q, k, cos, sin)             (the family's own rotary function; skipped on NoPE layers)
     a = o_proj(attention(q, k, v))
-    x = x + attn_out_norm(a)                  (Gemma 3, OLMo 2 norm the attention output; others add it as is)
+    x = x + attn_out_norm(a)                  (Gemma 3, OLMo 2/3 norm the attention output; others add it)
     m = down(act(gate) * up)   with gate, up = split(gate_up(mlp_in_norm(x)))
-    x = x + mlp_out_norm(m)                   (Gemma 3, OLMo 2)
+    x = x + mlp_out_norm(m)                   (Gemma 3, OLMo 2/3)
 
 A Layout names the modules that fill these roles in one family (None: the role is absent), so the program
 has no per-family branches. Everything a family computes differently inside a module (Gemma 3's scaled
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
 from transformers.models.olmo2 import modeling_olmo2
+from transformers.models.olmo3 import modeling_olmo3
 from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.smollm3 import modeling_smollm3
@@ -41,7 +42,7 @@ def _window_on_every_layer(config) -> list[int | None]:
 
 
 def _window_by_layer_type(config) -> list[int | None]:
-    """Qwen2/3, SmolLM3, Gemma 3: the model builds a sliding-window mask for the 'sliding_attention' layers."""
+    """Qwen2/3, SmolLM3, Gemma 3, OLMo 3: the model builds a sliding-window mask for the 'sliding_attention' layers."""
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     return [config.sliding_window if kind == "sliding_attention" else None for kind in types[:config.num_hidden_layers]]
 
@@ -78,6 +79,9 @@ LAYOUTS: dict[str, Layout] = {
     "smollm3": Layout(rotate=modeling_smollm3.apply_rotary_pos_emb, windows=_window_by_layer_type),
     "olmo2": Layout(rotate=modeling_olmo2.apply_rotary_pos_emb, windows=_no_window, attn_in_norm=None,
                     mlp_in_norm=None, qk_norm="width", **_NORMED_OUTPUTS),
+    # OLMo 3: OLMo 2's layer with sliding-window layers (config.layer_types) and a rotary table per layer type
+    "olmo3": Layout(rotate=modeling_olmo3.apply_rotary_pos_emb, windows=_window_by_layer_type, attn_in_norm=None,
+                    mlp_in_norm=None, qk_norm="width", rope_by_layer_type=True, **_NORMED_OUTPUTS),
     # the scaled embedding, (1 + weight) norms and query_pre_attn_scalar (attn.scaling) come with the modules
     "gemma3_text": Layout(rotate=modeling_gemma3.apply_rotary_pos_emb, windows=_window_by_layer_type,
                           mlp_in_norm="pre_feedforward_layernorm", qk_norm="head", rope_by_layer_type=True,

@@ -25,6 +25,9 @@ MODELS = {
     "olmo2": dict(family="olmo2", tie=False),
     "olmo3": dict(family="olmo3", tie=False),
     "smollm3": dict(family="smollm3"),
+    "glm4": dict(family="glm4", tie=False),
+    "ernie4_5": dict(family="ernie4_5"),
+    "seed_oss": dict(family="seed_oss", tie=False),
 }
 
 

@@ -23,6 +23,9 @@ FOUR_LAYERS = {
     "olmo2": dict(family="olmo2", tie=False),
     "olmo3": dict(family="olmo3", tie=False, sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2),
     "smollm3": dict(family="smollm3", no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=3),
+    "glm4": dict(family="glm4", tie=False),
+    "ernie4_5": dict(family="ernie4_5"),
+    "seed_oss": dict(family="seed_oss", tie=False),
 }
 
 
@@ -86,3 +89,7 @@ def test_sharing_says_why_it_is_off(four_layer_dirs):
     _, _, model = make_policy(four_layer_dirs["phi3"], layers=[3])
     model.config.resid_pdrop = 0.1
     assert sharing_unsupported(model) == "resid_pdrop=0.1 makes the lower layers random in training"
+    _, _, model = make_policy(four_layer_dirs["seed_oss"], layers=[3])
+    assert sharing_unsupported(model) is None
+    model.config.residual_dropout = 0.1
+    assert sharing_unsupported(model) == "residual_dropout=0.1 makes the lower layers random in training"

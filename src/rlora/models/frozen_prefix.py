@@ -31,7 +31,8 @@ from rlora.models.loading import causal_lm
 from rlora.tensors import position_ids_from_mask
 from rlora.types import Rollout, RolloutSlice
 
-SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text")
+SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "olmo3", "smollm3",
+                         "gemma3_text", "glm4", "ernie4_5", "seed_oss")
 # a rotary embedding per layer type: rotary_emb(x, positions, layer_type) (Gemma 3: local and global thetas)
 _ROPE_BY_LAYER_TYPE = ("gemma3_text", "olmo3")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -60,10 +61,11 @@ def sharing_unsupported(model) -> str | None:
     config = causal_lm(model).config
     if config.model_type not in SHAREABLE_MODEL_TYPES:
         return f"model type '{config.model_type}' is not one of {', '.join(SHAREABLE_MODEL_TYPES)}"
-    if getattr(config, "attention_dropout", 0.0):  # the prefix runs without dropout, training passes with it
-        return f"attention_dropout={config.attention_dropout} makes the lower layers random in training"
-    if getattr(config, "resid_pdrop", 0.0):  # Phi-3's residual dropout: likewise
-        return f"resid_pdrop={config.resid_pdrop} makes the lower layers random in training"
+    # the prefix runs without dropout, training passes with it: attention_dropout, Phi-3's resid_pdrop, Seed-OSS's
+    # residual_dropout (a dropout of the base's that transformers applies functionally, not as a module)
+    for key in ("attention_dropout", "resid_pdrop", "residual_dropout"):
+        if getattr(config, key, 0.0):
+            return f"{key}={getattr(config, key)} makes the lower layers random in training"
     if getattr(config, "use_bidirectional_attention", False):  # Gemma 3's encoder variant: other masks
         return "bidirectional attention"
     return None

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-    PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SmolLM3Config,
+    AutoModelForCausalLM, Ernie4_5Config, Gemma3TextConfig, Glm4Config, LlamaConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+    PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SeedOssConfig, SmolLM3Config,
 )
 
 CHAT_TEMPLATE = (
@@ -40,7 +40,7 @@ def build_tokenizer(vocab_size: int = 512):
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config,
-           "smollm3": SmolLM3Config}
+           "smollm3": SmolLM3Config, "glm4": Glm4Config, "ernie4_5": Ernie4_5Config, "seed_oss": SeedOssConfig}
 # What makes each newer family differ from Llama, switched on in its tiny model so that tests see it (for
 # 2 layers; config_extra overrides): Qwen3's head_dim apart from hidden / heads; Gemma 3's attention scale
 # apart from head_dim and one sliding layer (its window beyond the tests' lengths, its own rotary theta)
@@ -56,6 +56,11 @@ FAMILY_CONFIG = {
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
     "smollm3": dict(no_rope_layers=[1, 0]),
+    # GLM-4 (rotary on half of each head, interleaved; q/k/v biases), ERNIE 4.5 and Seed-OSS with every bias on
+    "glm4": dict(head_dim=32),
+    "ernie4_5": dict(head_dim=16, use_bias=True),
+    # (Seed-OSS's config defaults to attention and residual dropout 0.1: the tests compare deterministic passes)
+    "seed_oss": dict(head_dim=32, attention_out_bias=True, mlp_bias=True, attention_dropout=0.0, residual_dropout=0.0),
 }
 
 
@@ -74,11 +79,11 @@ def build_random_model(folder: str | Path, family: str = "llama", hidden: int = 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family in FAMILY_CONFIG:
-        # Norms start as the identity map, where a norm applied in the wrong place, or the wrong one of a
-        # layer's four, computes the same thing; random weights tell them apart.
+        # Norms start as the identity map and biases at zero, where a norm applied in the wrong place, or the
+        # wrong one of a layer's four, or a bias left out computes the same thing; random weights tell them apart.
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name or name.endswith(".bias"):
                     param.add_(torch.randn_like(param) * 0.3)
     folder = Path(folder)
     model.save_pretrained(folder)

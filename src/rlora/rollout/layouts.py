@@ -23,12 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from transformers.models.ernie4_5 import modeling_ernie4_5
 from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.glm4 import modeling_glm4
 from transformers.models.llama import modeling_llama
 from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.olmo3 import modeling_olmo3
 from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.seed_oss import modeling_seed_oss
 from transformers.models.smollm3 import modeling_smollm3
 
 
@@ -89,6 +92,14 @@ LAYOUTS: dict[str, Layout] = {
     # fused qkv_proj ([q | k | v]) and gate_up_proj ([gate | up]); rotary on the first cos.shape[-1] dims
     "phi3": Layout(rotate=modeling_phi3.apply_rotary_pos_emb, windows=_window_on_every_layer, qkv=("qkv_proj",),
                    gate_up=("gate_up_proj",), act="activation_fn"),
+    # GLM-4: four norms per layer (Gemma 3's places, its own names), fused gate_up_proj, interleaved partial rotary
+    "glm4": Layout(rotate=modeling_glm4.apply_rotary_pos_emb, windows=_no_window,
+                   attn_out_norm="post_self_attn_layernorm", mlp_out_norm="post_mlp_layernorm",
+                   gate_up=("gate_up_proj",), act="activation_fn"),
+    # ERNIE 4.5 (dense): Llama's layer with optional biases and an interleaved rotary
+    "ernie4_5": Layout(rotate=modeling_ernie4_5.apply_rotary_pos_emb, windows=_no_window),
+    # Seed-OSS: Llama's layer with q/k/v (and optionally output and MLP) biases
+    "seed_oss": Layout(rotate=modeling_seed_oss.apply_rotary_pos_emb, windows=_no_window),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(LAYOUTS)

@@ -27,3 +27,11 @@ def test_piped_progress_counts_at_most_every_ten_seconds(capsys, monkeypatch):
         update(50)
         update(75)
     assert capsys.readouterr().err.splitlines() == ["eval a 50/100"]
+
+
+def test_notices_stay_one_line_in_a_log(capsys):
+    from rlora.logging.console import info
+
+    notice = "rollout.sampler_dtype=auto -> float16_weights (x86 CPU without native bf16: " + "y" * 100
+    info(notice)
+    assert capsys.readouterr().err == notice + "\n"

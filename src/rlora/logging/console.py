@@ -66,7 +66,9 @@ def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def info(message: str) -> None:
-    console.print(message)
+    # soft_wrap: a line longer than the console stays one line (the terminal wraps it; a log keeps it whole and
+    # greppable) instead of being broken at 80 columns where stderr is not a terminal
+    console.print(message, soft_wrap=True)
 
 
 def quiet_libraries() -> None:

@@ -168,14 +168,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_base_model(cfg: ModelConfig, path: str, place: bool = True) -> torch.nn.Module:
+def load_base_model(cfg: ModelConfig, path: str, place: bool = True, config_overrides: dict | None = None
+                    ) -> torch.nn.Module:
     """The frozen base on model.device (a quantized base is placed there by bitsandbytes while loading);
-    place=False leaves an unquantized base on the CPU (train.fsdp moves it layer by layer as it shards it)."""
+    place=False leaves an unquantized base on the CPU (train.fsdp moves it layer by layer as it shards it).
+    config_overrides: config keys set before the modules are built (they read them once, at construction)."""
     quantization = quantization_config(cfg)
     device = resolve_device(cfg.device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code,
+            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, **(config_overrides or {}),
             **({"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}),
         )
     except Exception as err:  # noqa: BLE001
@@ -184,6 +186,17 @@ def load_base_model(cfg: ModelConfig, path: str, place: bool = True) -> torch.nn
         model.to(device)
     model.requires_grad_(False)
     return model
+
+
+# The dropout rates of a base's own config (attention; Seed-OSS's residual; Phi-3's residual and embedding)
+BASE_DROPOUT_KEYS = ("attention_dropout", "residual_dropout", "resid_pdrop", "embd_pdrop")
+
+
+def base_dropouts(path: str, trust_remote_code: bool = False) -> dict[str, float]:
+    """The dropout rates above 0 in the model config (read without loading the weights): {key: rate}."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
+    rates = {key: getattr(config, key, 0.0) for key in BASE_DROPOUT_KEYS}
+    return {key: float(rate) for key, rate in rates.items() if isinstance(rate, (int, float)) and rate > 0}
 
 
 def max_positions(path: str, trust_remote_code: bool = False) -> int | None:

@@ -31,8 +31,8 @@ from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
-    TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, load_base_model, load_tokenizer,
-    max_positions, model_device, quantization_config, resolve_device, resolve_model_path,
+    TokenizerInfo, add_model_eos_ids, attach_lora, base_dropouts, causal_lm, check_adapter_folder, load_base_model,
+    load_tokenizer, max_positions, model_device, quantization_config, resolve_device, resolve_model_path,
 )
 from rlora.models.multi_lora import attach_policies
 from rlora.models.packed_groups import set_group_packing
@@ -238,9 +238,17 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
 
     train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
     check_context(cfg, renderer, train_ids + eval_ids, max_positions(model_path, cfg.model.trust_remote_code))
+    # The sampler and every no-grad pass run without dropout: an update with the base's own dropout would compute
+    # another function, and each importance ratio would measure the dropout noise. (A LoRA's lora.dropout stays.)
+    dropouts = base_dropouts(model_path, cfg.model.trust_remote_code)
+    if dropouts:
+        rates = ", ".join(f"{key}={rate:g}" for key, rate in dropouts.items())
+        notices.append(f"model: the base's dropout ({rates}) is off in training, as in sampling: the update's "
+                       "log-probs are the sampler's function")
     for line in notices if world.is_main else []:  # every input check has passed: say what `auto` chose
         info(line)
-    base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp)  # fsdp: placed layer by layer
+    base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp,  # fsdp: placed layer by layer
+                           config_overrides=dict.fromkeys(dropouts, 0.0))
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score

@@ -77,6 +77,19 @@ def test_a_malformed_json_line_is_named_as_an_editor_counts(tmp_path):
         read_prompt_file(str(array), "prompt", None)
 
 
+def test_blank_lines_in_a_jsonl_with_answers_of_mixed_types(tmp_path):
+    """Numbers and text in one column (3 and "1/2") take datasets' slower reader, which failed on any blank line,
+    a trailing one included, with "Expected object or value": the rows are read as without the blank lines."""
+    rows = [{"prompt": "a", "answer": 3}, {"prompt": "b", "answer": "1/2"}, {"prompt": "c", "answer": 4.5}]
+    lines = [json.dumps(row) for row in rows]
+    for name, text in [("middle", f"{lines[0]}\n\n{lines[1]}\n{lines[2]}\n"),
+                       ("trailing", "\n".join(lines) + "\n\n"), ("crlf", "\r\n".join(lines) + "\r\n\r\n")]:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(text)
+        examples = read_prompt_file(str(path), "prompt", None)
+        assert [(ex.prompt, ex.columns["answer"]) for ex in examples] == [("a", 3), ("b", "1/2"), ("c", 4.5)], name
+
+
 def test_a_missing_data_file_names_the_absolute_path_looked_at(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=rf"data file not found: {tmp_path}/problems.jsonl \(a relative data path is read "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from rlora.errors import UserError, first_line
@@ -48,6 +49,18 @@ def _first_bad_json_line(text: str) -> str | None:
     return None
 
 
+def _has_blank_lines(text: str) -> bool:
+    lines = text.split("\n")
+    return any(not line.strip() for line in (lines[:-1] if text.endswith("\n") else lines))
+
+
+def _without_blank_lines(text: str, datasets):
+    with tempfile.TemporaryDirectory() as folder:
+        copy = Path(folder) / "rows.jsonl"
+        copy.write_text("".join(line + "\n" for line in text.split("\n") if line.strip()), encoding="utf-8")
+        return datasets.load_dataset("json", data_files=str(copy), split="train", keep_in_memory=True)
+
+
 def _json_problem(text: str, suffix: str) -> str | None:
     """Where a .json/.jsonl file that `datasets` could not read first goes wrong, or None (then its message stands)."""
     if suffix == ".jsonl":
@@ -83,6 +96,10 @@ def read_table(path: str):
     except Exception as err:  # noqa: BLE001 - any parse failure is a malformed file for the user
         cause = err.__cause__ or err
         problem = _json_problem(text, file.suffix.lower()) if loader == "json" else None
+        if problem is None and file.suffix.lower() == ".jsonl" and _has_blank_lines(text):
+            # every line is a JSON object: datasets' reader of columns with mixed types (answers 3 and "1/2")
+            # parses each line again, blank ones too, and fails on them; read the rows without the blank lines
+            return _without_blank_lines(text, datasets)
         raise UserError(f"could not read data file {path}: {problem or first_line(cause)}") from None
     if len(table) == 0:
         raise UserError(f"data file {path} has no rows")

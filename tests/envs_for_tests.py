@@ -84,6 +84,11 @@ def faulty():
     return Faulty(turns=2)
 
 
+def broken_factory():
+    """A factory whose own code has a bug: its TypeError is the factory's fault, not its arguments'."""
+    return len(3)
+
+
 def no_docstring(x: int) -> int:
     return x
 

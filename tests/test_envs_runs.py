@@ -93,6 +93,10 @@ def test_ppo_trains_on_episodes(tiny_model_dir, prompts_file, tmp_path, capsys):
     ("{fn: calculator, max_turns: 0}", "env.max_turns"),
     ("{fn: envs_for_tests.scripted, args: {colour: red}}", "does not take these env.args"),
     ("{fn: textarena, args: {game: NoSuchGame-v0}}", "textarena has no game 'NoSuchGame-v0'"),
+    ("{fn: textarena, args: {game: TicTacToe-v0}}", "textarena game 'TicTacToe-v0' cannot start for one player"),
+    ("{fn: tools}", "env fn 'tools' needs args.tools"),
+    ("{fn: envs_for_tests.broken_factory}",
+     "env fn 'envs_for_tests.broken_factory' failed to make an environment: TypeError: object of type 'int' has no len()"),
 ])
 def test_bad_env_settings_are_one_line_exit_2(env, message, tiny_model_dir, prompts_file, tmp_path, capsys):
     code, err, out = train(tmp_path, "o", tiny_model_dir, prompts_file, capsys, env=env)
@@ -139,3 +143,22 @@ def test_resampling_and_replay_run_on_episodes(extra, tiny_model_dir, prompts_fi
     assert all(r["episodes"] >= 8 for r in rows)  # every sampling round's episodes are counted
     if "algo.replay.enabled" in extra:
         assert sum(r.get("replay_groups", 0) for r in rows) > 0  # stored episodes were trained on again
+
+
+def test_env_and_tool_files_are_found_beside_the_config(tmp_path, monkeypatch):
+    """As for rewards: FILE.py:fn and module.fn are read from the config file's folder (not the current directory),
+    and the saved config holds absolute paths, so `rlora eval RUN` and a resume find them from anywhere."""
+    from rlora.config import load_config
+
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    (folder / "my_env.py").write_text("def make():\n    pass\n")
+    (folder / "my_tools.py").write_text("def add(a: int, b: int) -> int:\n    '''a + b'''\n    return a + b\n")
+    config = folder / "run.yaml"
+    config.write_text("data: {path: rows.jsonl}\nenv: {fn: my_env.py:make, args: {tools: [my_tools.py:add, my_tools.add, "
+                      "json.dumps]}}\n")
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    cfg = load_config(str(config))
+    assert cfg.env.fn == f"{folder.resolve() / 'my_env.py'}:make"
+    assert cfg.env.args["tools"] == [f"{folder.resolve() / 'my_tools.py'}:add"] * 2 + ["json.dumps"]
+    assert load_config(str(config), ["env.fn=my_env.make"]).env.fn == f"{folder.resolve() / 'my_env.py'}:make"

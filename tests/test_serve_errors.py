@@ -2,9 +2,13 @@
 and a job that fails inside the worker each get a clean error with a message, and the server goes on serving
 (checked after each with a real request); the command refuses bad arguments in one line, exit code 2."""
 
+import re
 import shutil
 import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -226,3 +230,28 @@ def test_the_command_refuses_bad_arguments_in_one_line(model_dir, tmp_path, caps
     monkeypatch.delitem(sys.modules, "rlora.serve.main", raising=False)
     assert main(["serve", "--state-dir", str(tmp_path / "state")]) == 2
     assert "needs the serve extra (uvicorn is missing): pip install 'rlora[serve]'" in capsys.readouterr().err
+
+
+def test_port_0_serves_on_a_free_port_and_says_which(model_dir, tmp_path):
+    """--port 0 printed 'http://127.0.0.1:0', an address no client can use: the bound port is printed."""
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([str(Path(sys.executable).parent / "rlora"), "serve", "--model", model_dir, "--port",
+                                    "0", "--state-dir", str(tmp_path / "state")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := re.search(r"TINKER_BASE_URL=(http://127\.0\.0\.1:(\d+))", log_path.read_text())):
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        url, port = found.group(1), int(found.group(2))
+        assert port != 0 and f"on {url} " in log_path.read_text()
+        while True:  # the line is printed just before the server starts answering
+            try:
+                assert httpx.get(f"{url}{API}/healthz", timeout=2).status_code == 200
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.2)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -144,3 +144,18 @@ def test_the_kept_decoder_samples_what_a_fresh_one_samples(server):
     assert sample(first) == fresh
     worker.view = None  # built afresh: the same again
     assert sample(first) == fresh
+
+
+def test_an_update_skipped_for_a_non_finite_gradient_comes_back_through_the_sdk(server):
+    """docs/serve.md: a non-finite loss or gradient skips the update and says so. Its metrics (an infinite loss and
+    grad norm) used to fail the JSON rendering of the result: a 500 on every poll while the SDK retried."""
+    client = server.service.create_lora_training_client(base_model=server.model, rank=4, seed=7).result()
+    before = [p.detach().clone() for p in server.worker.trainees[client.model_id].params]
+    out = client.forward_backward([ce_datum(SEQUENCES[0], weights=[1e38] * 4)], "cross_entropy").result(timeout=60)
+    assert out.metrics["loss:sum"] == float("inf")
+    step = client.optim_step(ADAM).result(timeout=60)
+    assert step.metrics["skipped_update:sum"] == 1.0 and not np.isfinite(step.metrics["grad_norm:mean"])
+    after = server.worker.trainees[client.model_id].params
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing moved
+    client.forward_backward([ce_datum(SEQUENCES[0])], "cross_entropy")  # the client trains on afterwards
+    assert client.optim_step(ADAM).result(timeout=60).metrics["skipped_update:sum"] == 0.0

@@ -188,8 +188,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, mod
     if isinstance(config, RLConfig):
         apply_presets(config)
     check_config(config)
+    # user code named by a file or a module beside the config: the config file's folder, not the current directory
+    folder = Path(path).parent if path else Path.cwd()
     for spec in getattr(config, "rewards", []):
-        spec.fn = _locate_reward_file(spec.fn, Path(path).parent if path else Path.cwd())
+        spec.fn = _locate_user_file(spec.fn, folder)
+    env = getattr(config, "env", None)
+    if env is not None:
+        env.fn = _locate_user_file(env.fn, folder)
+        if isinstance(env.args.get("tools"), list):
+            env.args["tools"] = [_locate_user_file(t, folder) if isinstance(t, str) else t for t in env.args["tools"]]
     return config
 
 
@@ -208,10 +215,10 @@ def apply_presets(cfg: RLConfig) -> None:
             setattr(node, key, value(cfg) if callable(value) else value)
 
 
-def _locate_reward_file(fn: str, folder: Path) -> str:
-    """A reward written next to the config: `my_reward.py:brevity` relative to the config file's folder, or
-    `my_reward.brevity` with my_reward.py in that folder -> the file's absolute path, so that the saved
-    config.yaml (and a resume from it) finds the same file from anywhere."""
+def _locate_user_file(fn: str, folder: Path) -> str:
+    """A reward, environment or tool written next to the config: `my_reward.py:brevity` relative to the config
+    file's folder, or `my_reward.brevity` with my_reward.py in that folder -> the file's absolute path, so that the
+    saved config.yaml (and a resume or `rlora eval` of the run) finds the same file from anywhere."""
     if ".py:" in fn:
         file_name, _, attr = fn.rpartition(":")
         return f"{(folder / file_name).resolve() if not Path(file_name).is_absolute() else file_name}:{attr}"

@@ -170,8 +170,9 @@ class RolloutConfig(Section):
 class EnvConfig(Section):
     """Multi-turn episodes instead of single completions (docs/environments.md)."""
 
-    fn: str = Field(description="Built-in environment (calculator, tools, textarena) or a factory: a dotted path "
-                    "module.name or FILE.py:name that returns a fresh Environment per episode")
+    fn: str = Field(description="Built-in environment (calculator, tools, textarena) or a factory that returns a "
+                    "fresh Environment per episode: FILE.py:name (relative to the config file; module.name also finds "
+                    "module.py there) or an importable module.name")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory")
     max_turns: int = Field(4, ge=1, description="Policy turns per episode (an episode still running then is truncated)")
     max_total_tokens: int = Field(1024, gt=0, description="Tokens after the first prompt, the policy's and the "

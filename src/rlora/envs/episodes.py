@@ -22,6 +22,7 @@ import torch
 from rlora import deadline
 from rlora.envs.protocol import Environment, EnvironmentFault, checked_messages, checked_result
 from rlora.envs.render import EpisodeRenderer
+from rlora.errors import first_line
 from rlora.rollout.engine import RowCache
 from rlora.rollout.generator import Generator
 from rlora.tensors import left_padded, right_padded
@@ -77,7 +78,7 @@ def _guarded(call, limits: EpisodeLimits, what: str):
     except deadline.TimeLimitExceeded as err:
         raise EnvironmentFault(str(err)) from None
     except Exception as err:  # noqa: BLE001 - an environment's failure ends its episode, not the run
-        raise EnvironmentFault(f"{what} raised {type(err).__name__}: {err}") from None
+        raise EnvironmentFault(f"{what} raised {type(err).__name__}: {first_line(err)}") from None
 
 
 class EpisodeRunner:

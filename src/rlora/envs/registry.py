@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ from rlora.config import EnvConfig
 from rlora.envs.calculator import calculator
 from rlora.envs.protocol import Environment
 from rlora.envs.tools import CallFormat, ToolEnvironment
-from rlora.errors import UserError
+from rlora.errors import UserError, first_line
 from rlora.rewards.scoring import import_callable
 
 
@@ -19,8 +20,8 @@ def calculator_env(**args: Any) -> ToolEnvironment:
     return tools_env(tools=[calculator], **args)
 
 
-def tools_env(tools: list[str | Callable], call_start: str = "<tool_call>", call_end: str = "</tool_call>",
-              **args: Any) -> ToolEnvironment:
+def tools_env(tools: list[str | Callable] | None = None, call_start: str = "<tool_call>",
+              call_end: str = "</tool_call>", **args: Any) -> ToolEnvironment:
     """Any Python functions as tools: `tools` lists dotted paths (module.function or FILE.py:function)."""
     if not tools:
         raise UserError("env fn 'tools' needs args.tools: a list of functions (module.function or FILE.py:function)")
@@ -55,14 +56,18 @@ def env_factory(spec: EnvConfig) -> EnvFactory:
     def factory() -> Environment:
         return make(**args)
 
+    try:  # the arguments against the signature: a TypeError raised inside the factory is the factory's own fault
+        inspect.signature(make).bind(**args)
+    except TypeError as err:
+        raise UserError(f"env fn '{spec.fn}' does not take these env.args ({', '.join(args) or 'none'}): {err}") from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
     try:
         probe = factory()
     except UserError:
         raise
-    except TypeError as err:
-        raise UserError(f"env fn '{spec.fn}' does not take these env.args: {err}") from None
     except Exception as err:  # noqa: BLE001 - user code: one line, exit 2
-        raise UserError(f"env fn '{spec.fn}' failed to make an environment: {type(err).__name__}: {err}") from None
+        raise UserError(f"env fn '{spec.fn}' failed to make an environment: {type(err).__name__}: {first_line(err)}") from None
     missing = [name for name in ("reset", "step") if not callable(getattr(probe, name, None))]
     if missing:
         raise UserError(f"env fn '{spec.fn}' returned a {type(probe).__name__} without {' and '.join(missing)}(): an "

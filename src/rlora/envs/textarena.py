@@ -13,9 +13,10 @@ import hashlib
 from typing import Any
 
 from rlora.envs.protocol import EnvironmentFault, StepResult
-from rlora.errors import UserError
+from rlora.errors import UserError, first_line
 
 GAME_SENDER = -1  # textarena's id of the game's own messages
+_STARTED: set[str] = set()  # games this process has seen start for one player
 
 
 def _import_textarena():
@@ -40,6 +41,23 @@ class TextArenaEnvironment:
             raise UserError(f"textarena has no game {game!r} (e.g. GuessTheNumber-v0, TowerOfHanoi-v0)")
         self.ta, self.game_id, self.system_prompt = ta, raw, system_prompt
         self.game = None
+        if raw not in _STARTED:  # once per game and process: a game that cannot start fails before the model loads
+            self._check_starts(game)
+            _STARTED.add(raw)
+
+    def _check_starts(self, game: str) -> None:
+        """One game for one player, as reset() plays it: a two-player game, or one whose data must be downloaded
+        (Wordle's word lists), is refused here rather than failing every episode of the first step."""
+        try:
+            probe = self.ta.make(env_id=self.game_id)
+            probe.reset(num_players=1, seed=0)
+            player, _observations = probe.get_observation()
+        except Exception as err:  # noqa: BLE001 - textarena's own checks (players, downloads): one line
+            raise UserError(f"textarena game {game!r} cannot start for one player: {type(err).__name__}: "
+                            f"{first_line(err)} (only single-player games that run offline are supported)") from None
+        if player != 0:
+            raise UserError(f"textarena game {game!r} expects player {player} first: only single-player games are "
+                            "supported")
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, str]]:
         self.game = self.ta.make(env_id=self.game_id)

@@ -14,6 +14,7 @@ retries a 409 or a 429 on its own otherwise, and no refusal here changes on a re
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -112,8 +113,29 @@ def resent(*key) -> tuple | None:
     return None if key[1] is None else key
 
 
+def _finite_or_text(value):
+    """A non-finite float as the text 'inf', '-inf' or 'nan' (the SDK's pydantic models read them back as floats)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite_or_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_text(item) for item in value]
+    return value
+
+
+class FiniteJSONResponse(JSONResponse):
+    """A non-finite number (the loss of an overflowing batch, the grad norm of a skipped update) has no strict JSON
+    form and the SDK's parser (orjson) refuses Infinity/NaN: it goes out as text, which the SDK's float fields
+    parse back. Rendering it as a float failed with a 500 on every poll of the result while the SDK retried."""
+
+    def render(self, content) -> bytes:
+        return super().render(_finite_or_text(content))
+
+
 def build_app(served: Served) -> FastAPI:
-    app = FastAPI(title="rlora serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="rlora serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=FiniteJSONResponse)
     worker, jobs = served.worker, served.jobs
 
     app.add_middleware(Limits, max_body=served.max_body, api_key=served.api_key, open_paths=(f"{API}/healthz",))

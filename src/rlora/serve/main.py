@@ -43,11 +43,11 @@ def check_args(host: str, port: int, api_key: str | None) -> None:
                         "TINKER_API_KEY), or bind to 127.0.0.1")
 
 
-def check_port_free(host: str, port: int) -> None:
-    """A port another program holds is one line now, not a uvicorn traceback after the model has loaded."""
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port another program holds is one line now, not a
+    uvicorn traceback after loading, and the port stays this server's meanwhile (--port 0: a free one, printed)."""
     try:
-        with socket.create_server((host, port)):
-            pass
+        return socket.create_server((host, port))
     except OSError as err:
         raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
 
@@ -81,17 +81,24 @@ def serve_main(args) -> int:
     # would change the embeddings too; the server never merges (docs/serve.md says what that means for merge)
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
     check_args(args.host, args.port, args.api_key)
-    check_port_free(args.host, args.port)
-    app, served = build(args.model or DEFAULT_MODEL, args.state_dir, args.api_key, args.dtype)
+    sock = listen(args.host, args.port)
+    port = sock.getsockname()[1]
+    try:
+        app, served = build(args.model or DEFAULT_MODEL, args.state_dir, args.api_key, args.dtype)
+    except BaseException:
+        sock.close()
+        raise
     if served.worker.engine_refusal is not None:
         info(f"rlora serve: the built-in sampler does not run this model ({served.worker.engine_refusal}): sampling "
              "with transformers generate")
-    info(f"rlora serve: {served.names[0]} on http://{args.host}:{args.port} (state: {served.state.root}); "
-         f"clients: TINKER_BASE_URL=http://{args.host}:{args.port} "  # the key itself is never printed (logs)
+    info(f"rlora serve: {served.names[0]} on http://{args.host}:{port} (state: {served.state.root}); "
+         f"clients: TINKER_BASE_URL=http://{args.host}:{port} "  # the key itself is never printed (logs)
          f"TINKER_API_KEY={'<the --api-key>' if args.api_key else 'tml-local'}")
+    # timeout_graceful_shutdown: Ctrl-C does not wait out the clients' long polls
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=5)  # Ctrl-C does not wait out the clients' long polls
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         served.jobs.stop()
     return 0

@@ -168,3 +168,17 @@ def test_both_of_two_exclusive_keys_say_how_to_unset_one():
     assert str(err.value) == ("set train.steps or train.epochs, not both (train.epochs=null or train.steps=null "
                               "unsets one)")
     assert load_config(sft_math, ["train.steps=2", "train.epochs=null"], model_cls=SFTConfig).train.steps == 2
+
+
+def test_an_item_of_a_list_is_set_by_its_index():
+    """`rewards.1.args.path=...` was 'Input should be a valid list': list items are addressed from 0, after a whole
+    list given earlier on the same command line."""
+    cfg = load_config(None, ["rewards=[{fn: gym}, {fn: format, args: {a: 1}}]", "rewards.1.weight=0.5",
+                             "rewards.0.fn=math"])
+    assert [(r.fn, r.weight, r.args) for r in cfg.rewards] == [("math", 1.0, {}), ("format", 0.5, {"a": 1})]
+    for bad in ("rewards.2.weight=1", "rewards.first.weight=1"):
+        with pytest.raises(UserError) as err:
+            load_config(None, ["rewards=[{fn: gym}, {fn: format}]", bad])
+        key = bad.split("=")[0].rsplit(".", 1)[0]
+        assert str(err.value) == (f"{key}: rewards is a list of 2 item(s): give an index 0..1 (e.g. rewards.0.KEY=VALUE) "
+                                  "or set the whole list (rewards=[...])")

@@ -228,7 +228,8 @@ def render_reference() -> str:
         "",
         "A config is a YAML file of sections; any key can also be set on the command line as `section.key=value` "
         "(the value is parsed as YAML), e.g. `rlora train my.yaml rollout.num_generations=16 "
-        "algo.adaptive.max_retries=4`. "
+        "algo.adaptive.max_retries=4`; an item of a list by its index from 0 (`rewards.1.weight=0.5`), or the whole "
+        "list (`rewards=[{fn: gym}]`); overrides apply in order. "
         "`rlora train my.yaml --print-config` prints the resolved config. Unknown keys are errors that name the "
         "closest valid key. Examples: `src/rlora/configs/demo.yaml` (the embedded demo), `configs/*.yaml`.",
         "",

@@ -54,8 +54,22 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("task_args", "args"):
             merged[key] = _merge(merged[key], value)
+        elif isinstance(value, dict) and isinstance(merged.get(key), list) and value:
+            merged[key] = _merge_items(key, merged[key], value)
         else:
             merged[key] = value
+    return merged
+
+
+def _merge_items(key: str, items: list, extra: dict[str, Any]) -> list:
+    """`rewards.1.weight=2`: item 1 of the list `rewards` (from 0), merged as a section would be."""
+    merged = list(items)
+    for index, value in extra.items():
+        if not (isinstance(index, str) and index.isdigit()) or int(index) >= len(items):
+            raise UserError(f"{key}.{index}: {key} is a list of {len(items)} item(s): give an index 0..{len(items) - 1} "
+                            f"(e.g. {key}.0.KEY=VALUE) or set the whole list ({key}=[...])")
+        item = merged[int(index)]
+        merged[int(index)] = _merge(item, value) if isinstance(item, dict) and isinstance(value, dict) else value
     return merged
 
 
@@ -180,7 +194,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, mod
     validate, apply the algorithm's presets, check the refusal table's config rows (the launch rows wait for the
     recipe). Raises UserError."""
     base = _read_yaml(path) if path is not None or model_cls is RLConfig else {}
-    raw = _merge(base, parse_overrides(overrides or []))
+    raw = base
+    for item in overrides or []:  # in order: `rewards=[...] rewards.1.weight=2` sets the list, then its item 1
+        raw = _merge(raw, parse_overrides([item]))
     try:
         config = model_cls.model_validate(raw)
     except ValidationError as err:

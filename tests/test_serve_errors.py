@@ -118,6 +118,10 @@ def test_malformed_requests_get_a_4xx_and_the_server_goes_on(server, trainee, mo
                       loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0, float("nan"), 1.0, 1.0]})
     outside = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 10**6]), loss_fn_inputs={"target_tokens": [6, 7, 8]})
     short = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7]})
+    fractional = types.Datum(model_input=datum.model_input,
+                             loss_fn_inputs={"target_tokens": np.array([6.0, 7.5, 8.0, 9.0], np.float32)})
+    extra = types.Datum(model_input=datum.model_input,
+                        loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "advantages": [1.0, 1.0, 1.0, 1.0]})
     sample = {"sampling_session_id": "nope", "prompt": {"chunks": [{"tokens": [5, 6]}]}, "sampling_params": {"max_tokens": 4}}
     cases = [
         ("post", "create_model", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 422, "JSON"),
@@ -131,6 +135,10 @@ def test_malformed_requests_get_a_4xx_and_the_server_goes_on(server, trainee, mo
         ("post", "forward_backward", {"content": fb_body(training.model_id, [nan])}, 400, "NaN"),
         ("post", "forward_backward", {"content": fb_body(training.model_id, [outside])}, 400, "outside the vocabulary"),
         ("post", "forward_backward", {"content": fb_body(training.model_id, [short])}, 400, "one value per input token"),
+        ("post", "forward_backward", {"content": fb_body(training.model_id, [fractional])}, 400,
+         "target_tokens'] holds non-integer values"),
+        ("post", "forward_backward", {"content": fb_body(training.model_id, [extra])}, 400,
+         "loss_fn 'cross_entropy' does not use loss_fn_inputs advantages (it takes: target_tokens, weights)"),
         ("post", "forward_backward", {"content": b"x" * (2 << 20)}, 413, "request body over"),
         ("post", "forward_backward", {"content": chunked(2 << 20)}, 413, "request body over"),
         ("post", "create_model", {"content": chunked(2 << 20), "headers": {"content-type": "application/json"}}, 413,

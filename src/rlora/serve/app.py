@@ -224,9 +224,13 @@ def build_app(served: Served) -> FastAPI:
             raise ServeError(415, "forward_backward: compressed bodies are not accepted (the client config says so)")
         fb = proto.parse_forward_backward(await request.body())  # its size: limits.py
         served.trainee(fb.model_id)
-        names = set.intersection(*(set(d.inputs) for d in fb.data))
-        config = check_loss(fb.loss_fn, names, fb.config)
+        given = [set(d.inputs) for d in fb.data]
+        config = check_loss(fb.loss_fn, set.intersection(*given), fb.config, set.union(*given))
         for i, datum in enumerate(fb.data):
+            targets = datum.inputs["target_tokens"]
+            if targets.dtype.kind == "f" and not (np.isfinite(targets).all() and (targets == np.round(targets)).all()):
+                raise ServeError(400, f"datum {i}: loss_fn_inputs['target_tokens'] holds non-integer values: token ids "
+                                      "are integers")
             worker.check_tokens(datum.tokens, f"datum {i}")
             worker.check_tokens(datum.inputs["target_tokens"].astype(np.int64).tolist(), f"datum {i} target_tokens")
             for name, values in datum.inputs.items():

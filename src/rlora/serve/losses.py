@@ -64,9 +64,11 @@ LOSSES = {
 }
 
 
-def check_loss(name: str, input_names: set[str], config: dict[str, float | str]) -> dict[str, float]:
-    """The loss's config with defaults filled in; a loss this server does not run, a missing input or an
-    unknown or non-numeric config key -> ServeError 400."""
+def check_loss(name: str, input_names: set[str], config: dict[str, float | str],
+               any_input_names: set[str] | None = None) -> dict[str, float]:
+    """The loss's config with defaults filled in; a loss this server does not run, a missing input (input_names:
+    what every datum has), an input it does not use (any_input_names: what some datum has), or an unknown or
+    non-numeric config key -> ServeError 400."""
     loss = LOSSES.get(name)
     if loss is None:
         raise ServeError(400, f"loss_fn '{name}' is not served by rlora serve (served: {', '.join(LOSSES)}); "
@@ -74,6 +76,11 @@ def check_loss(name: str, input_names: set[str], config: dict[str, float | str])
     missing = [key for key in ("target_tokens", *loss.inputs) if key not in input_names]
     if missing:
         raise ServeError(400, f"loss_fn '{name}' needs loss_fn_inputs {', '.join(missing)}")
+    takes = ("target_tokens", *loss.inputs, *loss.optional)
+    extra = sorted((any_input_names or input_names) - set(takes))
+    if extra:  # e.g. advantages sent with cross_entropy: the client meant another loss
+        raise ServeError(400, f"loss_fn '{name}' does not use loss_fn_inputs {', '.join(extra)} (it takes: "
+                              f"{', '.join(takes)})")
     unknown = sorted(set(config) - set(loss.config))
     if unknown:
         known = ", ".join(loss.config) or "none"

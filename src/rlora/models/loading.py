@@ -30,10 +30,11 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
-def resolve_model_path(name: str, option: str = "model.path") -> str:
+def resolve_model_path(name: str, option: str = "model.path", download: bool = True) -> str:
     """Built-in alias -> cached folder; existing local folder -> itself; else a hub id (in the local Hugging Face
     cache, or with the hub reachable). Anything else is refused now: handed to the hub offline, a typo costs a
-    minute of huggingface_hub retries before a generic error. option: what the user set, for the messages."""
+    minute of huggingface_hub retries before a generic error. option: what the user set, for the messages;
+    download=False (rlora serve): a hub id only from the cache, its snapshot folder."""
     alias_folder = resolve_alias(name)
     if alias_folder is not None:
         return alias_folder
@@ -49,6 +50,12 @@ def resolve_model_path(name: str, option: str = "model.path") -> str:
         close = difflib.get_close_matches(name.lower(), ALIASES, n=1, cutoff=0.6)
         hint = f": did you mean '{close[0]}'?" if close else ": give a model folder, an alias or a hub id 'org/name'"
         raise UserError(f"{option} '{name}' is not a local folder or a built-in alias ({', '.join(ALIASES)}){hint}")
+    if not download:
+        cached = cached_hub_folder(name, option)
+        if cached is None:
+            raise UserError(f"{option} '{name}' is not a local folder, a built-in alias ({', '.join(ALIASES)}) or a "
+                            "hub id in the local Hugging Face cache (nothing is downloaded here): give a model folder")
+        return cached
     return _hub_model(name, option)
 
 

@@ -91,7 +91,14 @@ class Served:
                                   f"'{self.names[0]}'")
 
     def trainee(self, model_id: str) -> None:
-        self.worker.trainee(model_id)  # raises ServeError 404 for an unknown id
+        """The training client exists: 410 where its session has finished (its clients were freed), else the
+        worker's 404 for an unknown id."""
+        session_id = model_id.split(":train:")[0]
+        if model_id not in self.worker.trainees and session_id in self.finished:
+            raise ServeError(410, f"training client '{model_id}' is gone: its session has finished (closed, or no "
+                                  f"heartbeat for {self.session_timeout:.0f} s); save_state and "
+                                  "create_training_client_from_state carry a client over to a new session")
+        self.worker.trainee(model_id)
 
     def new_trainee(self, model_id: str, key: tuple) -> None:
         """A new training client may be made (a resent request finds its first future instead)."""

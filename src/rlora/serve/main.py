@@ -13,8 +13,7 @@ from fastapi import FastAPI
 from rlora.config import ModelConfig
 from rlora.errors import UserError
 from rlora.logging.console import info
-from rlora.models.loading import (add_model_eos_ids, cached_hub_folder, causal_lm, load_base_model, load_tokenizer,
-                                  resolve_model_path)
+from rlora.models.loading import add_model_eos_ids, causal_lm, load_base_model, load_tokenizer, resolve_model_path
 from rlora.serve.app import MAX_BODY, Served, build_app
 from rlora.serve.jobs import Jobs
 from rlora.serve.state import StateDir
@@ -55,13 +54,7 @@ def listen(host: str, port: int) -> socket.socket:
 def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: str = "float32",
           max_body: int = MAX_BODY) -> tuple[FastAPI, Served]:
     """The app serving `model` (a folder or an rlora alias), its state under `state_dir`."""
-    path = resolve_model_path(model, "--model")
-    if not Path(path).is_dir():  # a hub id the hub could serve: the server loads only its cached snapshot
-        path = cached_hub_folder(path, "--model") or path
-    if not Path(path).is_dir():
-        raise UserError(f"--model '{model}' is not a model folder here or an rlora alias (rlora serve runs offline: "
-                        "no model hub)")
-    path = str(Path(path).resolve())
+    path = str(Path(resolve_model_path(model, "--model", download=False)).resolve())  # the server never downloads
     state = StateDir(state_dir)
     tokenizer, tok = load_tokenizer(path)
     base = load_base_model(ModelConfig(path=path, dtype=dtype), path)

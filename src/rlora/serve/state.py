@@ -162,8 +162,9 @@ class StateDir:
     def snapshot(self, path: TinkerPath, kind: str) -> Snapshot:
         """The saved adapter at `path`, which must be of `kind` (its config read; its weights when it is loaded)."""
         if path.kind != kind:
-            use = "a sampler takes sampler_weights" if kind == "sampler_weights" else "load_weights takes weights"
-            raise ServeError(400, f"{path} is a {path.kind} checkpoint: {use} (save_weights_for_sampler / save_state)")
+            use = ("a sampler takes sampler_weights (save_weights_for_sampler writes them)" if kind == "sampler_weights"
+                   else "load_weights takes weights (save_state writes them)")
+            raise ServeError(400, f"{path} is a {path.kind} checkpoint: {use}")
         folder = _recovered(self.folder(path))
         if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
             raise ServeError(404, f"no saved weights at {path}")

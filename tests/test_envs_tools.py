@@ -168,3 +168,8 @@ def test_synthetic_calculator_conversations_solve_their_problems(tmp_path, capsy
     assert 0 < len(out.read_text().splitlines()) <= 30 and json.loads(out.read_text().splitlines()[0])["messages"]
     config.write_text("data: {path: x.jsonl}\nrewards: [{fn: gym}]\n")
     assert main([str(config), "--out", str(out)]) == 2 and "needs data.task" in capsys.readouterr().err
+    from pathlib import Path
+
+    sft_config = str(Path(__file__).parents[1] / "configs" / "sft_math.yaml")  # an `rlora sft` config
+    assert main([sft_config, "--out", str(out)]) == 2
+    assert f"{sft_config}: not an `rlora train` config (unknown config key" in capsys.readouterr().err

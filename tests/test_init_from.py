@@ -133,5 +133,13 @@ def test_a_missing_init_from_folder_says_not_found(tiny_model_dir, prompts_file,
     assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"),
                                           **{"lora.init_from": str(missing)})]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"rlora: error: lora.init_from '{missing}' not found", err
+    assert err == (f"rlora: error: lora.init_from '{missing}' not found: train that run first (e.g. the SFT warm-up a "
+                   "config names), or set lora.init_from=null to start from a fresh adapter"), err
     assert not (tmp_path / "o").exists()
+    run = tmp_path / "done"  # a run folder given where its adapter is meant
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"),
+                                          **{"lora.init_from": str(run)})]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"rlora: error: lora.init_from '{run}' is a run folder: give the adapter inside it, '{run / 'adapter'}'"

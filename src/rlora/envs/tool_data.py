@@ -52,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="jsonl file to write")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, [])
+        try:
+            cfg = load_config(args.config, [])
+        except UserError as err:  # e.g. an `rlora sft` config: its keys are not an RL config's
+            if "unknown config key" not in str(err):
+                raise
+            raise UserError(f"{args.config}: not an `rlora train` config ({err}): give the RL config whose "
+                            "data.task the conversations are drawn from (e.g. configs/calculator_tool.yaml)") from None
         if cfg.data.task is None:
             raise UserError("the config needs data.task (e.g. chain_sum)")
         held_out = {prompt_text(ex) for ex in held_out_task_examples(cfg.data)} if cfg.data.eval_size else set()

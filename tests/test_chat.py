@@ -427,6 +427,10 @@ def test_a_reply_that_calls_a_tool_gets_its_result_and_is_answered_again(tiny_mo
     assert state.conv.turns[2]["content"] == "5" and "tool> 5" in out.export_text()
     prompt = bot.tokenizer.decode(bot.render(state.conv.messages()))  # what the second reply was sampled from
     assert prompt.startswith("<|im_start|>system\nTools:\n") and "<|im_start|>tool\n5<|im_end|>" in prompt
+    state.tools = tuple(bot.tools.schemas)  # as `rlora chat --tool` sets it
+    saved = state.to_json()  # /save: the tools the model was shown, with the tool turns
+    assert [t["function"]["name"] for t in saved["tools"]] == ["calculator"] and saved["messages"][2]["role"] == "tool"
+    assert "tools" not in _state().to_json()
 
 
 def test_chat_tools_are_checked_before_the_model_loads(tmp_path, capsys):

@@ -95,11 +95,15 @@ class ChatState:
     settings: Settings
     conv: Conversation
     replies: int = 0  # replies sampled so far: reply i is sampled with seed settings.seed + i
+    tools: tuple[dict, ...] = ()  # the JSON schemas of the tools (--tool) the model was shown
 
     def to_json(self) -> dict:
+        """The conversation with what reproduces it: model, adapters, sampling, system prompt, tools (as a chat
+        dataset row holds them: `messages` and `tools`)."""
         system = [{"role": "system", "content": self.conv.system}] if self.conv.system else []
+        tools = {"tools": [dict(schema) for schema in self.tools]} if self.tools else {}
         return {"model": self.model, "adapters": dict(self.adapters), "sampling": self.settings.as_dict(),
-                "dropped_messages": self.conv.start, "messages": system + [dict(t) for t in self.conv.turns]}
+                "dropped_messages": self.conv.start, "messages": system + [dict(t) for t in self.conv.turns], **tools}
 
 
 @dataclass(frozen=True)

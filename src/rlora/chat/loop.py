@@ -180,6 +180,7 @@ def chat_main(args) -> int:
         bot = load_chat_model(model_path, adapters, args.dtype, settings.max_new_tokens, tools)
     for notice in check_base_matches(adapters, model_path):  # after loading: a misfit is an error, not this
         info(notice)
-    state = ChatState(model_path, adapters, next(iter(adapters), None), settings, Conversation(system=args.system))
+    state = ChatState(model_path, adapters, next(iter(adapters), None), settings, Conversation(system=args.system),
+                      tools=tuple(tools.schemas))
     _enable_line_editing()
     return run_chat(bot, state, Console())

@@ -182,3 +182,11 @@ def test_an_item_of_a_list_is_set_by_its_index():
         key = bad.split("=")[0].rsplit(".", 1)[0]
         assert str(err.value) == (f"{key}: rewards is a list of 2 item(s): give an index 0..1 (e.g. rewards.0.KEY=VALUE) "
                                   "or set the whole list (rewards=[...])")
+
+
+def test_several_keys_of_one_args_dict_on_the_command_line_add_up():
+    """The first key under an args dict replaces the file's dict (as it always did); the later ones add to it."""
+    cfg = load_config(None, ["data.task_args.min_terms=2", "data.task_args.max_terms=3"])
+    assert cfg.data.task_args == {"min_terms": 2, "max_terms": 3}
+    cfg = load_config(None, ["env={fn: calculator}", "env.args.call_start=<a>", "env.args.call_end=</a>"])
+    assert cfg.env.args == {"call_start": "<a>", "call_end": "</a>"}

@@ -21,7 +21,7 @@ def test_piped_progress_prints_whole_lines(capsys, monkeypatch):
 
 def test_piped_progress_counts_at_most_every_ten_seconds(capsys, monkeypatch):
     clock = iter([0.0, 5.0, 11.0, 12.0])  # the bar's start, then three updates
-    monkeypatch.setattr(console_module.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(console_module, "_now", lambda: next(clock))
     with progress_bar("eval a", 100) as update:
         update(25)
         update(50)
@@ -35,3 +35,12 @@ def test_notices_stay_one_line_in_a_log(capsys):
     notice = "rollout.sampler_dtype=auto -> float16_weights (x86 CPU without native bf16: " + "y" * 100
     info(notice)
     assert capsys.readouterr().err == notice + "\n"
+
+
+def test_first_line_is_the_first_worded_line_without_terminal_codes():
+    from rlora.errors import first_line
+
+    nltk_like = LookupError("\n" + "*" * 70 + "\n  Resource \x1b[93mwordnet\x1b[0m not found.\x1b[K\n  Please use the downloader")
+    assert first_line(nltk_like) == "Resource wordnet not found."
+    assert first_line(ValueError("")) == "ValueError" and first_line(ValueError("a\nb")) == "a"
+    assert first_line(ValueError("x" * 500), limit=10) == "x" * 10

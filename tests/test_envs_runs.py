@@ -95,6 +95,8 @@ def test_ppo_trains_on_episodes(tiny_model_dir, prompts_file, tmp_path, capsys):
     ("{fn: textarena, args: {game: NoSuchGame-v0}}", "textarena has no game 'NoSuchGame-v0'"),
     ("{fn: textarena, args: {game: TicTacToe-v0}}", "textarena game 'TicTacToe-v0' cannot start for one player"),
     ("{fn: tools}", "env fn 'tools' needs args.tools"),
+    ("{fn: calculator, args: {system_promt: Be brief.}}", "env fn 'calculator' does not take env.args system_promt "
+     "(did you mean 'system_prompt'?): it takes call_end, call_start, max_calls_per_turn, system_prompt, timeout_s"),
     ("{fn: envs_for_tests.broken_factory}",
      "env fn 'envs_for_tests.broken_factory' failed to make an environment: TypeError: object of type 'int' has no len()"),
 ])
@@ -155,10 +157,12 @@ def test_env_and_tool_files_are_found_beside_the_config(tmp_path, monkeypatch):
     (folder / "my_env.py").write_text("def make():\n    pass\n")
     (folder / "my_tools.py").write_text("def add(a: int, b: int) -> int:\n    '''a + b'''\n    return a + b\n")
     config = folder / "run.yaml"
-    config.write_text("data: {path: rows.jsonl}\nenv: {fn: my_env.py:make, args: {tools: [my_tools.py:add, my_tools.add, "
+    config.write_text("data: {path: rows.jsonl}\nenv: {fn: tools, args: {tools: [my_tools.py:add, my_tools.add, "
                       "json.dumps]}}\n")
     monkeypatch.chdir(tmp_path)  # elsewhere
     cfg = load_config(str(config))
-    assert cfg.env.fn == f"{folder.resolve() / 'my_env.py'}:make"
     assert cfg.env.args["tools"] == [f"{folder.resolve() / 'my_tools.py'}:add"] * 2 + ["json.dumps"]
+    custom = load_config(str(config), ["env.fn=my_env.py:make"])
+    assert custom.env.fn == f"{folder.resolve() / 'my_env.py'}:make"
+    assert custom.env.args["tools"] == ["my_tools.py:add", "my_tools.add", "json.dumps"]  # a user factory's own args
     assert load_config(str(config), ["env.fn=my_env.make"]).env.fn == f"{folder.resolve() / 'my_env.py'}:make"

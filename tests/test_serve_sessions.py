@@ -100,8 +100,10 @@ def test_a_session_without_heartbeats_ends(server, monkeypatch):
     wait_for(lambda: not held_by(served, session))
     response = http.post(f"{API}/session_heartbeat", json={"session_id": session})
     assert response.status_code == 410 and "has finished" in response.text
-    response = http.post(f"{API}/optim_step", json={"model_id": model["model_id"], "adam_params": {}})
-    assert response.status_code == 410 and "is gone: its session has finished" in response.text
+    for route, body in [("optim_step", {"model_id": model["model_id"], "adam_params": {}}),
+                        ("get_info", {"model_id": model["model_id"]})]:
+        response = http.post(f"{API}/{route}", json=body)
+        assert response.status_code == 410 and "is gone: its session has finished" in response.text, route
 
 
 def test_clients_and_samplers_are_capped(server, monkeypatch):

@@ -12,7 +12,7 @@ class Terminated(KeyboardInterrupt):
     interrupt, so a run stops as on Ctrl-C: it saves what it learnt and says why it stopped (cli.py installs it)."""
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal control sequences (colours, erase line)
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:

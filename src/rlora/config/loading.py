@@ -49,27 +49,41 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+# Free-form argument dicts: the command line's first key under one replaces the file's dict (the arguments of
+# another task or reward seldom mix with the file's); its later keys under the same dict add to that one.
+_REPLACED_WHOLE = ("task_args", "args")
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any], replaced: set[tuple] | None = None,
+           path: tuple = ()) -> dict[str, Any]:
+    """base with extra's keys set; replaced: the argument dicts (paths) the command line has replaced so far."""
+    replaced = set() if replaced is None else replaced
     merged = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("task_args", "args"):
-            merged[key] = _merge(merged[key], value)
+        at = (*path, key)
+        enter = key not in _REPLACED_WHOLE or at in replaced
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and enter:
+            merged[key] = _merge(merged[key], value, replaced, at)
         elif isinstance(value, dict) and isinstance(merged.get(key), list) and value:
-            merged[key] = _merge_items(key, merged[key], value)
+            merged[key] = _merge_items(key, merged[key], value, replaced, at)
         else:
             merged[key] = value
+            if key in _REPLACED_WHOLE:
+                replaced.add(at)
     return merged
 
 
-def _merge_items(key: str, items: list, extra: dict[str, Any]) -> list:
+def _merge_items(key: str, items: list, extra: dict[str, Any], replaced: set[tuple], path: tuple) -> list:
     """`rewards.1.weight=2`: item 1 of the list `rewards` (from 0), merged as a section would be."""
     merged = list(items)
     for index, value in extra.items():
         if not (isinstance(index, str) and index.isdigit()) or int(index) >= len(items):
-            raise UserError(f"{key}.{index}: {key} is a list of {len(items)} item(s): give an index 0..{len(items) - 1} "
-                            f"(e.g. {key}.0.KEY=VALUE) or set the whole list ({key}=[...])")
-        item = merged[int(index)]
-        merged[int(index)] = _merge(item, value) if isinstance(item, dict) and isinstance(value, dict) else value
+            within = f"an index 0..{len(items) - 1} (e.g. {key}.0.KEY=VALUE)" if items else "no index (it is empty)"
+            raise UserError(f"{key}.{index}: {key} is a list of {len(items)} item(s): give {within} or set the whole "
+                            f"list ({key}=[...])")
+        item, at = merged[int(index)], (*path, int(index))
+        merged[int(index)] = _merge(item, value, replaced, at) if isinstance(item, dict) and isinstance(value, dict) \
+            else value
     return merged
 
 
@@ -194,9 +208,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, mod
     validate, apply the algorithm's presets, check the refusal table's config rows (the launch rows wait for the
     recipe). Raises UserError."""
     base = _read_yaml(path) if path is not None or model_cls is RLConfig else {}
-    raw = base
+    raw, replaced = base, set()
     for item in overrides or []:  # in order: `rewards=[...] rewards.1.weight=2` sets the list, then its item 1
-        raw = _merge(raw, parse_overrides([item]))
+        raw = _merge(raw, parse_overrides([item]), replaced)
     try:
         config = model_cls.model_validate(raw)
     except ValidationError as err:
@@ -211,7 +225,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, mod
     env = getattr(config, "env", None)
     if env is not None:
         env.fn = _locate_user_file(env.fn, folder)
-        if isinstance(env.args.get("tools"), list):
+        if env.fn == "tools" and isinstance(env.args.get("tools"), list):  # a user's factory's args stay its own
             env.args["tools"] = [_locate_user_file(t, folder) if isinstance(t, str) else t for t in env.args["tools"]]
     return config
 

@@ -54,11 +54,15 @@ def _has_blank_lines(text: str) -> bool:
     return any(not line.strip() for line in (lines[:-1] if text.endswith("\n") else lines))
 
 
-def _without_blank_lines(text: str, datasets):
-    with tempfile.TemporaryDirectory() as folder:
+def _without_blank_lines(path: str, text: str, datasets):
+    with tempfile.TemporaryDirectory() as folder:  # the copy and its arrow cache, both gone afterwards
         copy = Path(folder) / "rows.jsonl"
         copy.write_text("".join(line + "\n" for line in text.split("\n") if line.strip()), encoding="utf-8")
-        return datasets.load_dataset("json", data_files=str(copy), split="train", keep_in_memory=True)
+        try:
+            return datasets.load_dataset("json", data_files=str(copy), split="train", keep_in_memory=True,
+                                         cache_dir=str(Path(folder) / "cache"))
+        except Exception as err:  # noqa: BLE001 - a malformed file for the user
+            raise UserError(f"could not read data file {path}: {first_line(err.__cause__ or err)}") from None
 
 
 def _json_problem(text: str, suffix: str) -> str | None:
@@ -99,7 +103,7 @@ def read_table(path: str):
         if problem is None and file.suffix.lower() == ".jsonl" and _has_blank_lines(text):
             # every line is a JSON object: datasets' reader of columns with mixed types (answers 3 and "1/2")
             # parses each line again, blank ones too, and fails on them; read the rows without the blank lines
-            return _without_blank_lines(text, datasets)
+            return _without_blank_lines(path, text, datasets)
         raise UserError(f"could not read data file {path}: {problem or first_line(cause)}") from None
     if len(table) == 0:
         raise UserError(f"data file {path} has no rows")

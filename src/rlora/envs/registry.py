@@ -41,6 +41,40 @@ BUILTIN_ENVS: dict[str, Callable[..., Environment]] = {
     "calculator": calculator_env, "tools": tools_env, "textarena": textarena_env}
 
 
+def _builtin_keys(name: str) -> set[str]:
+    """The env.args a built-in environment takes: its factory's own and those it passes on to its class."""
+    passed_on = ToolEnvironment if name in ("calculator", "tools") else None
+    if name == "textarena":
+        from rlora.envs.textarena import TextArenaEnvironment  # no textarena import: only the class
+
+        passed_on = TextArenaEnvironment
+    factory = tools_env if name == "calculator" else BUILTIN_ENVS[name]  # calculator_env is tools_env, tool given
+    own = {key for key, p in inspect.signature(factory).parameters.items() if p.kind != p.VAR_KEYWORD}
+    inner = set(inspect.signature(passed_on.__init__).parameters) - {"self", "tools", "fmt"}
+    return (own | inner) - ({"tools"} if name == "calculator" else set())
+
+
+def _check_args(fn: str, make: Callable, args: dict[str, Any]) -> None:
+    """env.args against what the factory takes, before it runs: a TypeError raised inside a user's factory is then
+    that factory's own fault, not its arguments'."""
+    if fn in BUILTIN_ENVS:
+        unknown = sorted(set(args) - _builtin_keys(fn))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], _builtin_keys(fn), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"env fn '{fn}' does not take env.args {', '.join(unknown)}{hint}: it takes "
+                            f"{', '.join(sorted(_builtin_keys(fn)))}")
+        return
+    try:
+        signature = inspect.signature(make)
+    except (ValueError, TypeError):  # no signature to read (a C function): the call says
+        return
+    try:
+        signature.bind(**args)
+    except TypeError as err:
+        raise UserError(f"env fn '{fn}' does not take these env.args ({', '.join(args) or 'none'}): {err}") from None
+
+
 def env_factory(spec: EnvConfig) -> EnvFactory:
     """A function that makes one fresh environment per episode. It is called once here, so that a bad factory or
     bad arguments (an unknown tool, a tool without a docstring) fail before any model loads."""
@@ -56,12 +90,7 @@ def env_factory(spec: EnvConfig) -> EnvFactory:
     def factory() -> Environment:
         return make(**args)
 
-    try:  # the arguments against the signature: a TypeError raised inside the factory is the factory's own fault
-        inspect.signature(make).bind(**args)
-    except TypeError as err:
-        raise UserError(f"env fn '{spec.fn}' does not take these env.args ({', '.join(args) or 'none'}): {err}") from None
-    except ValueError:  # no signature to read (a builtin): the call says
-        pass
+    _check_args(spec.fn, make, args)
     try:
         probe = factory()
     except UserError:

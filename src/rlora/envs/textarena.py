@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from rlora import deadline
 from rlora.envs.protocol import EnvironmentFault, StepResult
 from rlora.errors import UserError, first_line
 
 GAME_SENDER = -1  # textarena's id of the game's own messages
 _STARTED: set[str] = set()  # games this process has seen start for one player
+PROBE_TIMEOUT_S = 60.0
 
 
 def _import_textarena():
@@ -48,10 +50,11 @@ class TextArenaEnvironment:
     def _check_starts(self, game: str) -> None:
         """One game for one player, as reset() plays it: a two-player game, or one whose data must be downloaded
         (Wordle's word lists), is refused here rather than failing every episode of the first step."""
-        try:
-            probe = self.ta.make(env_id=self.game_id)
-            probe.reset(num_players=1, seed=0)
-            player, _observations = probe.get_observation()
+        try:  # a game that would download something could hang where there is no network: at most a minute
+            with deadline.time_limit(PROBE_TIMEOUT_S, f"did not start within {PROBE_TIMEOUT_S} s"):
+                probe = self.ta.make(env_id=self.game_id)
+                probe.reset(num_players=1, seed=0)
+                player, _observations = probe.get_observation()
         except Exception as err:  # noqa: BLE001 - textarena's own checks (players, downloads): one line
             raise UserError(f"textarena game {game!r} cannot start for one player: {type(err).__name__}: "
                             f"{first_line(err)} (only single-player games that run offline are supported)") from None

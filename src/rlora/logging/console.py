@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 console = Console(stderr=True)
+_now = time.monotonic  # the piped progress lines' clock (tests set their own)
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -32,11 +33,11 @@ def progress_bar(description: str, total: int):
     terminal (logs, CI, a pipe), a plain line per update with text instead: a bar drawn there would come out once,
     at the end, cut to the console's width."""
     if not console.is_terminal:
-        last_line_at = [time.monotonic()]
+        last_line_at = [_now()]
 
         def print_line(completed: int, text: str = "") -> None:
             # each update with metrics (a training step); a bare count (evaluation batches) at most every 10 s
-            now = time.monotonic()
+            now = _now()
             if text or completed >= total or now - last_line_at[0] >= 10.0:
                 console.print(f"{description} {completed}/{total}  {text}".rstrip(), soft_wrap=True)
                 last_line_at[0] = now

@@ -175,16 +175,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_base_model(cfg: ModelConfig, path: str, place: bool = True, config_overrides: dict | None = None
-                    ) -> torch.nn.Module:
+def load_base_model(cfg: ModelConfig, path: str, place: bool = True, no_dropout: bool = False) -> torch.nn.Module:
     """The frozen base on model.device (a quantized base is placed there by bitsandbytes while loading);
     place=False leaves an unquantized base on the CPU (train.fsdp moves it layer by layer as it shards it).
-    config_overrides: config keys set before the modules are built (they read them once, at construction)."""
+    no_dropout: the config's dropout rates set to 0 before the modules are built (they read them once, at
+    construction, some as nn.Dropout modules, some as a rate for a functional dropout), then every nn.Dropout too."""
     quantization = quantization_config(cfg)
     device = resolve_device(cfg.device)
     try:
+        settings = {}
+        if no_dropout:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+            for key in base_dropouts(path, cfg.trust_remote_code):
+                setattr(config.get_text_config(), key, 0.0)
+            settings["config"] = config
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, **(config_overrides or {}),
+            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, **settings,
             **({"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}),
         )
     except Exception as err:  # noqa: BLE001
@@ -192,11 +198,16 @@ def load_base_model(cfg: ModelConfig, path: str, place: bool = True, config_over
     if quantization is None and place:
         model.to(device)
     model.requires_grad_(False)
+    for module in model.modules() if no_dropout else ():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     return model
 
 
-# The dropout rates of a base's own config (attention; Seed-OSS's residual; Phi-3's residual and embedding)
-BASE_DROPOUT_KEYS = ("attention_dropout", "residual_dropout", "resid_pdrop", "embd_pdrop")
+# The dropout rates of a base's own config: attention (attn_pdrop: GPT-2 and its kin), residual (Seed-OSS; Phi-3's
+# resid_pdrop), embedding, hidden (Falcon, GPT-NeoX, StableLM), OPT's `dropout` and `activation_dropout`
+BASE_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "residual_dropout", "resid_pdrop", "embd_pdrop",
+                     "hidden_dropout", "dropout", "activation_dropout")
 
 
 def base_dropouts(path: str, trust_remote_code: bool = False) -> dict[str, float]:

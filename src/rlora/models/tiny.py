@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM, Ernie4_5Config, Gemma3TextConfig, Glm4Config, LlamaConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-    PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SeedOssConfig, SmolLM3Config,
+    AutoModelForCausalLM, Ernie4_5Config, Gemma3TextConfig, Glm4Config, LlamaConfig, MistralConfig, Olmo2Config,
+    Olmo3Config, Phi3Config, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SeedOssConfig, SmolLM3Config,
 )
 
 CHAT_TEMPLATE = (

@@ -93,8 +93,7 @@ class Served:
     def trainee(self, model_id: str) -> None:
         """The training client exists: 410 where its session has finished (its clients were freed), else the
         worker's 404 for an unknown id."""
-        session_id = model_id.split(":train:")[0]
-        if model_id not in self.worker.trainees and session_id in self.finished:
+        if model_id.split(":train:")[0] in self.finished:  # also while the freeing job is still queued
             raise ServeError(410, f"training client '{model_id}' is gone: its session has finished (closed, or no "
                                   f"heartbeat for {self.session_timeout:.0f} s); save_state and "
                                   "create_training_client_from_state carry a client over to a new session")
@@ -137,7 +136,10 @@ class FiniteJSONResponse(JSONResponse):
     parse back. Rendering it as a float failed with a 500 on every poll of the result while the SDK retried."""
 
     def render(self, content) -> bytes:
-        return super().render(_finite_or_text(content))
+        try:  # almost always finite: no walk over large token and log-prob lists
+            return super().render(content)
+        except ValueError:
+            return super().render(_finite_or_text(content))
 
 
 def build_app(served: Served) -> FastAPI:
@@ -215,6 +217,7 @@ def build_app(served: Served) -> FastAPI:
 
     @app.post(f"{API}/get_info")
     async def get_info(body: wire.GetInfo):
+        served.trainee(body.model_id)
         trainee = worker.trainee(body.model_id)
         return {"type": "get_info", "model_id": body.model_id, "is_lora": True, "lora_rank": trainee.rank,
                 "model_name": served.names[0], "optimizer_config": {"type": "adamw"},

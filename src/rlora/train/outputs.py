@@ -86,6 +86,8 @@ def check_eval_output(folder: Path, overwrite: bool) -> None:
 def check_merge_output(output: str, overwrite: bool) -> None:
     """`rlora merge` writes a whole model into a new or empty folder (or, with --overwrite, a used one)."""
     target = Path(output)
+    if target.exists() and not target.is_dir():
+        raise UserError(f"output folder '{output}' exists and is a file")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise UserError(f"output folder '{output}' already holds files: choose another or pass --overwrite")
 

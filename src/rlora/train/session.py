@@ -247,8 +247,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
                        "log-probs are the sampler's function")
     for line in notices if world.is_main else []:  # every input check has passed: say what `auto` chose
         info(line)
-    base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp,  # fsdp: placed layer by layer
-                           config_overrides=dict.fromkeys(dropouts, 0.0))
+    base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp, no_dropout=True)  # fsdp: placed later
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score

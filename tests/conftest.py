@@ -1,10 +1,19 @@
+import atexit
 import json
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+# Every data file a test reads through `datasets` leaves an arrow copy and a lock file in its cache: a run of the
+# suite would add ~250 to the user's ~/.cache/huggingface/datasets. Before anything imports datasets (it reads the
+# variable once), each test process (and the commands it starts) gets its own cache, removed at its exit.
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="rlora-tests-datasets-")
+atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 
-from rlora.models.tiny import build_random_model
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rlora.models.tiny import build_random_model  # noqa: E402
 
 # keep tests single-threaded-deterministic and quiet
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

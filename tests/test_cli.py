@@ -308,3 +308,15 @@ def test_auto_settings_are_announced_once_the_inputs_pass(tiny_model_dir, prompt
                                                                                "train.steps": 1, "eval.before": "false"})
     code, err = run_cli(["train", *args], capsys)
     assert code == 0 and err.count("rollout.sampler_dtype=auto ->") == 1, err
+
+
+def test_resume_auto_into_a_run_without_checkpoints_says_so(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "done"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    code, err = run_cli(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **{"train.resume": "auto"})],
+                        capsys)
+    assert code == 2 and err.strip() == (
+        f"rlora: error: train.resume=auto: '{out}' holds a run but no checkpoint to resume from "
+        "(train.checkpoint_every=N writes them): choose a new folder, or set train.overwrite=true to replace that run")
+    assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]

@@ -306,8 +306,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "policies: the name 'base' is reserved for the base model (rlora eval): choose another",
             ("policies=[{name: base}, {name: b}]",)),
     Refusal("one-policy-listed", ("train",), lambda cfg: cfg.policies is not None and len(cfg.policies) < 2,
-            "policies lists one policy: remove the policies section (train.lr / train.seed set a single policy) or "
-            "list at least two", ("policies=[{name: a}]",)),
+            lambda cfg: f"policies lists {'one policy' if cfg.policies else 'no policy'}: remove the policies section "
+                        "(train.lr / train.seed set a single policy) or list at least two", ("policies=[{name: a}]",)),
     Refusal("policy-named-twice", ("train",), lambda cfg: _duplicate_policy(cfg) is not None,
             lambda cfg: f"policies: the name '{_duplicate_policy(cfg)}' is given twice: every policy needs its own name",
             ("policies=[{name: a}, {name: a}]",)),
@@ -315,8 +315,10 @@ REFUSALS: tuple[Refusal, ...] = (
               "adapter)", MOLORA, "policies-molora"),
     _policies(lambda cfg: _traits(cfg).critic, "algo.name=ppo", "use a group algorithm such as grpo",
               ("algo.name=ppo",), "policies-ppo"),
-    _policies(_batch_statistics, lambda cfg: f"batch-wide advantage statistics ({cfg.algo.name}, "
-              f"adv_scale={cfg.algo.adv_scale})", "use group statistics (e.g. grpo with algo.adv_scale=group)",
+    _policies(_batch_statistics, lambda cfg: "batch-wide advantage statistics (" + (
+              f"{cfg.algo.name} whitens over the batch" if _traits(cfg).batch_statistics
+              else f"algo.adv_scale={cfg.algo.adv_scale}") + ")",
+              "use group statistics (e.g. grpo with algo.adv_scale=group)",
               ("algo.adv_scale=batch",), "policies-batch-statistics"),
     _policies(lambda cfg: cfg.algo.dynamic_sampling, "algo.dynamic_sampling", "set algo.dynamic_sampling=false",
               ("algo.dynamic_sampling=true",), "policies-dynamic-sampling"),

@@ -255,8 +255,10 @@ def check_adapter_folder(folder: str, key: str = "lora.init_from") -> None:
         hint = ": train that run first (e.g. the SFT warm-up a config names), or set lora.init_from=null to start " \
                "from a fresh adapter" if key == "lora.init_from" else ""
         raise UserError(f"{key} '{folder}' not found{hint}")
-    inside = [path / name for name in ("adapter", "reward_model") if (path / name / "adapter_config.json").is_file()]
-    if inside and not (path / "adapter_config.json").is_file():  # the run folder of rlora train/sft or rlora rm
+    # the run folder of rlora train/sft (adapter/; several policies: policies/NAME/adapter/) or rlora rm
+    inside = sorted(p.parent for p in [*path.glob("adapter/*_config.json"), *path.glob("reward_model/*_config.json"),
+                                       *path.glob("policies/*/adapter/*_config.json")])
+    if inside and not (path / "adapter_config.json").is_file():
         raise UserError(f"{key} '{folder}' is a run folder: give the adapter inside it, '{inside[0]}'")
     if not (path / "adapter_config.json").is_file():
         raise UserError(f"{key} '{folder}' is not a PEFT adapter folder (no adapter_config.json)")

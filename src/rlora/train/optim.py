@@ -32,6 +32,24 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, tota
     return optimizer, scheduler
 
 
+_CONFIGURED = ("initial_lr", "betas", "eps", "weight_decay")  # what a param group holds of the run's settings
+
+
+def load_optimizer_state(optimizer, scheduler, optimizer_state: dict, scheduler_state: dict) -> None:
+    """A checkpoint's AdamW moments and step counts, under this run's settings: a resume may change train.lr, its
+    schedule, betas and weight decay (docs/checkpoints.md), which load_state_dict alone would put back to the saved
+    values (the config saved anew would then say one learning rate while another ran)."""
+    configured = [{key: group[key] for key in _CONFIGURED} for group in optimizer.param_groups]
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)  # its step count; its factor functions stay this run's
+    scheduler.base_lrs = [values["initial_lr"] for values in configured]
+    for group, values, base, factor in zip(optimizer.param_groups, configured, scheduler.base_lrs,
+                                           scheduler.lr_lambdas, strict=True):
+        group.update(values)
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+
+
 def optimizer_step(params, optimizer, scheduler, max_grad_norm: float | None, loss: float) -> dict[str, float]:
     """Clip, step, zero. A non-finite loss or gradient skips the update (logged as skipped_update=1)."""
     if max_grad_norm is not None:

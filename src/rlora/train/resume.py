@@ -29,6 +29,7 @@ from rlora.errors import UserError
 from rlora.models.adapters import PolicyAdapter
 from rlora.batching import select_rows
 from rlora.train.checkpoint import latest_valid, verify, write_checkpoint
+from rlora.train.optim import load_optimizer_state
 from rlora.train.policies import Policy
 from rlora.train.replay import ReplayBuffer, StoredGroup
 from rlora.types import Rollout
@@ -204,8 +205,7 @@ def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[
             adapter.load(policy.adapter_in(folder), policy.index)
         except UserError as err:
             raise UserError(f"train.resume: {err}") from None
-        policy.optimizer.load_state_dict(opt_state)
-        policy.scheduler.load_state_dict(sched_state)
+        load_optimizer_state(policy.optimizer, policy.scheduler, opt_state, sched_state)
     if critic is not None:
         critic.restore(folder / "value_model")
     set_rng_state(trainer["rng"])

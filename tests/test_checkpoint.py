@@ -194,7 +194,7 @@ def test_bad_resume_is_one_line_exit_2(case, tiny_model_dir, prompts_file, tmp_p
         message = "refused to load"
     else:
         (run / "checkpoints").rename(tmp_path / "elsewhere")
-        extra["train.resume"], message = "auto", "already holds files"
+        extra["train.resume"], message = "auto", "holds a run but no checkpoint to resume from"
     code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(run), **{**base, **extra})])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("rlora: error:")]

@@ -102,11 +102,14 @@ class RunDir:
         """Before any work: refuse to mix a new run into an existing one."""
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"train.output_dir '{self.path}' exists and is a file")
-        if self.path.is_dir() and any(self.path.iterdir()) and not self.overwrite:
+        if self.holds_files() and not self.overwrite:
             raise UserError(
                 f"train.output_dir '{self.path}' already holds files: choose a new folder or set train.overwrite=true"
             )
         check_parent_writable(self.path, "train.output_dir")
+
+    def holds_files(self) -> bool:
+        return self.path.is_dir() and any(self.path.iterdir())
 
     def create(self) -> None:
         """Make the folder; with overwrite, first remove the outputs of an earlier run (and nothing else)."""

@@ -22,6 +22,7 @@ from packed_groups import ragged_rollout, update
 from rlora.config import LoraConfig, ModelConfig
 from rlora.logging.console import quiet_libraries
 from rlora.models.loading import attach_lora, load_base_model
+from rlora.models.precision import trainer_precision
 
 
 def main() -> int:
@@ -33,6 +34,8 @@ def main() -> int:
     parser.add_argument("--lengths", default="32,32", help="LO,HI: completion lengths uniform in [LO, HI]")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--autocast", default="off", choices=["off", "bfloat16"],
+                        help="train.autocast: the update's passes in the model's float32, or under bf16 autocast")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     quiet_libraries()
@@ -42,8 +45,10 @@ def main() -> int:
     random_up_factors(model, seed=1)
     rollout = ragged_rollout(args.prompts, args.G, args.prompt, lo, hi, model.get_base_model().config.vocab_size)
     rollout.temperature_B = torch.full((rollout.num_completions,), args.temperature)
-    times = [update(model, rollout)[0] for _ in range(args.repeats + 1)][1:]
-    print(f"{rlora.__file__}: {args.prompts} x {args.G} rows, lengths {lo}-{hi}, temperature {args.temperature}: "
+    with trainer_precision(model, args.autocast):
+        times = [update(model, rollout)[0] for _ in range(args.repeats + 1)][1:]
+    print(f"{rlora.__file__}: {args.prompts} x {args.G} rows, lengths {lo}-{hi}, temperature {args.temperature}, "
+          f"autocast {args.autocast}: "
           f"update median {statistics.median(times):.3f} s ({', '.join(f'{t:.2f}' for t in times)})")
     return 0
 

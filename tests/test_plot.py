@@ -99,6 +99,8 @@ BAD_INPUTS = [
     ("no plottable metric", lambda t: [str(_write_run(t / "r", [{"step": 1, "loss": 0.1}]))], "no metric to plot"),
     ("several runs without -o", lambda t: [str(_write_run(t / "a", _rows(2))), str(_write_run(t / "b", _rows(2)))],
      "say where with -o OUT"),
+    ("the same run twice", lambda t: [str(_write_run(t / "a", _rows(2))), str(t / "a") + "/", "-o", str(t / "o")],
+     "is given twice"),
     ("output is a file", lambda t: [str(_write_run(t / "r", _rows(2))), "-o", str(_touch(t / "f.png"))],
      "exists and is a file"),
 ]

@@ -2,6 +2,7 @@
 and a job that fails inside the worker each get a clean error with a message, and the server goes on serving
 (checked after each with a real request); the command refuses bad arguments in one line, exit code 2."""
 
+import ipaddress
 import re
 import shutil
 import socket
@@ -20,7 +21,9 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from rlora.cli import main
+from rlora.errors import UserError
 from rlora.models.tiny import build_random_model
+from rlora.serve.main import host_url, listen
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")
 API = "/api/v1"
@@ -238,6 +241,26 @@ def test_the_command_refuses_bad_arguments_in_one_line(model_dir, tmp_path, caps
     monkeypatch.delitem(sys.modules, "rlora.serve.main", raising=False)
     assert main(["serve", "--state-dir", str(tmp_path / "state")]) == 2
     assert "needs the serve extra (uvicorn is missing): pip install 'rlora[serve]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_the_socket_binds_the_hosts_address_family(host):
+    """--host ::1 was refused ('Address family for hostname not supported'): the socket was always IPv4."""
+    try:
+        sock = listen(host, 0)
+    except UserError as err:
+        if host == "::1" and not socket.has_ipv6:
+            pytest.skip(f"no IPv6 here: {err}")
+        raise
+    try:
+        bound = sock.getsockname()[0]
+        assert ipaddress.ip_address(bound).is_loopback, bound
+        port = sock.getsockname()[1]
+        with socket.create_connection((bound, port), timeout=5):  # it accepts on the address it reports
+            pass
+        assert host_url(host, port) == (f"[::1]:{port}" if host == "::1" else f"{host}:{port}")
+    finally:
+        sock.close()
 
 
 def test_port_0_serves_on_a_free_port_and_says_which(model_dir, tmp_path):

@@ -121,6 +121,10 @@ def plot_runs(runs: list[str], output: str | None = None) -> PlotResult:
         raise UserError("give at least one run folder")
     if len(runs) > 1 and output is None:
         raise UserError(f"{len(runs)} runs are overlaid into one set of figures: say where with -o OUT")
+    resolved = [Path(run).resolve() for run in runs]
+    twice = next((run for run, path in zip(runs, resolved) if resolved.count(path) > 1), None)
+    if twice is not None:  # two identical curves under two labels would read as two runs that agree
+        raise UserError(f"{twice} is given twice: name each run once")
     loaded = [RunMetrics(label, read_metrics(folder)) for folder, label in _expand(runs)]
     present = [key for key in METRICS if any(run.series(key)[0] for run in loaded)]
     if not present:

@@ -202,6 +202,11 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: cfg.data.task is not None and cfg.data.seed == cfg.data.eval_seed,
             "data.seed equals data.eval_seed: the held-out split would repeat the training problems",
             ("data.seed=7", "data.eval_seed=7")),
+    # before the micro-batch rows: with one generation the batch arithmetic is not what needs changing
+    Refusal("one-generation-without-critic", ("train",),
+            lambda cfg: not _traits(cfg).critic and cfg.rollout.num_generations < 2,
+            lambda cfg: f"rollout.num_generations=1 gives {cfg.algo.name} no group to compare (every advantage 0): use "
+                        "at least 2, or algo.name=ppo (its critic is the baseline)", ("rollout.num_generations=1",)),
     Refusal("micro-batch-divides-completions", ("train",),
             lambda cfg: cfg.train.prompts_per_step * cfg.rollout.num_generations % cfg.train.micro_batch_size != 0,
             lambda cfg: f"train.prompts_per_step x rollout.num_generations = "
@@ -248,6 +253,9 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: cfg.rollout.temperature_schedule == "constant" and cfg.rollout.temperature_end is not None,
             "rollout.temperature_end is set but rollout.temperature_schedule is constant: choose linear, cosine or "
             "exponential (or unset temperature_end)", ("rollout.temperature_end=0.5",)),
+    # before the other rows about engine=hf: their fixes (unset what needs the built-in sampler) would not help here
+    _policies(lambda cfg: cfg.rollout.engine != "builtin", "rollout.engine=hf",
+              "use rollout.engine=builtin (it batches the policies)", ("rollout.engine=hf",), "policies-hf-engine"),
     Refusal("hf-engine-think", ("train",), lambda cfg: cfg.rollout.think is not None and cfg.rollout.engine == "hf",
             "rollout.think (phase-aware sampling) needs the built-in sampler: set rollout.engine=builtin or "
             "rollout.think=null", HF + ("rollout.think={}",)),
@@ -292,10 +300,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("ppo-section-without-ppo", ("train",), lambda cfg: not _traits(cfg).critic and cfg.ppo is not None,
             lambda cfg: f"the ppo section applies to algo.name=ppo, not {cfg.algo.name}: remove it or set algo.name=ppo",
             ("ppo={}",)),
-    Refusal("one-generation-without-critic", ("train",),
-            lambda cfg: not _traits(cfg).critic and cfg.rollout.num_generations < 2,
-            lambda cfg: f"rollout.num_generations=1 gives {cfg.algo.name} no group to compare (every advantage 0): use "
-                        "at least 2, or algo.name=ppo (its critic is the baseline)", ("rollout.num_generations=1", "train.micro_batch_size=2")),
     Refusal("ppo-group-options", ("train",), lambda cfg: _traits(cfg).critic and _ppo_group_option(cfg) is not None,
             lambda cfg: f"{_ppo_group_option(cfg)} works on groups of samples and group advantages; algo.name=ppo "
                         f"scores each sample with its critic: disable {_ppo_group_option(cfg)}",
@@ -332,8 +336,6 @@ REFUSALS: tuple[Refusal, ...] = (
             and "lm_head" in cfg.lora.target_modules,
             "policies: an adapter on 'lm_head' (outside the decoder layers) is not supported: target linear layers "
             "inside the decoder layers", ("policies=[{name: a}, {name: b}]", "lora.target_modules=[q_proj, lm_head]")),
-    _policies(lambda cfg: cfg.rollout.engine != "builtin", "rollout.engine=hf",
-              "use rollout.engine=builtin (it batches the policies)", HF, "policies-hf-engine"),
     # ---- a sharded base (train.fsdp)
     Refusal("fsdp-gather-without-fsdp", ("train",),
             lambda cfg: not cfg.train.fsdp and cfg.train.fsdp_gather != "model",

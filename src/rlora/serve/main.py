@@ -46,9 +46,16 @@ def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port another program holds is one line now, not a
     uvicorn traceback after loading, and the port stays this server's meanwhile (--port 0: a free one, printed)."""
     try:
-        return socket.create_server((host, port))
+        # the address family the host resolves to first: an IPv6 host (::1) needs an AF_INET6 socket
+        family, *_, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        return socket.create_server(address[:2], family=family)
     except OSError as err:
-        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+        raise UserError(f"cannot listen on {host_url(host, port)}: {err.strerror or err}") from None
+
+
+def host_url(host: str, port: int) -> str:
+    """HOST:PORT as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: str = "float32",
@@ -84,8 +91,9 @@ def serve_main(args) -> int:
     if served.worker.engine_refusal is not None:
         info(f"rlora serve: the built-in sampler does not run this model ({served.worker.engine_refusal}): sampling "
              "with transformers generate")
-    info(f"rlora serve: {served.names[0]} on http://{args.host}:{port} (state: {served.state.root}); "
-         f"clients: TINKER_BASE_URL=http://{args.host}:{port} "  # the key itself is never printed (logs)
+    where = host_url(args.host, port)
+    info(f"rlora serve: {served.names[0]} on http://{where} (state: {served.state.root}); "
+         f"clients: TINKER_BASE_URL=http://{where} "  # the key itself is never printed (logs)
          f"TINKER_API_KEY={'<the --api-key>' if args.api_key else 'tml-local'}")
     # timeout_graceful_shutdown: Ctrl-C does not wait out the clients' long polls
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_overrides
 from rlora.cli import main
-from rlora.train.checkpoint import checkpoints, latest_valid, verify, write_checkpoint
+from rlora.train.checkpoint import checkpoints, latest_valid, set_aside_after, verify, write_checkpoint
 
 
 def _fill(step: int, size: int = 50_000):
@@ -303,3 +303,23 @@ def test_eval_size_of_a_data_file_without_held_out_prompts_does_not_block_a_resu
     with pytest.raises(UserError, match="different data.eval_size"):
         check_same_run(load_config(None, ["data.task=null", "data.path=rows.jsonl", "data.eval_path=held.jsonl"]),
                        tmp_path)
+
+
+def test_a_second_resume_from_the_same_checkpoint_keeps_both_abandoned_trajectories(tmp_path):
+    """A resume from step 5 sets step 10 aside; the resumed run writes its own step 10; a second resume from step 5
+    used to delete the first trajectory's copy to make room for the second's."""
+    def folder(name: str, holds: str) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "holds.txt").write_text(holds)
+
+    folder("step-0000005", "shared")
+    folder("step-0000010", "first")
+    assert [p.name for p in set_aside_after(tmp_path, 5)] == ["abandoned-step-0000010"]
+    folder("step-0000010", "second")
+    assert [p.name for p in set_aside_after(tmp_path, 5)] == ["abandoned-2-step-0000010"]
+    folder("step-0000010", "third")
+    assert [p.name for p in set_aside_after(tmp_path, 5)] == ["abandoned-3-step-0000010"]
+    held = {p.name: (p / "holds.txt").read_text() for p in tmp_path.iterdir()}
+    assert held == {"step-0000005": "shared", "abandoned-step-0000010": "first",
+                    "abandoned-2-step-0000010": "second", "abandoned-3-step-0000010": "third"}
+    assert [p.name for p in checkpoints(tmp_path)] == ["step-0000005"]  # resume=auto never takes a set-aside one

@@ -133,11 +133,14 @@ def prune(root: Path, keep: int, written: Path | None = None) -> None:
 
 def set_aside_after(root: Path, step: int) -> list[Path]:
     """Checkpoints of steps after `step` belong to the trajectory a resume from `step` replaces: rename them
-    to `abandoned-step-N` (kept for the user, ignored by resume=auto). -> the new names."""
+    to `abandoned-step-N` (kept for the user, ignored by resume=auto), or `abandoned-K-step-N` where an earlier
+    resume already set a step N aside (a second resume from the same checkpoint keeps both). -> the new names."""
     moved = []
     for folder in checkpoints(root):
         if int(_NAME.match(folder.name).group(1)) > step:
             target = root / f"abandoned-{folder.name}"
-            shutil.rmtree(target, ignore_errors=True)
+            tries = 2
+            while target.exists():
+                target, tries = root / f"abandoned-{tries}-{folder.name}", tries + 1
             moved.append(folder.rename(target))
     return moved

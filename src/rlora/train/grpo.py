@@ -110,7 +110,8 @@ def start(s: Session, replay) -> tuple[int, float, dict]:
         run_dir.drop_steps_after(state["step"], names)
     if s.world.is_main and s.run_dir.holds_checkpoint(s.resume_from):
         for folder in set_aside_after(s.resume_from.parent, state["step"]):
-            info(f"checkpoint {folder.name.removeprefix('abandoned-')} is after the resumed step: kept as {folder}")
+            step_name = "step-" + folder.name.rpartition("step-")[2]  # abandoned-[K-]step-N
+            info(f"checkpoint {step_name} is after the resumed step: kept as {folder}")
     info(f"resuming from {s.resume_from} after step {state['step']}")
     return state["step"], state["train_s"], {"before": state["eval_before"]}
 

@@ -60,6 +60,7 @@ class Work:
     train_size: int = 512
     output_dir: str = ""
     rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" / "float16_weights": not identical work
+    rlora_autocast: str = "off"  # rlora only: "bfloat16" runs the update's passes under bf16 autocast: not identical
     device: str = "cpu"  # "cuda": both sides on the GPU
     dtype: str = "float32"  # model weights and compute ("bfloat16" on GPUs)
 
@@ -113,6 +114,7 @@ def run_rlora(work: Work) -> dict:
         "rollout.temperature": work.temperature, "algo.beta": work.beta, "algo.loss_agg": work.loss_agg,
         "rollout.sampler_dtype": work.rlora_sampler_dtype,
         "algo.sampler_is_cap": None if work.rlora_sampler_dtype == "model" else 2.0,
+        "train.autocast": work.rlora_autocast,
         "train.steps": work.total_steps, "train.prompts_per_step": work.prompts_per_step,
         "train.micro_batch_size": work.micro_batch_size, "train.lr": work.lr, "train.seed": work.seed,
         "train.threads": work.threads, "train.output_dir": str(Path(work.output_dir) / "rlora"),
@@ -350,6 +352,7 @@ def print_timing_row(s: dict) -> None:
     w, a, b = s["work"], s["rlora"], s["trl"]
     sampler = w.get("rlora_sampler_dtype", "model")
     model = w["model"] + (f" (rlora: {sampler} sampler)" if sampler != "model" else "")
+    model += f" (rlora: update under {w['rlora_autocast']} autocast)" if w.get("rlora_autocast", "off") != "off" else ""
     on_gpu = w.get("device", "cpu") != "cpu"
     memory = "peak_gpu_mb" if on_gpu else "peak_rss_mb"
     model += f" ({w['device']}, {w['dtype']})" if on_gpu else ""
@@ -377,7 +380,7 @@ def timing(args) -> None:
         work = Work(model=model, completion_len=length, num_generations=gens, beta=beta, prompts_per_step=prompts,
                     micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
                     train_size=args.train_size, rlora_sampler_dtype=args.rlora_sampler_dtype, device=args.device,
-                    dtype=args.dtype)
+                    dtype=args.dtype, rlora_autocast=args.rlora_autocast)
         summary = compare_one(work, args.repeats)
         if summary["rlora"]["same_work"] != summary["trl"]["same_work"]:
             print(f"<!-- work differs: rlora {summary['rlora']['same_work']} TRL {summary['trl']['same_work']} -->")
@@ -414,6 +417,8 @@ def main() -> int:
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16", "float16_weights"],
                    help="rlora's sampler: bfloat16 / float16_weights are not identical work (flagged in the output)")
+    t.add_argument("--rlora-autocast", default="off", choices=["off", "bfloat16"],
+                   help="rlora's train.autocast: bfloat16 is not identical work (flagged in the output)")
     q = sub.add_parser("quality", help="held-out accuracy after equal steps or equal wall-clock training, per seed")
     q.add_argument("--budget-s", type=float, default=300, help="training time per side (unless --steps)")
     q.add_argument("--steps", type=int, default=None, help="optimizer steps per side instead of a time budget")

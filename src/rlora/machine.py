@@ -1,6 +1,6 @@
 """What the machine computes fast, and the `auto` settings that follow from it.
 
-The same command can be 3x slower on one CPU than another: a bfloat16 sampler is ~2.5x faster than float32 on
+The same command can be 3x slower on one CPU than another: a bfloat16 sampler is 1.6-2.6x faster than float32 on
 CPUs with AVX512-BF16 or AMX, and ~2x slower on AVX2-only CPUs, where bf16 matmuls are emulated; there a
 float32 sampler from float16 weight copies (fbgemm) is 1.5-2.3x faster instead (1.3x in demo steps on an AVX512
 CPU without bf16, docs/benchmarks.md). Settings

@@ -234,6 +234,17 @@ def linear_module_names(base: torch.nn.Module, within: str = ".layers.") -> list
                    if isinstance(module, torch.nn.Linear) and ".layers." in name and within in name})
 
 
+def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
+    """peft matches a listed name against the end of each module's path; one that matches nothing is a typo, and
+    peft's own error does not say what the model has."""
+    paths = [name for name, _ in base.named_modules()]
+    missing = [t for t in targets if not any(p == t or p.endswith(f".{t}") for p in paths)]
+    if missing:
+        raise UserError(f"lora.target_modules {missing} match no module of this model: choose from "
+                        f"{', '.join(linear_module_names(base))} (the linear layers of its decoder layers) or set "
+                        "lora.target_modules=all-linear")
+
+
 def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):
     layers, targets = cfg.layers, cfg.target_modules
     if cfg.top_layers is not None:
@@ -243,6 +254,8 @@ def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):
         layers = list(range(num_layers - cfg.top_layers, num_layers))
     if layers is not None and targets == "all-linear":  # peft takes layer indices only with explicit names
         targets = linear_module_names(base)
+    elif isinstance(targets, list):
+        _check_target_names(targets, base)
     return PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
         layers_to_transform=layers, use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM",

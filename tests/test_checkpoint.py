@@ -323,3 +323,19 @@ def test_a_second_resume_from_the_same_checkpoint_keeps_both_abandoned_trajector
     assert held == {"step-0000005": "shared", "abandoned-step-0000010": "first",
                     "abandoned-2-step-0000010": "second", "abandoned-3-step-0000010": "third"}
     assert [p.name for p in checkpoints(tmp_path)] == ["step-0000005"]  # resume=auto never takes a set-aside one
+
+
+def test_resume_takes_step_n_for_the_zero_padded_folder_and_a_missing_one_lists_what_is_there(tmp_path):
+    """Checkpoints are written as step-0000002; train.resume=.../step-2 was refused with a message that asked for
+    exactly that form."""
+    from rlora.config import load_config
+    from rlora.errors import UserError
+    from rlora.train.resume import find_checkpoint
+
+    root = tmp_path / "checkpoints"
+    (root / "step-0000002").mkdir(parents=True)  # no files: found, then refused as incomplete
+    (root / "step-0000004").mkdir()
+    with pytest.raises(UserError, match=r"'.*step-2' is not a complete checkpoint"):
+        find_checkpoint(load_config(None, [f"train.resume={root / 'step-2'}"]))
+    with pytest.raises(UserError, match=r"no checkpoint folder at '.*step-3' \(.*holds step-0000002, step-0000004\)"):
+        find_checkpoint(load_config(None, [f"train.resume={root / 'step-3'}"]))

@@ -100,3 +100,17 @@ def test_a_resumed_run_keeps_its_checkpoints_choice(monkeypatch, tiny_model_dir,
     err = capsys.readouterr().err
     assert "auto -> bfloat16 (the checkpoint's)" in err and "resuming from" in err
     assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["sampler_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("flags,faster", [(BF16, "bfloat16"), (AVX2_F16C, "float16_weights")])
+def test_without_a_correction_the_notice_names_the_faster_setting_and_how_to_use_it(flags, faster, monkeypatch):
+    from rlora.config import load_config
+    from rlora.train.session import resolve_machine_settings
+
+    if faster == "float16_weights" and not packed_fp16_available():
+        pytest.skip("torch without the fbgemm engine")
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    cfg = load_config(None, ["model.device=cpu", "algo.sampler_is_cap=null"])
+    [line] = resolve_machine_settings(cfg, announce=False)
+    assert line.startswith(f"rollout.sampler_dtype=auto -> model (rollout.sampler_dtype={faster} would be faster (")
+    assert "set algo.sampler_is_cap, e.g. 2.0," in line and cfg.rollout.sampler_dtype == "model"

@@ -448,3 +448,19 @@ def test_rlora_eval_refuses_a_reward_adapter_beside_a_molora_candidate(tiny_mode
     with pytest.raises(UserError, match="cannot score beside the molora adapter"):
         check_reward_adapters_fit([reward], [Candidate("base", None), Candidate("mix", str(molora))])
     check_reward_adapters_fit([reward], [Candidate("base", None)])  # LoRA candidates (or none) are fine
+
+
+def test_a_reward_model_is_refused_where_a_policy_adapter_is_expected(tiny_model_dir, rm_folder, tmp_path, capsys):
+    """chat --adapter, merge and lora.init_from took a reward model's folder as a policy (its score head dropped)."""
+    from rlora.models.loading import check_adapter_folder
+
+    for args in (["merge", rm_folder, "-o", str(tmp_path / "merged")],
+                 ["merge", str(Path(rm_folder).parent), "-o", str(tmp_path / "merged")],  # its run folder
+                 ["train", f"model.path={tiny_model_dir}", f"lora.init_from={rm_folder}",
+                  f"train.output_dir={tmp_path / 'run'}"]):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert "is a reward model (it holds reward_model.json), not a policy adapter: score with it through " \
+               "`rewards: [{fn: reward_model" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "run").exists()
+    check_adapter_folder(rm_folder, key="reward model")  # where a reward model is asked for, it is one

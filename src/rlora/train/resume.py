@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from rlora.config import RLConfig, apply_presets, to_yaml
 from rlora.errors import UserError
 from rlora.models.adapters import PolicyAdapter
 from rlora.batching import select_rows
-from rlora.train.checkpoint import latest_valid, verify, write_checkpoint
+from rlora.train.checkpoint import checkpoint_name, checkpoints, latest_valid, verify, write_checkpoint
 from rlora.train.optim import load_optimizer_state
 from rlora.train.policies import Policy
 from rlora.train.replay import ReplayBuffer, StoredGroup
@@ -130,8 +131,14 @@ def find_checkpoint(cfg) -> Path | None:
     if resume == "auto":
         return latest_valid(Path(cfg.train.output_dir) / CHECKPOINTS)
     folder = Path(resume)
+    step = re.fullmatch(r"step-(\d+)", folder.name)
+    if not folder.is_dir() and step:  # step-2 for the folder written as step-0000002
+        folder = folder.with_name(checkpoint_name(int(step.group(1))))
     if not folder.is_dir():
-        raise UserError(f"train.resume: no checkpoint folder at '{resume}' (use 'auto' or a checkpoints/step-N folder)")
+        present = [p.name for p in checkpoints(folder.parent)]
+        raise UserError(f"train.resume: no checkpoint folder at '{resume}' (" + (
+            f"{folder.parent} holds {', '.join(present)}" if present else "use 'auto' or a checkpoints/step-N folder"
+        ) + ")")
     if verify(folder) is None:
         raise UserError(f"train.resume: '{resume}' is not a complete checkpoint (missing or damaged files): "
                         f"use an older one or train.resume=auto")

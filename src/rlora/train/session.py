@@ -198,7 +198,8 @@ def _fastest_sampler(cfg: RLConfig, device) -> tuple[str, str]:
     else:
         return "model", "no native bf16 on this device (AVX512-BF16/AMX absent, or a GPU before Ampere)"
     if cfg.algo.sampler_is_cap is None:
-        return "model", f"{how} would be faster; set algo.sampler_is_cap to sample from it with importance correction"
+        return "model", (f"rollout.sampler_dtype={faster} would be faster ({how}): set algo.sampler_is_cap, e.g. 2.0, "
+                         "to sample with it and correct the small difference by importance weights")
     return faster, f"{how}; algo.sampler_is_cap corrects for it"
 
 

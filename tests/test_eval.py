@@ -153,3 +153,21 @@ def test_adapter_for_another_base_is_one_line(prompts_file, tmp_path, capsys):
     assert main(eval_args(str(small), prompts_file, tmp_path / "ev", "-a", str(tmp_path / "foreign"))) == 2
     err = capsys.readouterr().err.strip()
     assert "does not fit model" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("model_cls, message", [
+    ("SFTConfig", "is a run of rlora sft: evaluate its adapter on an RL task, e.g. `rlora eval CONFIG.yaml --adapter "
+                  "sft="),
+    ("RMConfig", "is a run of rlora rm: its reward model scores completions rather than writing them")])
+def test_a_run_folder_of_sft_or_rm_says_what_it_is(model_cls, message, tmp_path, capsys):
+    """`rlora eval runs/sft-x` said "unknown config key 'data.completion_column' (did you mean 'data.prompt_column'?)"."""
+    import rlora.config as config
+    from rlora.config import to_yaml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config.load_config(None, ["data.path=rows.jsonl"], model_cls=getattr(config, model_cls))
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    assert main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

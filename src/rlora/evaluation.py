@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from rlora.config import RLConfig, load_config, to_yaml
+from rlora.config import RLConfig, RMConfig, SFTConfig, load_config, to_yaml
 from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render_prompt
 from rlora.errors import UserError
 from rlora.logging.console import info, progress_bar
@@ -53,7 +53,11 @@ def resolve_config(items: list[str]) -> tuple[RLConfig, list[str]]:
         run = Path(items[0])
         if not (run / "config.yaml").is_file():
             raise UserError(f"'{run}' is a folder without config.yaml: give a run folder of `rlora train` or a config file")
-        return load_config(str(run / "config.yaml"), items[1:]), run_adapters(run)
+        try:
+            return load_config(str(run / "config.yaml"), items[1:]), run_adapters(run)
+        except UserError:
+            _refuse_other_commands_run(run)
+            raise
     config_path = items[0] if items and "=" not in items[0] else None
     overrides = items[1:] if config_path else items
     bad = [item for item in overrides if "=" not in item]
@@ -61,6 +65,22 @@ def resolve_config(items: list[str]) -> tuple[RLConfig, list[str]]:
         raise UserError(f"unexpected argument '{bad[0]}': give at most one CONFIG.yaml or run folder, then key=value "
                         "overrides")
     return load_config(config_path, overrides), []
+
+
+def _refuse_other_commands_run(run: Path) -> None:
+    """A run folder of rlora sft or rm fails as an RL config on a key only those commands have ('unknown config key
+    data.completion_column'): say what the folder is and how to evaluate what it holds."""
+    for model_cls, command in ((SFTConfig, "sft"), (RMConfig, "rm")):
+        try:
+            load_config(str(run / "config.yaml"), model_cls=model_cls)
+        except UserError:
+            continue
+        if command == "sft":
+            raise UserError(f"'{run}' is a run of rlora sft: evaluate its adapter on an RL task, e.g. `rlora eval "
+                            f"CONFIG.yaml --adapter sft={run / 'adapter'}` (CONFIG.yaml: a config of rlora train)")
+        raise UserError(f"'{run}' is a run of rlora rm: its reward model scores completions rather than writing them; "
+                        f"evaluate policies with it as a reward: `rewards: [{{fn: reward_model, args: {{path: "
+                        f"{run / 'reward_model'}}}}}]`")
 
 
 def run_adapters(run: Path) -> list[str]:

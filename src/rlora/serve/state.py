@@ -30,6 +30,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from rlora.errors import UserError
+from rlora.system import as_if_created
 from rlora.train.outputs import fsync_path
 
 SCHEME = "tinker://"
@@ -151,6 +152,7 @@ class StateDir:
             if target.exists():
                 target.rename(aside)
                 fsync_path(target.parent)
+            as_if_created(temp)
             os.replace(temp, target)
             fsync_path(target.parent)
         except BaseException:

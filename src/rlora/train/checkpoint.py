@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from rlora.system import as_if_created
 from rlora.train.outputs import fsync_path
 
 MANIFEST = "manifest.json"
@@ -62,6 +63,7 @@ def write_checkpoint(root: Path, step: int, fill: Callable[[Path], None], keep: 
         if target.exists():  # the same step again (a resumed run re-saving): set the old one aside until the swap
             old = target.rename(root / f".old-{checkpoint_name(step)}")
             fsync_path(root)
+        as_if_created(tmp)
         os.replace(tmp, target)
         fsync_path(root)
     except BaseException:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlora.errors import UserError
+from rlora.system import as_if_created
 
 
 # what train.overwrite=true clears: these exact names (files or, for the log.* outputs, folders) ...
@@ -145,6 +146,7 @@ class RunDir:
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
+            as_if_created(tmp)
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -176,6 +178,7 @@ class RunDir:
             if target.exists():
                 old = self.path / f".{name}.old-{os.getpid()}"
                 os.replace(target, old)
+            as_if_created(tmp)
             os.replace(tmp, target)
             fsync_path(self.path)
             if old is not None:

@@ -9,7 +9,7 @@ from matplotlib.image import imread
 
 from conftest import tiny_overrides
 from rlora.cli import main
-from rlora.plot import METRICS, RunMetrics, _figure, plot_after_run, plot_runs, read_metrics
+from rlora.plot import RL_METRICS, RunMetrics, _figure, plot_after_run, plot_runs, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -51,7 +51,7 @@ def test_two_runs_are_overlaid_with_their_folder_names(tmp_path, capsys):
     assert main(["plot", str(a), str(b), "-o", str(out)]) == 0
     err = capsys.readouterr().err
     assert "no run has values of kl: skipped" in err and "6 figures" in err  # 5 metrics + overview
-    for name in [f"{key}.png" for key in METRICS if key != "kl"] + ["overview.png"]:
+    for name in [f"{key}.png" for key in RL_METRICS if key != "kl"] + ["overview.png"]:
         _assert_png(out / name)
     # the axes the figures were drawn from: one line per run holding a metric, labelled by folder
     runs = [RunMetrics(p.name, read_metrics(str(p))) for p in (a, b)]
@@ -96,7 +96,7 @@ BAD_INPUTS = [
     ("no metrics.jsonl", lambda t: [str(_mkdir(t / "empty"))], "metrics.jsonl not found"),
     ("empty metrics.jsonl", lambda t: [str(_write_run(t / "r", []))], "holds no complete step line"),
     ("only a torn line", lambda t: [str(_write_run(t / "r", [], tail='{"step": 1, "rew'))], "holds no complete step"),
-    ("no plottable metric", lambda t: [str(_write_run(t / "r", [{"step": 1, "loss": 0.1}]))], "no metric to plot"),
+    ("no plottable metric", lambda t: [str(_write_run(t / "r", [{"step": 1, "grad_norm": 0.1}]))], "no metric to plot"),
     ("several runs without -o", lambda t: [str(_write_run(t / "a", _rows(2))), str(_write_run(t / "b", _rows(2)))],
      "say where with -o OUT"),
     ("the same run twice", lambda t: [str(_write_run(t / "a", _rows(2))), str(t / "a") + "/", "-o", str(t / "o")],
@@ -152,6 +152,25 @@ def _column(rows: list[dict], column: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the steps where the column holds a number."""
     kept = [row for row in rows if row.get(column) is not None]
     return [row["step"] for row in kept], [row[column] for row in kept]
+
+
+@pytest.mark.parametrize("rows, figures", [
+    # rlora sft: training and held-out loss (held-out at some steps only)
+    ([{"step": 1, "loss": 1.7, "grad_norm": 3.7, "step_s": 11.0}, {"step": 2, "loss": 1.5, "step_s": 1.5, "eval_loss": 1.3}],
+     ["loss", "eval_loss", "step_s"]),
+    # rlora rm: losses, pair accuracies and the reward gap
+    ([{"step": 1, "loss": 0.69, "accuracy": 0.0, "reward_gap": 0.0, "step_s": 1.6},
+      {"step": 2, "loss": 0.68, "accuracy": 1.0, "reward_gap": 0.002, "step_s": 1.6, "eval_loss": 0.69, "eval_accuracy": 1.0}],
+     ["loss", "eval_loss", "accuracy", "eval_accuracy", "reward_gap", "step_s"])])
+def test_sft_and_rm_runs_plot_their_losses_and_accuracies(rows, figures, tmp_path, capsys):
+    """An sft or rm run drew only its step time (and noted that it had no clip fraction)."""
+    run = _write_run(tmp_path / "run", rows)
+    assert main(["plot", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "note:" not in err and f"{len(figures) + 1} figures" in err, err
+    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(f"{key}.png" for key in figures + ["overview"])
+    [loss_ax] = _figure(["loss"], [RunMetrics("run", read_metrics(str(run)))]).axes
+    assert loss_ax.get_title() == "loss (training)" and list(loss_ax.get_lines()[0].get_ydata()) == [r["loss"] for r in rows]
 
 
 def test_each_panel_plots_the_column_its_title_names(tmp_path, monkeypatch):

@@ -22,8 +22,8 @@ from rlora.logging.console import info
 
 METRICS_FILE = "metrics.jsonl"
 POLICIES_FOLDER = "policies"  # train/policies.py (not imported: it pulls in torch, and the CLI imports this module)
-# metrics.jsonl key -> axes title
-METRICS = {
+# metrics.jsonl key -> axes title: what `rlora train` logs, and what `rlora sft` / `rlora rm` log
+RL_METRICS = {
     "reward_mean": "reward (mean)",
     "kl": "KL to the reference",
     "entropy": "entropy (nats per token)",
@@ -31,6 +31,15 @@ METRICS = {
     "clip_frac": "clip fraction",
     "step_s": "step time (s)",
 }
+SUPERVISED_METRICS = {
+    "loss": "loss (training)",
+    "eval_loss": "loss (held-out)",
+    "accuracy": "pair accuracy (training)",
+    "eval_accuracy": "pair accuracy (held-out)",
+    "reward_gap": "reward gap, chosen - rejected (training)",
+    "step_s": "step time (s)",
+}
+METRICS = RL_METRICS | SUPERVISED_METRICS
 
 
 @dataclass
@@ -126,13 +135,16 @@ def plot_runs(runs: list[str], output: str | None = None) -> PlotResult:
     if twice is not None:  # two identical curves under two labels would read as two runs that agree
         raise UserError(f"{twice} is given twice: name each run once")
     loaded = [RunMetrics(label, read_metrics(folder)) for folder, label in _expand(runs)]
-    present = [key for key in METRICS if any(run.series(key)[0] for run in loaded)]
+    # runs of rlora train log reward_mean every step; sft and rm runs their losses (an RL run's loss is not drawn)
+    wanted = RL_METRICS if any(run.series("reward_mean")[0] for run in loaded) else SUPERVISED_METRICS
+    present = [key for key in wanted if any(run.series(key)[0] for run in loaded)]
     if not present:
         raise UserError(f"no metric to plot ({', '.join(METRICS)}) in {', '.join(runs)}")
     out = _output_folder(Path(output) if output else Path(runs[0]) / "plots")
     files = [_save(_figure([key], loaded), out / f"{key}.png") for key in present]
     files.append(_save(_figure(present, loaded), out / "overview.png"))
-    return PlotResult(files, [key for key in METRICS if key not in present])
+    # an RL metric missing is worth a note (e.g. kl without algo.beta); an sft run simply has no pair accuracy
+    return PlotResult(files, [key for key in wanted if key not in present] if wanted is RL_METRICS else [])
 
 
 def _output_folder(folder: Path) -> Path:

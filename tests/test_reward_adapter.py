@@ -339,6 +339,8 @@ BAD = [
     ("no path", lambda f, t: "{fn: reward_model}", "needs args.path"),
     ("unknown arg", lambda f, t: f"{{fn: reward_model, args: {{path: {f}, pth: x}}}}", "unknown args.pth"),
     ("missing folder", lambda f, t: f"{{fn: reward_model, args: {{path: {t / 'nope'}}}}}", "is not a folder"),
+    ("missing relative folder", lambda f, t: "{fn: reward_model, args: {path: runs/nope/reward_model}}",
+     "is not a folder (the folder `rlora rm` wrote (OUTPUT/reward_model), relative to the current folder "),
     ("plain adapter folder", lambda f, t: "{fn: reward_model, args: {path: " + _broken_copy(
         f, t, lambda d: (d / "reward_model.json").unlink()) + "}}", "is not a reward model folder"),
     ("other base", lambda f, t: "{fn: reward_model, args: {path: " + _broken_copy(f, t, _set_base) + "}}",

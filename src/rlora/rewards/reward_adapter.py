@@ -87,7 +87,8 @@ class RewardAdapter:
         if system_prompt is not _UNSET and system_prompt is not None and not isinstance(system_prompt, str):
             raise UserError(f"{where}: args.system_prompt must be text or null, not {system_prompt!r}")
         if not Path(path).is_dir():
-            raise UserError(f"{where}: args.path '{path}' is not a folder ({_ARGS['path']})")
+            relative = "" if Path(path).is_absolute() else f", relative to the current folder {Path.cwd()}"
+            raise UserError(f"{where}: args.path '{path}' is not a folder ({_ARGS['path']}{relative})")
         meta = read_reward_meta(path)  # the description and the adapter files (read through)
         size = meta.get("hidden_size")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:

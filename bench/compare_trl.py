@@ -60,7 +60,7 @@ class Work:
     train_size: int = 512
     output_dir: str = ""
     rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" / "float16_weights": not identical work
-    rlora_autocast: str = "off"  # rlora only: "bfloat16" runs the update's passes under bf16 autocast: not identical
+    rlora_autocast: str = "auto"  # rlora only: "bfloat16" runs a float32 model's update under bf16 autocast: not identical
     device: str = "cpu"  # "cuda": both sides on the GPU
     dtype: str = "float32"  # model weights and compute ("bfloat16" on GPUs)
 
@@ -352,7 +352,7 @@ def print_timing_row(s: dict) -> None:
     w, a, b = s["work"], s["rlora"], s["trl"]
     sampler = w.get("rlora_sampler_dtype", "model")
     model = w["model"] + (f" (rlora: {sampler} sampler)" if sampler != "model" else "")
-    model += f" (rlora: update under {w['rlora_autocast']} autocast)" if w.get("rlora_autocast", "off") != "off" else ""
+    model += f" (rlora: update under {w['rlora_autocast']} autocast)" if w.get("rlora_autocast", "auto") == "bfloat16" else ""
     on_gpu = w.get("device", "cpu") != "cpu"
     memory = "peak_gpu_mb" if on_gpu else "peak_rss_mb"
     model += f" ({w['device']}, {w['dtype']})" if on_gpu else ""
@@ -417,8 +417,9 @@ def main() -> int:
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16", "float16_weights"],
                    help="rlora's sampler: bfloat16 / float16_weights are not identical work (flagged in the output)")
-    t.add_argument("--rlora-autocast", default="off", choices=["off", "bfloat16"],
-                   help="rlora's train.autocast: bfloat16 is not identical work (flagged in the output)")
+    t.add_argument("--rlora-autocast", default="auto", choices=["auto", "off", "bfloat16"],
+                   help="rlora's train.autocast (auto: bf16 for a bf16 model where native); bfloat16 with a float32 "
+                   "model is not identical work (flagged in the output)")
     q = sub.add_parser("quality", help="held-out accuracy after equal steps or equal wall-clock training, per seed")
     q.add_argument("--budget-s", type=float, default=300, help="training time per side (unless --steps)")
     q.add_argument("--steps", type=int, default=None, help="optimizer steps per side instead of a time budget")

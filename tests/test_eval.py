@@ -160,12 +160,23 @@ def test_adapter_for_another_base_is_one_line(prompts_file, tmp_path, capsys):
                   "sft="),
     ("RMConfig", "is a run of rlora rm: its reward model scores completions rather than writing them")])
 def test_a_run_folder_of_sft_or_rm_says_what_it_is(model_cls, message, tmp_path, capsys):
+    _eval_other_commands_run(model_cls, message, tmp_path, capsys, whole_model=False)
+
+
+def test_a_whole_model_sft_run_is_evaluated_as_a_base(tmp_path, capsys):
+    _eval_other_commands_run("SFTConfig", "trained the whole model: evaluate it as a base, e.g. `rlora eval CONFIG.yaml "
+                             "model.path=", tmp_path, capsys, whole_model=True)
+
+
+def _eval_other_commands_run(model_cls, message, tmp_path, capsys, whole_model):
     """`rlora eval runs/sft-x` said "unknown config key 'data.completion_column' (did you mean 'data.prompt_column'?)"."""
     import rlora.config as config
     from rlora.config import to_yaml
 
     run = tmp_path / "run"
     run.mkdir()
+    if whole_model:  # train.full_finetune writes RUN/model, no adapter
+        (run / "model").mkdir()
     cfg = config.load_config(None, ["data.path=rows.jsonl"], model_cls=getattr(config, model_cls))
     (run / "config.yaml").write_text(to_yaml(cfg))
     assert main(["eval", str(run)]) == 2

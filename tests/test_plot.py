@@ -101,6 +101,9 @@ BAD_INPUTS = [
      "say where with -o OUT"),
     ("the same run twice", lambda t: [str(_write_run(t / "a", _rows(2))), str(t / "a") + "/", "-o", str(t / "o")],
      "is given twice"),
+    ("runs of two kinds", lambda t: [str(_write_run(t / "rl", _rows(2))),
+                                     str(_write_run(t / "sft", [{"step": 1, "loss": 1.0}])), "-o", str(t / "o")],
+     "rl is a run of rlora train and sft one of rlora sft or rm: overlay runs of one kind"),
     ("output is a file", lambda t: [str(_write_run(t / "r", _rows(2))), "-o", str(_touch(t / "f.png"))],
      "exists and is a file"),
 ]

@@ -255,10 +255,23 @@ def test_the_socket_binds_the_hosts_address_family(host):
     try:
         bound = sock.getsockname()[0]
         assert ipaddress.ip_address(bound).is_loopback, bound
+        # a host name binds IPv4 whatever /etc/hosts lists first: clients given 127.0.0.1 must reach it
+        assert sock.family == (socket.AF_INET6 if host == "::1" else socket.AF_INET)
         port = sock.getsockname()[1]
         with socket.create_connection((bound, port), timeout=5):  # it accepts on the address it reports
             pass
         assert host_url(host, port) == (f"[::1]:{port}" if host == "::1" else f"{host}:{port}")
+    finally:
+        sock.close()
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack IPv6 here")
+def test_every_address_of_ipv6_includes_ipv4():
+    """--host :: binds every address, IPv4 clients included (IPV6_V6ONLY would refuse 127.0.0.1)."""
+    sock = listen("::", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=5):
+            pass
     finally:
         sock.close()
 

@@ -75,6 +75,9 @@ def _refuse_other_commands_run(run: Path) -> None:
             load_config(str(run / "config.yaml"), model_cls=model_cls)
         except UserError:
             continue
+        if command == "sft" and (run / "model").is_dir():  # train.full_finetune: a whole model, no adapter
+            raise UserError(f"'{run}' is a run of rlora sft that trained the whole model: evaluate it as a base, e.g. "
+                            f"`rlora eval CONFIG.yaml model.path={run / 'model'}` (CONFIG.yaml: a config of rlora train)")
         if command == "sft":
             raise UserError(f"'{run}' is a run of rlora sft: evaluate its adapter on an RL task, e.g. `rlora eval "
                             f"CONFIG.yaml --adapter sft={run / 'adapter'}` (CONFIG.yaml: a config of rlora train)")

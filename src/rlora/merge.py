@@ -57,9 +57,9 @@ def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str
     try:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        as_if_created(tmp)
         if target.exists():
             shutil.rmtree(target)
-        as_if_created(tmp)
         tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

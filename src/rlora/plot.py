@@ -136,7 +136,11 @@ def plot_runs(runs: list[str], output: str | None = None) -> PlotResult:
         raise UserError(f"{twice} is given twice: name each run once")
     loaded = [RunMetrics(label, read_metrics(folder)) for folder, label in _expand(runs)]
     # runs of rlora train log reward_mean every step; sft and rm runs their losses (an RL run's loss is not drawn)
-    wanted = RL_METRICS if any(run.series("reward_mean")[0] for run in loaded) else SUPERVISED_METRICS
+    rl = [bool(run.series("reward_mean")[0]) for run in loaded]
+    if any(rl) and not all(rl):  # one set of panels would drop the other kind's curves
+        raise UserError(f"{loaded[rl.index(True)].label} is a run of rlora train and {loaded[rl.index(False)].label} "
+                        "one of rlora sft or rm: overlay runs of one kind")
+    wanted = RL_METRICS if any(rl) else SUPERVISED_METRICS
     present = [key for key in wanted if any(run.series(key)[0] for run in loaded)]
     if not present:
         raise UserError(f"no metric to plot ({', '.join(METRICS)}) in {', '.join(runs)}")

@@ -29,7 +29,14 @@ def return_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # the only way to read it is to set it: put it straight back
+    try:  # Linux says it without changing it (a probe would change it for every thread for a moment)
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # elsewhere: set and put back; the moment between errs on the private side
     os.umask(mask)
     return mask
 
@@ -38,9 +45,13 @@ def as_if_created(path: Path | str) -> None:
     """Give a file or folder made by tempfile (0600 / 0700, so that no one reads it half-written) the permissions a
     plain open()/mkdir() would have given it under the process's umask, before it is renamed into place: a merged
     model or an adapter must be readable by whoever reads the user's other files (a server under another uid).
-    A folder's contents are set too."""
+    A folder's contents are set too. Best effort: a file system without Unix modes (vfat) keeps what it has; a
+    folder's default ACL is not consulted (the umask decides, as for a file created without one)."""
     mask = _umask()
     root = Path(path)
     for item in [root, *(root.rglob("*") if root.is_dir() else ())]:
         if not item.is_symlink():
-            os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)
+            try:
+                os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)
+            except OSError:
+                pass

@@ -240,8 +240,11 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
     paths = [name for name, _ in base.named_modules()]
     missing = [t for t in targets if not any(p == t or p.endswith(f".{t}") for p in paths)]
     if missing:
+        # models whose layers are not under `.layers.` (GPT-2's transformer.h.N): name their leaf modules instead
+        names = linear_module_names(base) or sorted({p.rpartition(".")[2] for p, m in base.named_modules()
+                                                     if p and not any(True for _ in m.children())})
         raise UserError(f"lora.target_modules {missing} match no module of this model: choose from "
-                        f"{', '.join(linear_module_names(base))} (the linear layers of its decoder layers) or set "
+                        f"{', '.join(names)} (the linear layers of its decoder layers) or set "
                         "lora.target_modules=all-linear")
 
 

@@ -46,9 +46,15 @@ def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port another program holds is one line now, not a
     uvicorn traceback after loading, and the port stays this server's meanwhile (--port 0: a free one, printed)."""
     try:
-        # the address family the host resolves to first: an IPv6 host (::1) needs an AF_INET6 socket
-        family, *_, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        return socket.create_server(address[:2], family=family)
+        ip = ipaddress.ip_address(host.partition("%")[0]) if host else None
+    except ValueError:
+        ip = None  # a host name (localhost: IPv4, as clients given 127.0.0.1 expect)
+    try:
+        if ip is not None and ip.version == 6:  # ::1, fe80::1%eth0 (scope kept), :: (every address, IPv4 too)
+            address = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_STREAM)[0][4]
+            return socket.create_server(address, family=socket.AF_INET6,
+                                        dualstack_ipv6=ip.is_unspecified and socket.has_dualstack_ipv6())
+        return socket.create_server((host, port))
     except OSError as err:
         raise UserError(f"cannot listen on {host_url(host, port)}: {err.strerror or err}") from None
 

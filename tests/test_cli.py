@@ -320,3 +320,20 @@ def test_resume_auto_into_a_run_without_checkpoints_says_so(tiny_model_dir, prom
         f"rlora: error: train.resume=auto: '{out}' holds a run but no checkpoint to resume from "
         "(train.checkpoint_every=N writes them): choose a new folder, or set train.overwrite=true to replace that run")
     assert [p.name for p in out.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_target_typo_on_a_model_without_decoder_layers_lists_its_leaf_modules():
+    """GPT-2-like paths (transformer.h.N.attn.c_attn) hold no `.layers.`: the hint named no module at all."""
+    from collections import OrderedDict
+
+    from torch import nn
+
+    from rlora.config import LoraConfig
+    from rlora.models.loading import peft_lora_config
+
+    block = nn.Sequential(OrderedDict(c_attn=nn.Linear(2, 2), c_proj=nn.Linear(2, 2)))
+    model = nn.Sequential(OrderedDict(h=nn.Sequential(block)))
+    with pytest.raises(UserError, match=r"^lora.target_modules \['q_proj'\] match no module of this model: choose "
+                                        r"from c_attn, c_proj \(its leaf modules\)"):
+        peft_lora_config(LoraConfig(target_modules=["q_proj"]), model)
+    assert peft_lora_config(LoraConfig(target_modules=["c_attn"]), model).target_modules == {"c_attn"}

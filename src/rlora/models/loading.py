@@ -241,11 +241,12 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
     missing = [t for t in targets if not any(p == t or p.endswith(f".{t}") for p in paths)]
     if missing:
         # models whose layers are not under `.layers.` (GPT-2's transformer.h.N): name their leaf modules instead
-        names = linear_module_names(base) or sorted({p.rpartition(".")[2] for p, m in base.named_modules()
-                                                     if p and not any(True for _ in m.children())})
+        names, what = linear_module_names(base), "the linear layers of its decoder layers"
+        if not names:
+            names, what = sorted({p.rpartition(".")[2] for p, m in base.named_modules()
+                                  if p and not any(True for _ in m.children())}), "its leaf modules"
         raise UserError(f"lora.target_modules {missing} match no module of this model: choose from "
-                        f"{', '.join(names)} (the linear layers of its decoder layers) or set "
-                        "lora.target_modules=all-linear")
+                        f"{', '.join(names)} ({what}) or set lora.target_modules=all-linear")
 
 
 def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):

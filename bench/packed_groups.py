@@ -2,7 +2,7 @@
 against shared prompts' padded rows, on one batch, alternating in one process:
 
     .venv/bin/python bench/packed_groups.py [--model smollm2] [--prompts 2] [--G 8] [--prompt 46]
-        [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32] [--force | --capacity N]
+        [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32] [--force | --capacity N] [--dense]
 
 P prompts x G rows of random tokens; each row's completion length uniform in [LO, HI], one row of each prompt
 at HI (a row that ran to the length limit, as in the demo's steps). LoRA r16/alpha32 on all linear layers with
@@ -12,7 +12,9 @@ for the backward (the distinct storages saved: the update's activation memory, i
 ratio packed / padded, and how far the two layouts' log-probs and gradients are apart (max |diff|, cosine).
 The packed layout is the estimate's choice (bins of `cheapest_capacity` completion tokens per sequence); --force
 packs even where the estimate prefers the padded pass, --capacity N packs in bins of N tokens (N at least a prompt's
-rows' total: one sequence per prompt).
+rows' total: one sequence per prompt). A packed pass attends by the layout's structure (models/packed_attention.py);
+--dense adds a third side that attends with the dense [Ns, Ns] mask instead (what a pass under gradient
+checkpointing does; its own estimate picks its bins).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def main() -> int:
                         help="pack even where the arithmetic estimate (packing_pays) would not, to check the estimate")
     parser.add_argument("--capacity", type=int, default=None,
                         help="pack in bins of this many completion tokens, whatever the estimate says")
+    parser.add_argument("--dense", action="store_true",
+                        help="also time packed passes that attend with a dense mask (the attention before 2026-11-28)")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     quiet_libraries()
@@ -95,41 +99,51 @@ def main() -> int:
     if args.capacity is not None:
         packed_groups.cheapest_capacity = lambda *_, **__: args.capacity
     batch = trim(rollout.to(model_device(model)))
-    layout = plan_packing(model, batch, prompt_groups(batch))
+    structured = packed_groups.recomputes_forward
+    sides = ["structured", "padded"] + (["dense"] if args.dense else [])
+
+    def use(side: str) -> None:  # what the next passes do
+        set_group_packing(model, side != "padded")
+        packed_groups.recomputes_forward = (lambda model: True) if side == "dense" else structured
+
     print(f"# {args.model} {args.dtype}, LoRA r16 all-linear; {args.prompts} prompts x {args.G} rows, "
           f"prompt {args.prompt}, completions {lo}-{hi} ({int(mask_BT.sum())} of {mask_BT.numel()} positions real); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     forced = " (forced: --force)" if args.force else f" (forced: --capacity {args.capacity})" if args.capacity else ""
-    print("# the estimate does not pack this batch" if layout is None else
-          f"# packed{forced}: {len(layout.prompt_S)} sequences of {layout.num_positions} positions")
-    times: dict[bool, list[float]] = {True: [], False: []}
-    grads: dict[bool, torch.Tensor] = {}
+    for side in [side for side in sides if side != "padded"]:
+        use(side)
+        layout = plan_packing(model, batch, prompt_groups(batch))
+        print(f"# {side}: the estimate does not pack this batch" if layout is None else
+              f"# {side}, packed{forced}: {len(layout.prompt_S)} sequences of {layout.num_positions} positions")
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    grads: dict[str, torch.Tensor] = {}
     for repeat in range(args.repeats + 1):  # the first round warms up
-        for packed in (True, False):
-            set_group_packing(model, packed)
-            seconds, grads[packed] = update(model, rollout)
+        for side in sides:
+            use(side)
+            seconds, grads[side] = update(model, rollout)
             if repeat:
-                times[packed].append(seconds)
-    kept = {}
-    for packed in (True, False):  # apart from the timed rounds: the hooks cost time
-        set_group_packing(model, packed)
+                times[side].append(seconds)
+    kept, logp = {}, {}
+    for side in sides:  # apart from the timed rounds: the hooks cost time
+        use(side)
         with SavedForBackward() as saved:
             update(model, rollout)
-        kept[packed] = saved.bytes / 2**20
-    with torch.no_grad():
-        logp = {}
-        for packed in (True, False):
-            set_group_packing(model, packed)
-            logp[packed] = completion_logprobs(model, rollout)[0].cpu()
-    medians = {packed: statistics.median(values) for packed, values in times.items()}
-    for packed, label in ((False, "padded (shared prompts)"), (True, "packed groups")):
-        values = times[packed]
-        print(f"{label:<24} {medians[packed]:8.3f} s  ({min(values):.3f}-{max(values):.3f}), kept for backward "
-              f"{kept[packed]:.1f} MiB")
-    cosine = float(torch.nn.functional.cosine_similarity(grads[True], grads[False], dim=0))
-    print(f"packed / padded: {medians[True] / medians[False]:.2f}x; log-probs max |diff| "
-          f"{float((logp[True] - logp[False])[mask_BT].abs().max()):.2e}; gradient cosine {cosine:.9f}, norm ratio "
-          f"{float(grads[True].norm() / grads[False].norm()):.7f}")
+        kept[side] = saved.bytes / 2**20
+        with torch.no_grad():
+            logp[side] = completion_logprobs(model, rollout)[0].cpu()
+    medians = {side: statistics.median(values) for side, values in times.items()}
+    labels = {"padded": "padded (shared prompts)", "structured": "packed groups", "dense": "packed, dense mask"}
+    for side in sides:
+        values = times[side]
+        print(f"{labels[side]:<24} {medians[side]:8.3f} s  ({min(values):.3f}-{max(values):.3f}), kept for backward "
+              f"{kept[side]:.1f} MiB")
+    for side in sides:
+        if side == "padded":
+            continue
+        cosine = float(torch.nn.functional.cosine_similarity(grads[side], grads["padded"], dim=0))
+        print(f"{labels[side]} / padded: {medians[side] / medians['padded']:.2f}x; log-probs max |diff| "
+              f"{float((logp[side] - logp['padded'])[mask_BT].abs().max()):.2e}; gradient cosine {cosine:.9f}, "
+              f"norm ratio {float(grads[side].norm() / grads['padded'].norm()):.7f}")
     return 0
 
 

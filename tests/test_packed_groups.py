@@ -145,13 +145,19 @@ def _packed_and_unshared(model, run, attention="sdpa"):
         hf.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("layout", ["structured", "dense"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_groups_give_the_unshared_hidden_states_and_gradients(tiny_model_dir, attention):
+def test_packed_groups_give_the_unshared_hidden_states_and_gradients(tiny_model_dir, monkeypatch, attention, layout):
     """float64: the hidden states agree to 1e-12 (sdpa), the gradients to float32's resolution relative to the
-    largest (transformers' RMSNorm sums in float32, in another order when the rows are packed)."""
+    largest (transformers' RMSNorm sums in float32, in another order when the rows are packed). Both ways of
+    attending in a packed pass: by the layout's structure (models/packed_attention.py, the default), and with the
+    dense mask (what a pass under gradient checkpointing uses)."""
+    if layout == "dense":
+        monkeypatch.setattr(packed_groups, "recomputes_forward", lambda model: True)
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
-    assert plan_packing(model, batch, prompt_groups(batch)) is not None  # the comparison is of the packed pass
+    planned = plan_packing(model, batch, prompt_groups(batch))
+    assert planned is not None and planned.structured == (layout == "structured")  # the pass compared is packed
     # eager attention takes its softmax in float32 (transformers), so there float32's resolution on values ~1-2
     hidden, grads = _assert_packed_is_unshared(model, batch, attention, atol=1e-12 if attention == "sdpa" else 1e-6)
     mask = batch.completion_mask_BTc.bool()
@@ -268,19 +274,24 @@ def test_a_sharded_base_runs_each_layer_once_per_pass(tiny_model_dir, monkeypatc
     assert _decoder_calls(model, batch) == 1
 
 
-def test_the_mask_is_kept_once_for_the_backward_whatever_the_layers(tiny_model_dir):
-    """The additive mask is built once in the scores' dtype: the layers' attention keeps that one tensor for the
-    backward (a boolean mask is turned into a new float tensor in every layer by sdpa)."""
+@pytest.mark.parametrize("layout", ["structured", "dense"])
+def test_the_masks_are_kept_once_for_the_backward_whatever_the_layers(tiny_model_dir, monkeypatch, layout):
+    """The additive masks are built once per pass in the scores' dtype: the layers' attention keeps those tensors for
+    the backward (a boolean mask is turned into a new float tensor in every layer by sdpa). Dense: one [S, 1, Ns, Ns]
+    mask; structured: the prompts' [S, 1, Tp, Tp] and the rows' [B, 1, L, Tp + L]."""
+    if layout == "dense":
+        monkeypatch.setattr(packed_groups, "recomputes_forward", lambda model: True)
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
-    layout = plan_packing(model, batch, prompt_groups(batch))
-    square = (layout.num_positions, layout.num_positions)
+    planned = plan_packing(model, batch, prompt_groups(batch))
+    Tp, L = batch.prompt_ids_BTp.shape[1], int(batch.completion_mask_BTc.sum(-1).max())
+    shapes = [(planned.num_positions, planned.num_positions)] if layout == "dense" else [(Tp, Tp), (L, Tp + L)]
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
         completion_hidden(model, batch)
-    masks = {t.untyped_storage().data_ptr() for t in kept if tuple(t.shape[-2:]) == square and t.dim() == 4
-             and t.shape[1] == 1}
-    assert len(causal_lm(model).get_decoder().layers) >= 2 and len(masks) <= 1, len(masks)
+    masks = {t.untyped_storage().data_ptr() for t in kept if tuple(t.shape[-2:]) in shapes and t.dim() == 4
+             and t.shape[1] == 1 and t.is_floating_point()}
+    assert len(causal_lm(model).get_decoder().layers) >= 2 and len(masks) == len(shapes), len(masks)
 
 
 def test_packed_under_gradient_checkpointing(tiny_model_dir, monkeypatch):
@@ -292,7 +303,8 @@ def test_packed_under_gradient_checkpointing(tiny_model_dir, monkeypatch):
     model.train()
     batch = trim(_rollout(model, tiny_model_dir))
     assert prompt_cache_unsupported(model) == "gradient checkpointing"
-    assert plan_packing(model, batch, prompt_groups(batch)) is not None
+    planned = plan_packing(model, batch, prompt_groups(batch))
+    assert planned is not None and not planned.structured  # the recomputed forward attends with the model's own
     _assert_packed_is_unshared(model, batch)
     monkeypatch.setattr(packed_groups, "packing_pays", lambda *args, **kwargs: False)
     assert _decoder_calls(model, batch, grad=True) == 1

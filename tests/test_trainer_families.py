@@ -1,6 +1,7 @@
 """The trainer's fast paths on the decoder families beyond Llama/Qwen2/Mistral (tiny random Qwen3, Gemma 3
-text, Phi-3, OLMo 2, SmolLM3): chunked log-probs equal the model's own forward, and the frozen prefix shared
-across log-prob passes (models/frozen_prefix.py) equals separate full passes, sliding-window layers included."""
+text, Phi-3, OLMo 2, SmolLM3): chunked log-probs equal the model's own forward, the frozen prefix shared
+across log-prob passes (models/frozen_prefix.py) equals separate full passes, sliding-window layers included, and
+packed groups (models/packed_groups.py) equal passes that share nothing."""
 
 import pytest
 import torch
@@ -10,7 +11,10 @@ from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 from rlora.batching import trim
 from rlora.models.adapters import reference_policy
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer, sharing_unsupported
+from rlora.models.loading import causal_lm
 from rlora.models.logprobs import completion_logprobs, supports_chunked
+from rlora.models.packed_groups import group_packing_unsupported, plan_packing
+from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing
 from rlora.models.tiny import build_random_model
 
 # four layers, windows of 3 tokens where the family has them, so the per-layer masks must follow the layer
@@ -93,3 +97,32 @@ def test_sharing_says_why_it_is_off(four_layer_dirs):
     assert sharing_unsupported(model) is None
     model.config.residual_dropout = 0.1
     assert sharing_unsupported(model) == "residual_dropout=0.1 makes the lower layers random in training"
+
+
+@pytest.mark.parametrize("family", FOUR_LAYERS)
+def test_packed_groups_equal_unshared_passes(four_layer_dirs, family):
+    """Each prompt's rows packed into one sequence (models/packed_groups.py, attention by the layout's structure:
+    models/packed_attention.py, which each family's attention modules reach through transformers' attention
+    interface) against rows that share nothing, float64 log-probs and gradients; a family with sliding-window
+    layers is not packed (the packed attention has no window)."""
+    tokenizer, tok, model = make_policy(four_layer_dirs[family])
+    perturb_adapter(model, scale=0.3)
+    batch = trim(rollout_of(model, tokenizer, tok))
+    model.to(torch.float64)
+    hf = causal_lm(model)
+    windowed = any(t != "full_attention" for t in getattr(hf.config, "layer_types", None) or [])
+    layout = plan_packing(model, batch, prompt_groups(batch))
+    assert (layout is None) == windowed, group_packing_unsupported(model)
+    if windowed:
+        assert group_packing_unsupported(model) == "sliding-window attention"
+        return
+    assert layout.structured
+    mask = batch.completion_mask_BTc.bool()
+    weights = torch.randn(batch.completion_ids_BTc.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
+    packed_logp, packed_grads = logp_and_grads(model, batch, weights)
+    set_prompt_sharing(model, False)
+    unshared_logp, unshared_grads = logp_and_grads(model, batch, weights)
+    assert (packed_logp[mask] - unshared_logp[mask]).abs().max() <= 1e-12
+    assert torch.allclose(packed_grads, unshared_grads, atol=1e-10, rtol=0), \
+        (packed_grads - unshared_grads).abs().max()

@@ -6,18 +6,20 @@ computes them. Packed, each distinct prompt of a micro-batch becomes one sequenc
 
     [prompt (Tp, left-padded as in the batch) | completion of one of its rows | of another | ...]
 
-without the completions' padding, and a 4-D attention mask lets each completion token see the prompt's real
-tokens and the earlier tokens of its own completion, nothing else. Position ids are those of the unpacked row,
-so every real token computes what it computes in its own row (up to the rounding of differently shaped
-products: float64 hidden states agree to 1e-12 in tests/test_packed_groups.py).
+without the completions' padding; each completion token sees the prompt's real tokens and the earlier tokens of
+its own completion, nothing else. Position ids are those of the unpacked row, so every real token computes what it
+computes in its own row (up to the rounding of differently shaped products: float64 hidden states agree to 1e-12 in
+tests/test_packed_groups.py).
 
-The price: attention is computed for every (query, key) pair of a sequence, masked or not, so a group of long
-completions in one sequence costs more attention than its padded rows did. Long rows therefore go into several
-bins of a prompt, each holding at most `capacity` completion tokens (first-fit, longest rows first; a copy of the
-prompt heads each bin), which keeps the pairs near those of the padded rows while the padding is still dropped.
-`cheapest_capacity` weighs the layouts' arithmetic (linear maps per token, attention per pair) for a few
-capacities and packs only when the cheapest costs less than the pass that runs otherwise. The mask is a dense tensor
-the attention reads as given (transformers' "sdpa" and "eager" attention; others are not packed).
+Attention runs by the layout's structure (models/packed_attention.py: the prompts over themselves, each row over
+its prompt and itself), so it costs what the unpacked pass's does. A pass whose backward recomputes the forward
+(gradient checkpointing) attends with a dense 4-D mask instead, which transformers' "sdpa" and "eager" attention
+read as given (others are not packed); there every (query, key) pair of a sequence is computed, masked or not, so a
+group of long completions in one sequence costs more attention than its padded rows did. Long rows may therefore
+go into several bins of a prompt, each holding at most `capacity` completion tokens (first-fit, longest rows first;
+a copy of the prompt heads each bin). `cheapest_capacity` weighs the layouts' arithmetic (linear maps per token,
+attention per pair) for a few capacities and packs only when the cheapest costs less than the pass that runs
+otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from rlora.models.loading import causal_lm
+from rlora.models.packed_attention import plan_structured_attention, structured_attention
 from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
@@ -74,6 +77,7 @@ class PackedLayout:
     target_row_M: torch.Tensor
     target_t_M: torch.Tensor
     sequence_B: tuple[int, ...]  # each row's sequence, on the host
+    structured: bool = True  # attention by the layout's structure (models/packed_attention.py), else a dense mask
 
 
 def plan_packing(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tensor, torch.Tensor]
@@ -93,11 +97,19 @@ def plan_packing(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tens
         return None
     lengths, inverse = host[:B], host[B:2 * B]
     U, Tp = len(first_U), batch.prompt_ids_BTp.shape[1]
+    structured = not recomputes_forward(model)
     capacity = cheapest_capacity(inverse, lengths, U, Tp, Tc, *layer_flops(model),
-                                 cache_pass=prompt_cache_unsupported(model) is None)
+                                 cache_pass=prompt_cache_unsupported(model) is None, structured=structured)
     if capacity is None:
         return None
-    return packed_layout(inverse, lengths, U, Tp, mask_BT.device, capacity)
+    return packed_layout(inverse, lengths, U, Tp, mask_BT.device, capacity, structured)
+
+
+def recomputes_forward(model: nn.Module) -> bool:
+    """Whether this pass's backward runs the decoder layers again (gradient checkpointing, in passes with gradient):
+    they would then attend as the model's own attention does, so such a pass keeps the dense mask."""
+    hf = causal_lm(model)
+    return bool(getattr(hf, "is_gradient_checkpointing", False) and hf.training and torch.is_grad_enabled())
 
 
 def assign_bins(inverse_B: list[int], lengths_B: list[int], num_prompts: int, capacity: int | None
@@ -128,18 +140,23 @@ def assign_bins(inverse_B: list[int], lengths_B: list[int], num_prompts: int, ca
 
 
 def cheapest_capacity(inverse_B: list[int], lengths_B: list[int], num_prompts: int, prompt_len: int,
-                      completion_len: int, flops_per_token: float, flops_per_pair: float, cache_pass: bool = True
-                      ) -> int | None:
+                      completion_len: int, flops_per_token: float, flops_per_pair: float, cache_pass: bool = True,
+                      structured: bool = False) -> int | None:
     """The bin capacity (completion tokens per packed sequence) whose layout costs the least arithmetic, tried at
     1, 2, 4, ... times the longest completion up to a whole prompt's rows in one bin; None where even that costs
-    more than the pass that runs otherwise (packing_pays) or its mask would be too large."""
+    more than the pass that runs otherwise (packing_pays) or its mask would be too large. structured: attention
+    by the layout (packed_attention.py), whose pairs do not depend on the bins, else with a dense mask."""
     longest = max(max(lengths_B, default=0), 1)
     most = max((sum(n for n, u in zip(lengths_B, inverse_B) if u == p) for p in range(num_prompts)), default=0)
     best: tuple[float, int] | None = None
     capacity = longest
     while True:
         _, prompt_S, fill_S = assign_bins(inverse_B, lengths_B, num_prompts, capacity)
-        cost = packed_cost(len(prompt_S), prompt_len + max(fill_S), flops_per_token, flops_per_pair)
+        if structured:
+            cost = structured_cost(len(prompt_S), prompt_len + max(fill_S), len(lengths_B), prompt_len, longest,
+                                   flops_per_token, flops_per_pair)
+        else:
+            cost = packed_cost(len(prompt_S), prompt_len + max(fill_S), flops_per_token, flops_per_pair)
         if cost is not None and (best is None or cost < best[0]):
             best = (cost, capacity)
         if capacity >= most:
@@ -152,7 +169,7 @@ def cheapest_capacity(inverse_B: list[int], lengths_B: list[int], num_prompts: i
 
 
 def packed_layout(inverse_B: list[int], lengths_B: list[int], num_prompts: int, prompt_len: int,
-                  device: torch.device, capacity: int | None = None) -> PackedLayout:
+                  device: torch.device, capacity: int | None = None, structured: bool = True) -> PackedLayout:
     """The packed layout of rows whose distinct prompt is inverse_B[b] and completion length lengths_B[b], in bins
     of at most `capacity` completion tokens (assign_bins; None: one sequence per prompt). Each sequence holds its
     prompt's Tp = prompt_len positions, then the completions of its bin's rows in row order."""
@@ -177,7 +194,7 @@ def packed_layout(inverse_B: list[int], lengths_B: list[int], num_prompts: int, 
     move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     return PackedLayout(num_positions, move(owner_SN), move(torch.tensor(prompt_S, dtype=torch.long)),
                         move(token_seq_N), move(token_slot_N), move(token_row_N), move(token_t_N), move(source_M),
-                        move(token_row_N[predicts_N]), move(token_t_N[predicts_N]), tuple(sequence_B))
+                        move(token_row_N[predicts_N]), move(token_t_N[predicts_N]), tuple(sequence_B), structured)
 
 
 def packed_attention_mask(owner_SN: torch.Tensor, prompt_mask_ST: torch.Tensor) -> torch.Tensor:
@@ -204,6 +221,14 @@ def packed_cost(num_sequences: int, num_positions: int, flops_per_token: float, 
     pairs = num_sequences * num_positions ** 2
     if pairs > MAX_MASK_ELEMENTS:
         return None
+    return num_sequences * num_positions * flops_per_token + pairs * flops_per_pair
+
+
+def structured_cost(num_sequences: int, num_positions: int, num_rows: int, prompt_len: int, longest: int,
+                    flops_per_token: float, flops_per_pair: float) -> float:
+    """packed_cost with attention by the layout's structure: the prompts over themselves, each row's completion
+    (padded to the longest) over its prompt and itself."""
+    pairs = num_sequences * prompt_len ** 2 + num_rows * longest * (prompt_len + longest)
     return num_sequences * num_positions * flops_per_token + pairs * flops_per_pair
 
 
@@ -258,10 +283,16 @@ def packed_prompt_hidden(model: nn.Module, batch: RolloutSlice, groups: tuple[to
     device = ids_SN.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
         decoder.get_input_embeddings().weight.dtype
-    bias_S1NN = torch.zeros((S, 1, Ns, Ns), dtype=dtype, device=device).masked_fill(
-        ~packed_attention_mask(layout.owner_SN, prompt_mask_ST), torch.finfo(dtype).min)
-    hidden_SNH = decoder(input_ids=ids_SN, attention_mask=bias_S1NN, position_ids=positions_SN,
-                         use_cache=False).last_hidden_state
+    if layout.structured:
+        plan = plan_structured_attention(prompt_mask_ST, list(layout.sequence_B), seq_N, slot_N, row_N, t_N, Ns, dtype)
+        with structured_attention(causal_lm(model)):
+            hidden_SNH = decoder(input_ids=ids_SN, position_ids=positions_SN, use_cache=False,
+                                 rlora_packed=plan).last_hidden_state
+    else:
+        bias_S1NN = torch.zeros((S, 1, Ns, Ns), dtype=dtype, device=device).masked_fill(
+            ~packed_attention_mask(layout.owner_SN, prompt_mask_ST), torch.finfo(dtype).min)
+        hidden_SNH = decoder(input_ids=ids_SN, attention_mask=bias_S1NN, position_ids=positions_SN,
+                             use_cache=False).last_hidden_state
     # completion token t > 0 is predicted by the position of token t - 1; each such source is read once, so the
     # backward is a gather, not an accumulation into repeated indices (whose order varies between CPU threads)
     later_BTH = hidden_SNH.new_zeros(B, max(Tc - 1, 0), hidden_SNH.shape[-1]).index_put(

@@ -36,6 +36,7 @@ class SavedForBackward:
 
     def __enter__(self) -> "SavedForBackward":
         self.bytes, self._seen = 0, set()
+        self.bytes_by_dtype: dict[torch.dtype, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self._hooks.__enter__()
         return self
@@ -48,4 +49,5 @@ class SavedForBackward:
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
             self.bytes += storage.nbytes()
+            self.bytes_by_dtype[tensor.dtype] = self.bytes_by_dtype.get(tensor.dtype, 0) + storage.nbytes()
         return tensor

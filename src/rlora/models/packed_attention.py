@@ -8,10 +8,11 @@ pairs where only G L (Tp + L) are read, and the mask itself grows with Ns^2. Her
 - every row's completion over its prompt's keys and its own completion's (causal), the rows padded to the
   longest completion L: [B, H, L, Tp + L], as in shared prompts' cache pass (models/shared_prompts.py);
 
-and puts the results back at the packed positions. On a CPU both run in float32 whatever the model's or autocast's
-dtype: there sdpa's bf16 kernel took twice float32's time for such row blocks (16 rows x 9 heads of 48 x 94
-scores, forward and backward: 15.3 against 7.4 ms with the casts, machine C in docs/benchmarks.md). The linear maps still run on the packed tokens only, which
-is what packing saves; attention costs what the unpacked pass's does, whatever the bins' lengths.
+and puts the results back at the packed positions. The linear maps still run on the packed tokens only, which is
+what packing saves; attention costs what the unpacked pass's does, whatever the bins' lengths. On a CPU both run in
+float32 where the model's or autocast's dtype is a half precision: there sdpa's bf16 kernel took twice float32's
+time for such row blocks (16 rows x 9 heads of 48 x 94 scores, forward and backward: 15.3 against 7.4 ms with the
+casts, machine C in docs/benchmarks.md).
 
 transformers' attention modules call the function registered under config._attn_implementation with the
 keyword arguments of the decoder's call: `structured_attention` switches the implementation for one decoder
@@ -50,7 +51,7 @@ class PackedAttention:
     slot_BL: torch.Tensor  # [B, L] its position there; Ns (the appended zero position) where t is past the row's end
     row_N: torch.Tensor  # [N] the row of each completion token
     t_N: torch.Tensor  # [N] its index in the row's completion
-    output_index: torch.Tensor  # [S * Tp + N] flat positions (s * Ns + slot) of the prompts' positions, then the tokens'
+    output_index: torch.Tensor  # [S * Tp + N] flat positions (s * Ns + slot): the prompts' positions, then the tokens'
 
 
 def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

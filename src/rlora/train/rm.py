@@ -18,7 +18,8 @@ from rlora.data.pref_data import PreferenceData, TokenizedPair, load_preference_
 from rlora.data.sft_data import LengthGroupedOrder
 from rlora.logging.console import info, print_summary
 from rlora.models.loading import (
-    attach_lora, load_base_model, load_tokenizer, model_device, resolve_model_path, trainable_parameters,
+    attach_lora, check_lora_targets, load_base_model, load_tokenizer, model_device, resolve_model_path,
+    trainable_parameters,
 )
 from rlora.models.reward_model import hidden_size, new_score_head, save_reward_model, score
 from rlora.tensors import right_padded
@@ -118,6 +119,7 @@ def _run_rm(cfg: RMConfig, world: World) -> dict:
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     data = load_preference_data(cfg.data, tokenizer, tok.eos_ids[0], cfg.train.max_length)  # before the model
+    check_lora_targets(cfg.lora, model_path, cfg.model.trust_remote_code)  # before the weights load
     model = attach_lora(load_base_model(cfg.model, model_path), cfg.lora)
     model.train()
     head = new_score_head(hidden_size(model), cfg.train.head_init_std, model_device(model))

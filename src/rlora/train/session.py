@@ -31,7 +31,8 @@ from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
-    TokenizerInfo, add_model_eos_ids, attach_lora, base_dropouts, causal_lm, check_adapter_folder, load_base_model,
+    TokenizerInfo, add_model_eos_ids, attach_lora, base_dropouts, causal_lm, check_adapter_folder, check_lora_targets,
+    load_base_model,
     load_tokenizer, max_positions, model_device, quantization_config, resolve_device, resolve_model_path,
 )
 from rlora.models.multi_lora import attach_policies
@@ -236,6 +237,10 @@ def _requires(fn, name: str) -> bool:
 def prepare(cfg: RLConfig, world: World = World()) -> Session:
     run_dir, rewards, resume_from, make_env, notices = check_inputs(cfg, world)
     model_path = resolve_model_path(cfg.model.path)  # a typo or an unreachable hub: before the notices too
+    if cfg.molora is not None:  # a target module's typo: from the model's config, before any data or weight loads
+        ml.check_molora_targets(cfg.molora, model_path, cfg.model.trust_remote_code)
+    else:
+        check_lora_targets(cfg.lora, model_path, cfg.model.trust_remote_code)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)

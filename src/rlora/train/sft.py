@@ -24,7 +24,7 @@ from rlora.logging.console import info, print_summary
 from rlora.models import molora as ml
 from rlora.models.adapters import adapter_of
 from rlora.models.loading import (
-    attach_lora, causal_lm, load_base_model, load_tokenizer, model_device, resolve_model_path,
+    attach_lora, causal_lm, check_lora_targets, load_base_model, load_tokenizer, model_device, resolve_model_path,
     trainable_parameters,
 )
 from rlora.models.logprobs import supports_chunked
@@ -141,6 +141,10 @@ def mean_loss(model, rows: list[TokenizedRow], micro_size: int, pad_id: int, wor
 # ---- plumbing ------------------------------------------------------------------------------------------
 
 def load_model(cfg: SFTConfig, model_path: str):
+    if cfg.molora is not None:  # a target module's typo: from the model's config, before the weights load
+        ml.check_molora_targets(cfg.molora, model_path, cfg.model.trust_remote_code)
+    elif not cfg.train.full_finetune:
+        check_lora_targets(cfg.lora, model_path, cfg.model.trust_remote_code)
     base = load_base_model(cfg.model, model_path)
     if cfg.molora is not None:
         ml.attach_molora(base, cfg.molora)  # in place; freezes the base

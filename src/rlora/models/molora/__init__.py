@@ -22,7 +22,7 @@ from rlora.models.molora.folder import (
 )
 from rlora.models.molora.layer import PARAM_TAG, MoLoRALinear, mixture_delta
 from rlora.models.molora.model import (
-    attach_modules, attach_molora, aux_losses_on, check_bare, has_molora, molora_disabled, molora_modules,
+    attach_modules, attach_molora, aux_losses_on, check_bare, check_molora_targets, has_molora, molora_disabled, molora_modules,
     prompt_summary, prompt_summary_padded, routing_from_prompts, routing_state, sequence_routed, sequence_routing,
     set_sequence_routing, target_names,
 )
@@ -33,6 +33,7 @@ __all__ = [  # sorted: constants, classes, functions
     "AuxLosses", "BatchAuxLoss", "MoLoRAConfig", "MoLoRALinear", "RouterRecord", "RouterStats", "RoutingState",
     "SumOverRanks",
     "attach_modules", "attach_molora", "aux_losses_on", "balance_loss", "batch_aux_losses", "check_bare",
+    "check_molora_targets",
     "collect_aux_losses", "expected_shapes", "expert_utilisation", "has_molora", "last_records", "load_molora",
     "mixture_delta", "molora_disabled", "molora_modules", "prompt_summary", "prompt_summary_padded",
     "read_molora_meta", "rms_normalize", "route", "router_entropy", "router_metrics", "routing_from_prompts",

@@ -11,7 +11,7 @@ from torch import nn
 
 from rlora.config import MoLoRAConfig
 from rlora.errors import UserError
-from rlora.models.loading import causal_lm
+from rlora.models.loading import causal_lm, skeleton
 from rlora.models.molora.layer import PARAM_TAG, MoLoRALinear
 from rlora.models.molora.routing import RoutingState
 
@@ -108,6 +108,12 @@ def molora_disabled(model: nn.Module):
 
 
 # ---- attaching ---------------------------------------------------------------------------------------------
+
+def check_molora_targets(config: MoLoRAConfig, path: str, trust_remote_code: bool = False) -> None:
+    """molora.target_modules naming no linear layer of the model's decoder layers, refused before its weights load
+    (as attaching would after)."""
+    target_names(skeleton(path, trust_remote_code), config.target_modules)
+
 
 def target_names(model: nn.Module, targets: str | list[str]) -> list[str]:
     """Names of the linear layers inside decoder layers that `targets` selects."""

@@ -57,3 +57,17 @@ def test_the_skeleton_has_the_models_modules_without_weights(tiny_model_dir):
     bare = skeleton(tiny_model_dir)
     assert [n for n, _ in bare.named_modules()] == [n for n, _ in loaded.named_modules()]
     assert all(p.is_meta for p in bare.parameters())
+
+
+def test_a_model_that_cannot_be_built_bare_is_checked_after_loading(tiny_model_dir, tmp_path, monkeypatch):
+    """No skeleton (custom code that cannot run on the meta device, here simulated): no early refusal, and attaching
+    the adapter to the loaded model still refuses the typo."""
+    from rlora.config import LoraConfig, ModelConfig
+    from rlora.errors import UserError
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_config",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("meta")))
+    assert skeleton(tiny_model_dir) is None
+    loading.check_lora_targets(LoraConfig(target_modules=["q_prj"]), tiny_model_dir)  # nothing to check against
+    base = loading.load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir)
+    with pytest.raises(UserError, match=r"\['q_prj'\] match no module"):
+        loading.attach_lora(base, LoraConfig(target_modules=["q_prj"]))

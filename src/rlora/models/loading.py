@@ -249,19 +249,25 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
                         f"{', '.join(names)} ({what}) or set lora.target_modules=all-linear")
 
 
-def skeleton(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
+def skeleton(path: str, trust_remote_code: bool = False) -> torch.nn.Module | None:
     """The model's modules built from its config on the meta device: its module names and types without reading or
-    allocating a weight (a tenth of a second, where loading takes seconds to minutes)."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    allocating a weight (a tenth of a second, where loading takes seconds to minutes). None where a model cannot be
+    built so (custom code that computes on its weights as it builds): the checks that use it then run after loading,
+    on the loaded model, as they always do."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - loading says what is wrong with such a model, with its own message
+        return None
 
 
 def check_lora_targets(cfg: LoraConfig, path: str, trust_remote_code: bool = False) -> None:
     """lora.target_modules naming no module of the model, refused before its weights load (as attach_lora would
     after); all-linear needs no check."""
-    if isinstance(cfg.target_modules, list):
-        _check_target_names(cfg.target_modules, skeleton(path, trust_remote_code))
+    bare = skeleton(path, trust_remote_code) if isinstance(cfg.target_modules, list) else None
+    if bare is not None:
+        _check_target_names(cfg.target_modules, bare)
 
 
 def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):

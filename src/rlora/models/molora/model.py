@@ -112,7 +112,9 @@ def molora_disabled(model: nn.Module):
 def check_molora_targets(config: MoLoRAConfig, path: str, trust_remote_code: bool = False) -> None:
     """molora.target_modules naming no linear layer of the model's decoder layers, refused before its weights load
     (as attaching would after)."""
-    target_names(skeleton(path, trust_remote_code), config.target_modules)
+    bare = skeleton(path, trust_remote_code)
+    if bare is not None:
+        target_names(bare, config.target_modules)
 
 
 def target_names(model: nn.Module, targets: str | list[str]) -> list[str]:

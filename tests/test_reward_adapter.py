@@ -466,3 +466,11 @@ def test_a_reward_model_is_refused_where_a_policy_adapter_is_expected(tiny_model
                "`rewards: [{fn: reward_model" in err and err.count("\n") == 1, err
     assert not (tmp_path / "merged").exists() and not (tmp_path / "run").exists()
     check_adapter_folder(rm_folder, key="reward model")  # where a reward model is asked for, it is one
+    # rlora rm would put a new score head on its LoRA: the hint to score with it does not fit there
+    from test_rm import PAIRS, rm_config, write_jsonl
+    config = rm_config(tmp_path, tiny_model_dir, write_jsonl(tmp_path / "pairs.jsonl", PAIRS))
+    assert main(["rm", config, f"lora.init_from={rm_folder}"]) == 2
+    err = capsys.readouterr().err
+    assert "is a reward model (it holds reward_model.json), not a policy adapter: rlora rm starts a new score " \
+           "head, so it cannot continue a reward model" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()

@@ -291,18 +291,24 @@ def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):
 _SCORING_ADAPTERS = {"reward_model.json": "reward model", "value_model.json": "value model"}
 
 
-def _check_role(path: Path, key: str) -> None:
+def _check_role(path: Path, key: str, command: str | None = None) -> None:
     """A reward or value model where a policy adapter is expected loads without its head and is silently a policy
     (chat, merge, lora.init_from took one): refuse it, except where that kind of model is what `key` asks for."""
     role = next((role for name, role in _SCORING_ADAPTERS.items() if (path / name).is_file()), None)
     if role is not None and role != key:
-        use = (f"score with it through `rewards: [{{fn: reward_model, args: {{path: {path}}}}}]`" if
-               role == "reward model" else "it is the critic of a PPO run; its policy is the run's adapter/")
+        if command == "rm":  # lora.init_from of `rlora rm`: its LoRA under a new head would not continue it
+            use = ("rlora rm starts a new score head, so it cannot continue a reward model: start from a policy or "
+                   "SFT adapter, or set lora.init_from=null")
+        elif role == "reward model":
+            use = f"score with it through `rewards: [{{fn: reward_model, args: {{path: {path}}}}}]`"
+        else:
+            use = "it is the critic of a PPO run; its policy is the run's adapter/"
         raise UserError(f"{key} '{path}' is a {role} (it holds {role.replace(' ', '_')}.json), not a policy adapter: "
                         f"{use}")
 
 
-def check_adapter_folder(folder: str, key: str = "lora.init_from") -> None:
+def check_adapter_folder(folder: str, key: str = "lora.init_from", command: str | None = None) -> None:
+    """A PEFT adapter folder that `key` may load (command: the one whose config names it, for its hints)."""
     path = Path(folder)
     if not path.exists():  # a typo, or a run that has not written its adapter yet: say that, not "not an adapter"
         hint = ": train that run first (e.g. the SFT warm-up a config names), or set lora.init_from=null to start " \
@@ -312,9 +318,9 @@ def check_adapter_folder(folder: str, key: str = "lora.init_from") -> None:
     inside = sorted(p.parent for p in [*path.glob("adapter/*_config.json"), *path.glob("reward_model/*_config.json"),
                                        *path.glob("policies/*/adapter/*_config.json")])
     if inside and not (path / "adapter_config.json").is_file():
-        _check_role(inside[0], key)
+        _check_role(inside[0], key, command)
         raise UserError(f"{key} '{folder}' is a run folder: give the adapter inside it, '{inside[0]}'")
-    _check_role(path, key)
+    _check_role(path, key, command)
     if not (path / "adapter_config.json").is_file():
         raise UserError(f"{key} '{folder}' is not a PEFT adapter folder (no adapter_config.json)")
     try:

@@ -29,7 +29,7 @@ def check_inputs(cfg, command: str = "sft", world: World = World()) -> RunDir:
     quantization_config(cfg.model)
     resolve_device(cfg.model.device)  # a GPU asked for but absent: say so before loading anything
     if cfg.lora.init_from:
-        check_adapter_folder(cfg.lora.init_from)
+        check_adapter_folder(cfg.lora.init_from, command=command)
         check_init_from_keys(cfg.lora)
     return run_dir
 

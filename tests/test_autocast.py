@@ -72,6 +72,8 @@ def test_bf16_autocast_changes_the_update_by_rounding_and_keeps_less_for_backwar
     plain_bf16, mixed_bf16 = (kept.bytes_by_dtype[torch.bfloat16] for kept in (plain_kept, mixed_kept))
     assert plain_f32 - mixed_f32 > 0.4 * plain_f32, (mixed_f32, plain_f32)
     assert mixed_bf16 - plain_bf16 < 0.42 * (plain_f32 - mixed_f32), (mixed_bf16, plain_bf16, plain_f32, mixed_f32)
+    # in all: seen 0.79x (0.74x where a packed pass attended with the dense mask in bf16; 0.82x autocast alone)
+    assert mixed_kept.bytes < 0.81 * plain_kept.bytes, (mixed_kept.bytes, plain_kept.bytes)
 
 
 def test_a_policy_equal_to_its_reference_has_ratio_1_and_kl_0_under_autocast(tiny_model_dir):

@@ -33,7 +33,8 @@ def _structured_and_dense(inverse, lengths, prompt_mask_UT, capacity=None, heads
     weights = torch.randn(S, Ns, heads, d, generator=g, dtype=torch.float64)
     real_SN = (layout.owner_SN >= 0) | (torch.nn.functional.pad(prompt_mask_ST.bool(), (0, Ns - Tp)))
     plan = plan_structured_attention(prompt_mask_ST, list(layout.sequence_B), layout.token_seq_N,
-                                     layout.token_slot_N, layout.token_row_N, layout.token_t_N, Ns, torch.float64)
+                                     layout.token_slot_N, layout.token_row_N, layout.token_t_N, Ns, layout.longest,
+                                     torch.float64)
     scale = 0.3
 
     def run(structured: bool):
@@ -54,11 +55,14 @@ def _structured_and_dense(inverse, lengths, prompt_mask_UT, capacity=None, heads
     return out, ref, real_SN, layout, grads, grads_ref
 
 
+@pytest.mark.parametrize("repeat_kv", [False, True])
 @pytest.mark.parametrize("capacity", [None, 3])
-def test_structured_attention_equals_the_dense_mask_at_real_tokens(capacity):
+def test_structured_attention_equals_the_dense_mask_at_real_tokens(capacity, repeat_kv, monkeypatch):
     """Rows 0..4 on prompts [1, 0, 0, 1, 0], completion lengths [2, 0, 3, 1, 1] (a row without tokens), prompts of
-    3 positions, the second with one of left padding; 4 query heads on 2 key/value heads. Capacity 3: prompt 0's
-    rows in two bins (3 and 1 tokens), each headed by a copy of the prompt."""
+    3 positions, the second with one of left padding; 4 query heads on 2 key/value heads (sdpa's enable_gqa, or
+    the heads repeated as on a GPU). Capacity 3: prompt 0's rows in two bins (3 and 1 tokens), each headed by a copy
+    of the prompt."""
+    monkeypatch.setattr(packed_attention, "_gqa_with_a_mask_is_fast", lambda device: not repeat_kv)
     prompt_mask_UT = torch.tensor([[1, 1, 1], [0, 1, 1]])
     out, ref, real_SN, layout, grads, grads_ref = _structured_and_dense(
         [1, 0, 0, 1, 0], [2, 0, 3, 1, 1], prompt_mask_UT, capacity)
@@ -126,7 +130,8 @@ def test_half_precision_attends_in_float32_on_a_cpu():
     prompt_mask_ST = torch.tensor([[1, 1, 1], [0, 1, 1]])[layout.prompt_S]
     S, Ns = layout.owner_SN.shape
     plan = plan_structured_attention(prompt_mask_ST, list(layout.sequence_B), layout.token_seq_N,
-                                     layout.token_slot_N, layout.token_row_N, layout.token_t_N, Ns, torch.bfloat16)
+                                     layout.token_slot_N, layout.token_row_N, layout.token_t_N, Ns, layout.longest,
+                                     torch.bfloat16)
     assert plan.prompt_bias_S1PP.dtype == plan.row_bias_B1LK.dtype == torch.float32
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(S, h, Ns, 8, generator=g).bfloat16() for h in (4, 2, 2))
@@ -153,3 +158,22 @@ def test_a_float32_model_under_bf16_autocast_packs(tiny_model_dir):
         unshared = completion_logprobs(model, batch)[0]
         set_prompt_sharing(model, True)
     assert torch.allclose(packed[mask], unshared[mask], atol=1e-2, rtol=0), (packed - unshared)[mask].abs().max()
+
+
+def test_each_sub_config_gets_its_own_attention_back():
+    """transformers' setter writes a config's value into its sub-configs too; after a packed call each config holds
+    what it held before (a composite config whose vision part attends eagerly and whose text part with sdpa)."""
+    from transformers import Gemma3Config
+
+    config = Gemma3Config()
+    config.vision_config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "sdpa"
+    config._attn_implementation_internal = "sdpa"
+    decoder = nn.Module()
+    decoder.config = config
+    hf = nn.Module()
+    hf.get_decoder = lambda: decoder
+    with structured_attention(hf):
+        assert config._attn_implementation == config.text_config._attn_implementation == STRUCTURED_ATTENTION
+    assert config._attn_implementation == "sdpa" and config.text_config._attn_implementation == "sdpa"
+    assert config.vision_config._attn_implementation == "eager"

@@ -249,6 +249,14 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
                         f"{', '.join(names)} ({what}) or set lora.target_modules=all-linear")
 
 
+def activation_checkpointing(hf_model: torch.nn.Module) -> bool:
+    """Whether gradient checkpointing is on (transformers 5's is_activation_checkpointing; is_gradient_checkpointing,
+    its deprecated alias, in earlier versions)."""
+    if isinstance(getattr(type(hf_model), "is_activation_checkpointing", None), property):
+        return bool(hf_model.is_activation_checkpointing)
+    return bool(getattr(hf_model, "is_gradient_checkpointing", False))
+
+
 def skeleton(path: str, trust_remote_code: bool = False) -> torch.nn.Module | None:
     """The model's modules built from its config on the meta device: its module names and types without reading or
     allocating a weight (a tenth of a second, where loading takes seconds to minutes). None where a model cannot be

@@ -9,16 +9,18 @@ pairs where only G L (Tp + L) are read, and the mask itself grows with Ns^2. Her
   longest completion L: [B, H, L, Tp + L], as in shared prompts' cache pass (models/shared_prompts.py);
 
 and puts the results back at the packed positions. The linear maps still run on the packed tokens only, which is
-what packing saves; attention costs what the unpacked pass's does, whatever the bins' lengths. On a CPU both run in
-float32 where the model's or autocast's dtype is a half precision: there sdpa's bf16 kernel took twice float32's
-time for such row blocks (16 rows x 9 heads of 48 x 94 scores, forward and backward: 15.3 against 7.4 ms with the
-casts, machine C in docs/benchmarks.md).
+what packing saves; attention costs what shared prompts' cache pass's does (plus S x Tp^2 for a prompt copied to
+several bins), whatever the bins' lengths. On a CPU both run in float32 where the model's or autocast's dtype is a
+half precision: there sdpa's bf16 kernel took twice float32's time for such row blocks (16 rows x 9 heads of 48 x
+94 scores, forward and backward: 15.3 against 7.4 ms with the casts, machine C in docs/benchmarks.md); the float32
+copies of the gathered q/k/v it keeps for the backward are the price.
 
 transformers' attention modules call the function registered under config._attn_implementation with the
 keyword arguments of the decoder's call: `structured_attention` switches the implementation for one decoder
 call and the layout travels as the `rlora_packed` keyword. Padding positions of the gathered rows read a zero
 position appended to each sequence and their outputs are dropped, so every gradient that reaches the packed
-positions comes from real tokens (exact zeros from the rest) and no index repeats in the backward.
+positions comes from real tokens (exact zeros from the rest) and no index repeats among real positions in the
+backward (the appended position's, which repeats, is dropped).
 """
 
 from __future__ import annotations
@@ -62,16 +64,17 @@ def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def plan_structured_attention(prompt_mask_ST: torch.Tensor, sequence_B: list[int], seq_N: torch.Tensor,
                               slot_N: torch.Tensor, row_N: torch.Tensor, t_N: torch.Tensor, num_positions: int,
-                              dtype: torch.dtype) -> PackedAttention:
+                              longest: int, dtype: torch.dtype) -> PackedAttention:
     """The plan of a packed layout (models/packed_groups.py PackedLayout's fields): S = len(prompt_mask_ST)
     sequences of num_positions, each headed by a prompt whose real tokens prompt_mask_ST marks; row b in sequence
     sequence_B[b]; completion token i of row row_N[i] at index t_N[i] of its completion sits at slot_N[i] of
-    sequence seq_N[i]. dtype: the scores' (the model's, or autocast's); the attention runs in attention_dtype."""
+    sequence seq_N[i]; `longest`: the longest completion (known on the host: no read back). dtype: the scores'
+    (the model's, or autocast's); the attention runs in attention_dtype."""
     S, Tp = prompt_mask_ST.shape
     device = prompt_mask_ST.device
     dtype = attention_dtype(device, dtype)
     B = len(sequence_B)
-    L = int(t_N.max()) + 1 if len(t_N) else 1
+    L = max(longest, 1)
     prompt_real_ST = prompt_mask_ST.bool()
     index = torch.arange(max(Tp, L), device=device)
     causal_PP = index[:Tp, None] >= index[None, :Tp]
@@ -104,9 +107,12 @@ def _packed_attention(module: nn.Module, query_SHNd: torch.Tensor, key_SKNd: tor
     for unsupported in ("softcap", "s_aux", "sliding_window"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"a packed pass cannot apply attention's {unsupported}: set train.pack_groups=false")
-    S, H, Ns, d = query_SHNd.shape
+    S, H, Ns, _ = query_SHNd.shape
     Tp = plan.prompt_len
     gqa = key_SKNd.shape[1] != H
+    if gqa and not _gqa_with_a_mask_is_fast(query_SHNd.device):
+        key_SKNd, value_SKNd = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (key_SKNd, value_SKNd))
+        gqa = False
     # under autocast q and k may come out of the rotary in float32 while v is a bf16 product: v's dtype is the
     # layer's; all three are cast to the plan's (float32 for half precision on a CPU: attention_dtype)
     given, compute = value_SKNd.dtype, plan.prompt_bias_S1PP.dtype
@@ -126,9 +132,16 @@ def _packed_attention(module: nn.Module, query_SHNd: torch.Tensor, key_SKNd: tor
         return torch.cat([plan.sequence_rows(x_SKNd[:, :, :Tp]), rows(x_SKNd)], dim=2)
 
     rows_BHLd = attend(rows(query_SHNd), with_prompt(key_SKNd), with_prompt(value_SKNd), plan.row_bias_B1LK)
-    values = torch.cat([prompt_SHPd.transpose(1, 2).reshape(S * Tp, H, d), rows_BHLd[plan.row_N, :, plan.t_N]])
-    out = values.new_zeros(S * Ns, H, d).index_put((plan.output_index,), values)  # backward: a gather
-    return out.view(S, Ns, H, d).to(given), None
+    dv = value_SKNd.shape[-1]  # the outputs' head size (v's, which may differ from q's)
+    values = torch.cat([prompt_SHPd.transpose(1, 2).reshape(S * Tp, H, dv), rows_BHLd[plan.row_N, :, plan.t_N]])
+    out = values.new_zeros(S * Ns, H, dv).index_put((plan.output_index,), values)  # backward: a gather
+    return out.view(S, Ns, H, dv).to(given), None
+
+
+def _gqa_with_a_mask_is_fast(device: torch.device) -> bool:
+    """sdpa's enable_gqa with a mask runs in the CPU's flash kernel; CUDA's takes it only in its math kernel (which
+    keeps the attention probabilities for the backward), so there the key/value heads are repeated instead."""
+    return device.type == "cpu"
 
 
 AttentionInterface.register(STRUCTURED_ATTENTION, _packed_attention)
@@ -136,12 +149,24 @@ AttentionInterface.register(STRUCTURED_ATTENTION, _packed_attention)
 
 @contextmanager
 def structured_attention(hf_model: nn.Module):
-    """The model's attention modules call _packed_attention inside (one decoder call: not across a backward that
-    recomputes the forward, as gradient checkpointing does)."""
-    config = hf_model.config
-    before = config._attn_implementation
+    """The decoder's attention modules call _packed_attention inside (one decoder call: not across a backward that
+    recomputes the forward, as gradient checkpointing does). The decoder's config is switched (the one its layers
+    read); the setter also writes the sub-configs, so each config gets its own value back afterwards."""
+    config = hf_model.get_decoder().config
+    configs = _with_sub_configs(config)
+    before = [c._attn_implementation for c in configs]
     config._attn_implementation = STRUCTURED_ATTENTION
     try:
         yield
     finally:
-        config._attn_implementation = before
+        for c, value in zip(configs, before):  # parents before their sub-configs: each setter's copy is overwritten
+            c._attn_implementation = value
+
+
+def _with_sub_configs(config) -> list:
+    found = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            found += _with_sub_configs(sub)
+    return found

@@ -12,7 +12,7 @@ computes in its own row (up to the rounding of differently shaped products: floa
 tests/test_packed_groups.py).
 
 Attention runs by the layout's structure (models/packed_attention.py: the prompts over themselves, each row over
-its prompt and itself), so it costs what the unpacked pass's does. A pass whose backward recomputes the forward
+its prompt and itself), so it costs what shared prompts' cache pass's does. A pass whose backward recomputes the forward
 (gradient checkpointing) attends with a dense 4-D mask instead, which transformers' "sdpa" and "eager" attention
 read as given (others are not packed); there every (query, key) pair of a sequence is computed, masked or not, so a
 group of long completions in one sequence costs more attention than its padded rows did. Long rows may therefore
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlora.models.loading import causal_lm
+from rlora.models.loading import activation_checkpointing, causal_lm
 from rlora.models.packed_attention import plan_structured_attention, structured_attention
 from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported
 from rlora.tensors import position_ids_from_mask
@@ -54,8 +54,11 @@ def group_packing_unsupported(model: nn.Module) -> str | None:
     attention = getattr(hf.config, "_attn_implementation", None)
     if attention not in PACKABLE_ATTENTION:
         return f"attention '{attention}' takes no custom mask"
-    if any(t != "full_attention" for t in getattr(hf.config, "layer_types", None) or []):
-        return "sliding-window attention"  # the mask given as is would replace the window
+    layer_types = getattr(hf.config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or (
+            not layer_types and getattr(hf.config, "sliding_window", None)
+            and getattr(hf.config, "use_sliding_window", True)):  # a window without layer types (Phi-3's config)
+        return "sliding-window attention"  # the packed attention has no window
     return None
 
 
@@ -77,6 +80,7 @@ class PackedLayout:
     target_row_M: torch.Tensor
     target_t_M: torch.Tensor
     sequence_B: tuple[int, ...]  # each row's sequence, on the host
+    longest: int  # the longest completion, on the host
     structured: bool = True  # attention by the layout's structure (models/packed_attention.py), else a dense mask
 
 
@@ -109,7 +113,7 @@ def recomputes_forward(model: nn.Module) -> bool:
     """Whether this pass's backward runs the decoder layers again (gradient checkpointing, in passes with gradient):
     they would then attend as the model's own attention does, so such a pass keeps the dense mask."""
     hf = causal_lm(model)
-    return bool(getattr(hf, "is_gradient_checkpointing", False) and hf.training and torch.is_grad_enabled())
+    return bool(activation_checkpointing(hf) and hf.training and torch.is_grad_enabled())
 
 
 def assign_bins(inverse_B: list[int], lengths_B: list[int], num_prompts: int, capacity: int | None
@@ -144,8 +148,9 @@ def cheapest_capacity(inverse_B: list[int], lengths_B: list[int], num_prompts: i
                       structured: bool = False) -> int | None:
     """The bin capacity (completion tokens per packed sequence) whose layout costs the least arithmetic, tried at
     1, 2, 4, ... times the longest completion up to a whole prompt's rows in one bin; None where even that costs
-    more than the pass that runs otherwise (packing_pays) or its mask would be too large. structured: attention
-    by the layout (packed_attention.py), whose pairs do not depend on the bins, else with a dense mask."""
+    more than the pass that runs otherwise (packing_pays) or, with the dense mask, its mask would be too large.
+    structured: attention by the layout (packed_attention.py), whose pairs depend on the bins only through the
+    prompt's copies, else with a dense mask."""
     longest = max(max(lengths_B, default=0), 1)
     most = max((sum(n for n, u in zip(lengths_B, inverse_B) if u == p) for p in range(num_prompts)), default=0)
     best: tuple[float, int] | None = None
@@ -194,7 +199,8 @@ def packed_layout(inverse_B: list[int], lengths_B: list[int], num_prompts: int, 
     move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     return PackedLayout(num_positions, move(owner_SN), move(torch.tensor(prompt_S, dtype=torch.long)),
                         move(token_seq_N), move(token_slot_N), move(token_row_N), move(token_t_N), move(source_M),
-                        move(token_row_N[predicts_N]), move(token_t_N[predicts_N]), tuple(sequence_B), structured)
+                        move(token_row_N[predicts_N]), move(token_t_N[predicts_N]), tuple(sequence_B),
+                        max(lengths_B, default=0), structured)
 
 
 def packed_attention_mask(owner_SN: torch.Tensor, prompt_mask_ST: torch.Tensor) -> torch.Tensor:
@@ -284,7 +290,8 @@ def packed_prompt_hidden(model: nn.Module, batch: RolloutSlice, groups: tuple[to
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
         decoder.get_input_embeddings().weight.dtype
     if layout.structured:
-        plan = plan_structured_attention(prompt_mask_ST, list(layout.sequence_B), seq_N, slot_N, row_N, t_N, Ns, dtype)
+        plan = plan_structured_attention(prompt_mask_ST, list(layout.sequence_B), seq_N, slot_N, row_N, t_N, Ns,
+                                         layout.longest, dtype)
         with structured_attention(causal_lm(model)):
             hidden_SNH = decoder(input_ids=ids_SN, position_ids=positions_SN, use_cache=False,
                                  rlora_packed=plan).last_hidden_state

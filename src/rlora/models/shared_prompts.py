@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rlora.models import molora as ml
-from rlora.models.loading import causal_lm
+from rlora.models.loading import activation_checkpointing, causal_lm
 from rlora.models.multi_lora import policy_state
 from rlora.models.sharded_base import sharded_base
 from rlora.tensors import position_ids_from_mask
@@ -69,7 +69,7 @@ def prompt_cache_unsupported(model: nn.Module) -> str | None:
     hf = causal_lm(model)
     if sharded_base(model) is not None:
         return "a sharded base (train.fsdp)"
-    if getattr(hf, "is_gradient_checkpointing", False) and hf.training and torch.is_grad_enabled():
+    if activation_checkpointing(hf) and hf.training and torch.is_grad_enabled():
         return "gradient checkpointing"  # transformers checkpoints (and drops the cache) only then
     return None
 

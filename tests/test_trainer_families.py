@@ -13,7 +13,7 @@ from rlora.models.adapters import reference_policy
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer, sharing_unsupported
 from rlora.models.loading import causal_lm
 from rlora.models.logprobs import completion_logprobs, supports_chunked
-from rlora.models.packed_groups import group_packing_unsupported, plan_packing
+from rlora.models.packed_groups import group_packing_unsupported, plan_packing, set_group_packing
 from rlora.models import shared_prompts
 from rlora.models.packed_attention import STRUCTURED_ATTENTION
 from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing
@@ -73,6 +73,7 @@ def test_shared_prefix_equals_separate_full_passes(four_layer_dirs, family):
     tokenizer, tok, model = make_policy(four_layer_dirs[family], layers=[2, 3])
     perturb_adapter(model, scale=0.3)
     assert first_adapter_layer(model) == 2 and sharing_unsupported(model) is None
+    set_prompt_sharing(model, False)  # the reference: separate rows (shared prompts are compared in the tests below)
     rollout = rollout_of(model, tokenizer, tok)
     model.to(torch.float64)
     prefix = FrozenPrefix(model, rollout, 2, micro_batch_size=3)  # computed in other micro-batches than used
@@ -102,15 +103,65 @@ def test_sharing_says_why_it_is_off(four_layer_dirs):
     assert sharing_unsupported(model) == "residual_dropout=0.1 makes the lower layers random in training"
 
 
+# every family whose prompts are shared, without sliding windows (Mistral's and Phi-3's configs without one)
+SHARED = {family: {"sliding_window": None} if family in ("mistral", "phi3") else {}
+          for family in shared_prompts.SHAREABLE_MODEL_TYPES}
+
+
+@pytest.fixture(scope="module")
+def shared_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared_families")
+    return {name: str(build_random_model(root / name, family=name, layers=2, seed=6, tie=name != "glm4", **kwargs))
+            for name, kwargs in SHARED.items()}
+
+
+@pytest.mark.parametrize("path", ["cache", "packed"])
+@pytest.mark.parametrize("family", SHARED)
+def test_shared_and_packed_passes_equal_unshared_ones_on_every_shared_family(shared_dirs, family, path, monkeypatch):
+    """Prompts shared through a key/value cache (models/shared_prompts.py) or packed with the rows' completions
+    (models/packed_groups.py, attention by the layout's structure) against rows that share nothing, float64:
+    log-probs to 1e-12, gradients to float32's resolution relative to the largest (transformers' RMSNorms compute
+    in float32 even in a float64 model, and their backward rounds differently where a token sits in another shape;
+    as tests/test_packed_groups.py allows on Llama). The pass compared is the one named: the decoder runs twice
+    (prompts, then completions) for the cache, once through the structured attention for the packed pass."""
+    calls = []
+    inner = ALL_ATTENTION_FUNCTIONS[STRUCTURED_ATTENTION]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, STRUCTURED_ATTENTION,
+                        lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs))
+    tokenizer, tok, model = make_policy(shared_dirs[family])
+    perturb_adapter(model, scale=0.3)
+    batch = trim(rollout_of(model, tokenizer, tok))
+    model.to(torch.float64)
+    hf = causal_lm(model)
+    assert shared_prompts.sharing_prompts_unsupported(model) is None
+    set_group_packing(model, path == "packed")
+    assert (plan_packing(model, batch, prompt_groups(batch)) is not None) == (path == "packed")
+    mask = batch.completion_mask_BTc.bool()
+    weights = torch.randn(batch.completion_ids_BTc.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
+    decoder_calls = []
+    handle = hf.get_decoder().register_forward_hook(lambda *args: decoder_calls.append(1))
+    shared_logp, shared_grads = logp_and_grads(model, batch, weights)
+    handle.remove()
+    layers = len(hf.get_decoder().layers)
+    assert (len(decoder_calls), len(calls)) == ((2, 0) if path == "cache" else (1, layers))
+    set_prompt_sharing(model, False)
+    unshared_logp, unshared_grads = logp_and_grads(model, batch, weights)
+    assert (shared_logp[mask] - unshared_logp[mask]).abs().max() <= 1e-12
+    scale = float(unshared_grads.abs().max())
+    assert torch.allclose(shared_grads, unshared_grads, atol=2e-6 * scale, rtol=0), \
+        ((shared_grads - unshared_grads).abs().max(), scale)
+
+
 @pytest.mark.parametrize("family", FOUR_LAYERS)
 def test_packed_groups_equal_unshared_passes(four_layer_dirs, family, monkeypatch):
     """Each prompt's rows packed into one sequence (models/packed_groups.py, attention by the layout's structure:
     models/packed_attention.py, which each family's attention modules reach through transformers' attention
-    interface) against rows that share nothing, float64 log-probs and gradients. Prompts are shared (and so packed)
-    only on llama, qwen2 and qwen3 (shared_prompts.SHAREABLE_MODEL_TYPES); here every family is let in, so that the
-    packed pass is known to hold on each before sharing is. A family with sliding-window layers is not packed (the
-    packed attention has no window): qwen3 with use_sliding_window, Gemma 3, OLMo 3, SmolLM3, and Phi-3, whose
-    config has a window without layer types."""
+    interface) against rows that share nothing, float64 log-probs and gradients, on the four-layer models with
+    their windows. Gemma 3 and OLMo 3 do not share prompts (shared_prompts.SHAREABLE_MODEL_TYPES); here every family
+    is let in, so that what packing does with windows is seen on each: a model with sliding-window layers is not
+    packed (the packed attention has no window): Qwen3 and SmolLM3 with use_sliding_window, Gemma 3, OLMo 3, and
+    Phi-3, whose config has a window without layer types."""
     monkeypatch.setattr(shared_prompts, "SHAREABLE_MODEL_TYPES", (*shared_prompts.SHAREABLE_MODEL_TYPES, family))
     calls = []
     inner = ALL_ATTENTION_FUNCTIONS[STRUCTURED_ATTENTION]

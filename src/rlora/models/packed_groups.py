@@ -31,7 +31,7 @@ from torch import nn
 
 from rlora.models.loading import activation_checkpointing, causal_lm
 from rlora.models.packed_attention import plan_structured_attention, structured_attention
-from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported
+from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported, sliding_window_layers
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
@@ -54,10 +54,7 @@ def group_packing_unsupported(model: nn.Module) -> str | None:
     attention = getattr(hf.config, "_attn_implementation", None)
     if attention not in PACKABLE_ATTENTION:
         return f"attention '{attention}' takes no custom mask"
-    layer_types = getattr(hf.config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (
-            not layer_types and getattr(hf.config, "sliding_window", None)
-            and getattr(hf.config, "use_sliding_window", True)):  # a window without layer types (Phi-3's config)
+    if sliding_window_layers(hf.config):
         return "sliding-window attention"  # the packed attention has no window
     return None
 

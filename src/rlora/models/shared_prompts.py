@@ -29,13 +29,24 @@ from rlora.models.sharded_base import sharded_base
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
-SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# the families whose shared and packed passes are tested against unshared ones (tests/test_trainer_families.py)
+SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "glm4", "ernie4_5",
+                         "seed_oss")
 _OFF_ATTR = "_rlora_no_prompt_sharing"
 
 
 def set_prompt_sharing(model: nn.Module, enabled: bool) -> None:
     """train.share_prompts for the log-prob passes of this model (on by default)."""
     setattr(causal_lm(model), _OFF_ATTR, not enabled)
+
+
+def sliding_window_layers(config) -> bool:
+    """Whether some layer attends within a window: layer types other than full attention, or a window set without
+    layer types (Mistral's and Phi-3's configs; use_sliding_window=false turns Qwen2's off)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if layer_types:
+        return any(t != "full_attention" for t in layer_types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
 
 
 def sharing_prompts_unsupported(model: nn.Module) -> str | None:
@@ -46,7 +57,7 @@ def sharing_prompts_unsupported(model: nn.Module) -> str | None:
         return "train.share_prompts=false"
     if config.model_type not in SHAREABLE_MODEL_TYPES:
         return f"model type '{config.model_type}'"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+    if sliding_window_layers(config):
         return "sliding-window attention"
     if policy_state(model) is not None or ml.has_molora(model):
         return "a row's adapter or routing is its own"

@@ -87,16 +87,22 @@ def test_structured_attention_on_a_random_ragged_batch():
     assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, grads_ref))
 
 
+def count_structured_calls(monkeypatch) -> list:
+    """A list that grows by one at every call of the structured attention (for the rest of the test)."""
+    calls = []
+    inner = ALL_ATTENTION_FUNCTIONS[STRUCTURED_ATTENTION]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, STRUCTURED_ATTENTION,
+                        lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs))
+    return calls
+
+
 def test_the_packed_pass_attends_by_structure_and_restores_the_models_attention(tiny_model_dir, monkeypatch):
     """The model's packed pass calls the structured attention once per layer; afterwards (and after an error inside
     a pass) the model's configured attention is back; the function refuses a call outside a packed pass."""
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
     assert plan_packing(model, batch, prompt_groups(batch)).structured
-    calls = []
-    inner = ALL_ATTENTION_FUNCTIONS[STRUCTURED_ATTENTION]
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, STRUCTURED_ATTENTION,
-                        lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs))
+    calls = count_structured_calls(monkeypatch)
     hf = causal_lm(model)
     completion_hidden(model, batch)
     assert len(calls) == len(hf.get_decoder().layers) and hf.config._attn_implementation == "sdpa"

@@ -6,6 +6,7 @@ packed groups (models/packed_groups.py) equal passes that share nothing."""
 import pytest
 import torch
 from test_frozen_prefix import logp_and_grads
+from test_packed_attention import count_structured_calls
 from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 
 from rlora.batching import trim
@@ -15,9 +16,7 @@ from rlora.models.loading import causal_lm
 from rlora.models.logprobs import completion_logprobs, supports_chunked
 from rlora.models.packed_groups import group_packing_unsupported, plan_packing, set_group_packing
 from rlora.models import shared_prompts
-from rlora.models.packed_attention import STRUCTURED_ATTENTION
 from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from rlora.models.tiny import build_random_model
 
 # four layers, windows of 3 tokens where the family has them, so the per-layer masks must follow the layer
@@ -124,10 +123,7 @@ def test_shared_and_packed_passes_equal_unshared_ones_on_every_shared_family(sha
     in float32 even in a float64 model, and their backward rounds differently where a token sits in another shape;
     as tests/test_packed_groups.py allows on Llama). The pass compared is the one named: the decoder runs twice
     (prompts, then completions) for the cache, once through the structured attention for the packed pass."""
-    calls = []
-    inner = ALL_ATTENTION_FUNCTIONS[STRUCTURED_ATTENTION]
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, STRUCTURED_ATTENTION,
-                        lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs))
+    calls = count_structured_calls(monkeypatch)
     tokenizer, tok, model = make_policy(shared_dirs[family])
     perturb_adapter(model, scale=0.3)
     batch = trim(rollout_of(model, tokenizer, tok))
@@ -154,42 +150,16 @@ def test_shared_and_packed_passes_equal_unshared_ones_on_every_shared_family(sha
 
 
 @pytest.mark.parametrize("family", FOUR_LAYERS)
-def test_packed_groups_equal_unshared_passes(four_layer_dirs, family, monkeypatch):
-    """Each prompt's rows packed into one sequence (models/packed_groups.py, attention by the layout's structure:
-    models/packed_attention.py, which each family's attention modules reach through transformers' attention
-    interface) against rows that share nothing, float64 log-probs and gradients, on the four-layer models with
-    their windows. Gemma 3 and OLMo 3 do not share prompts (shared_prompts.SHAREABLE_MODEL_TYPES); here every family
-    is let in, so that what packing does with windows is seen on each: a model with sliding-window layers is not
-    packed (the packed attention has no window): Qwen3 and SmolLM3 with use_sliding_window, Gemma 3, OLMo 3, and
-    Phi-3, whose config has a window without layer types."""
+def test_sliding_windows_are_neither_shared_nor_packed(four_layer_dirs, family, monkeypatch):
+    """The shared and packed passes attend without a window: a model with sliding-window layers runs its rows
+    unshared (Qwen3 and SmolLM3 with use_sliding_window, Gemma 3, OLMo 3, and Phi-3, whose config has a window
+    without layer types), whatever its family (every family let in here); the others share and pack (their passes
+    against unshared ones: the test above)."""
     monkeypatch.setattr(shared_prompts, "SHAREABLE_MODEL_TYPES", (*shared_prompts.SHAREABLE_MODEL_TYPES, family))
-    calls = []
-    inner = ALL_ATTENTION_FUNCTIONS[STRUCTURED_ATTENTION]
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, STRUCTURED_ATTENTION,
-                        lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs))
     tokenizer, tok, model = make_policy(four_layer_dirs[family])
-    perturb_adapter(model, scale=0.3)
     batch = trim(rollout_of(model, tokenizer, tok))
-    model.to(torch.float64)
     windowed = family in ("qwen3", "gemma3_text", "olmo3", "smollm3", "phi3")
-    assert (group_packing_unsupported(model) == "sliding-window attention") == windowed, \
-        group_packing_unsupported(model)
-    if windowed:
-        assert plan_packing(model, batch, prompt_groups(batch)) is None
-        return
-    assert plan_packing(model, batch, prompt_groups(batch)).structured
-    mask = batch.completion_mask_BTc.bool()
-    weights = torch.randn(batch.completion_ids_BTc.shape, generator=torch.Generator().manual_seed(1),
-                          dtype=torch.float64)
-    packed_logp, packed_grads = logp_and_grads(model, batch, weights)
-    assert len(calls) == len(causal_lm(model).get_decoder().layers)  # the pass compared was packed, structured
-    set_prompt_sharing(model, False)
-    unshared_logp, unshared_grads = logp_and_grads(model, batch, weights)
-    assert len(calls) == len(causal_lm(model).get_decoder().layers)
-    assert (packed_logp[mask] - unshared_logp[mask]).abs().max() <= 1e-12
-    # gradients to float32's resolution relative to the largest: transformers' RMSNorms compute in float32 even in
-    # a float64 model, and their backward rounds differently where a token sits in another shape (seen 1.6e-6 on
-    # OLMo 2, whose q/k norms span the heads; as tests/test_packed_groups.py allows on Llama)
-    scale = float(unshared_grads.abs().max())
-    assert torch.allclose(packed_grads, unshared_grads, atol=2e-6 * scale, rtol=0), \
-        ((packed_grads - unshared_grads).abs().max(), scale)
+    reason = "sliding-window attention" if windowed else None
+    assert shared_prompts.sharing_prompts_unsupported(model) == reason
+    assert group_packing_unsupported(model) == reason
+    assert (plan_packing(model, batch, prompt_groups(batch)) is None) == windowed

@@ -1,7 +1,11 @@
-"""The trainer's fast paths on the decoder families beyond Llama/Qwen2/Mistral (tiny random Qwen3, Gemma 3
-text, Phi-3, OLMo 2, SmolLM3): chunked log-probs equal the model's own forward, the frozen prefix shared
-across log-prob passes (models/frozen_prefix.py) equals separate full passes, sliding-window layers included, and
-packed groups (models/packed_groups.py) equal passes that share nothing."""
+"""The trainer's fast paths on the decoder families beyond Llama (tiny random Qwen3, Gemma 3 text, Phi-3, OLMo 2/3,
+SmolLM3, GLM-4, ERNIE 4.5, Seed-OSS; Qwen2 and Mistral where prompts are shared): chunked log-probs equal the
+model's own forward, the frozen prefix shared across log-prob passes (models/frozen_prefix.py) equals separate full
+passes, sliding-window layers included, and shared prompts (models/shared_prompts.py) and packed groups
+(models/packed_groups.py) equal passes that share nothing, on every family that shares them; windows and a rotary
+scaling chosen by length keep what would differ from running."""
+
+import json
 
 import pytest
 import torch
@@ -147,6 +151,38 @@ def test_shared_and_packed_passes_equal_unshared_ones_on_every_shared_family(sha
     scale = float(unshared_grads.abs().max())
     assert torch.allclose(shared_grads, unshared_grads, atol=2e-6 * scale, rtol=0), \
         ((shared_grads - unshared_grads).abs().max(), scale)
+
+
+def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path):
+    """Phi-3's LongRoPE picks its long or short frequencies from each decoder call's longest position: prompts of at
+    most 6 tokens fit the 8 positions of the short factors, prompt and completion together do not. The cache pass
+    (prompts alone, then completions on their keys) would rotate the prompts' keys with the short factors and the
+    rest with the long ones, so it does not run; the packed pass, one call as separate rows make, equals them."""
+    k = 4  # Phi-3's tiny model: head_dim 16, half of it rotated, in pairs
+    folder = build_random_model(tmp_path / "phi3", family="phi3", sliding_window=None, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "short_factor": [1.0] * k,
+        "long_factor": [8.0, 16.0, 32.0, 64.0], "original_max_position_embeddings": 8})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    tokenizer, tok, model = make_policy(str(folder))
+    perturb_adapter(model, scale=0.3)
+    batch = trim(rollout_of(model, tokenizer, tok))
+    model.to(torch.float64)
+    lengths = (batch.prompt_mask_BTp.sum(-1) + batch.completion_mask_BTc.sum(-1)).tolist()
+    assert batch.prompt_ids_BTp.shape[1] <= 8 < max(lengths)  # the case where the calls' frequencies differ
+    assert shared_prompts.sharing_prompts_unsupported(model) is None
+    assert shared_prompts.prompt_cache_unsupported(model) == "rope_type 'longrope' (frequencies chosen by each " \
+                                                             "call's length)"
+    mask = batch.completion_mask_BTc.bool()
+    weights = torch.ones(batch.completion_ids_BTc.shape, dtype=torch.float64)
+    packed, _ = logp_and_grads(model, batch, weights)
+    set_group_packing(model, False)  # what would run next: the cache pass is not allowed, so rows run unshared
+    assert plan_packing(model, batch, prompt_groups(batch)) is None
+    fallback, _ = logp_and_grads(model, batch, weights)
+    set_prompt_sharing(model, False)
+    unshared, _ = logp_and_grads(model, batch, weights)
+    assert (packed[mask] - unshared[mask]).abs().max() <= 1e-12
+    assert torch.equal(fallback[mask], unshared[mask])
 
 
 @pytest.mark.parametrize("family", FOUR_LAYERS)

@@ -305,8 +305,8 @@ def _check_role(path: Path, key: str, command: str | None = None) -> None:
     role = next((role for name, role in _SCORING_ADAPTERS.items() if (path / name).is_file()), None)
     if role is not None and role != key:
         if command == "rm":  # lora.init_from of `rlora rm`: its LoRA under a new head would not continue it
-            use = ("rlora rm starts a new score head, so it cannot continue a reward model: start from a policy or "
-                   "SFT adapter, or set lora.init_from=null")
+            use = (f"rlora rm starts a new score head, so it cannot continue a {role}: start from a policy or SFT "
+                   "adapter, or set lora.init_from=null")
         elif role == "reward model":
             use = f"score with it through `rewards: [{{fn: reward_model, args: {{path: {path}}}}}]`"
         else:

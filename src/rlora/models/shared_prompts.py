@@ -42,11 +42,30 @@ def set_prompt_sharing(model: nn.Module, enabled: bool) -> None:
 
 def sliding_window_layers(config) -> bool:
     """Whether some layer attends within a window: layer types other than full attention, or a window set without
-    layer types (Mistral's and Phi-3's configs; use_sliding_window=false turns Qwen2's off)."""
+    layer types (Mistral's and Phi-3's configs; use_sliding_window=false turns Qwen2's off) that is shorter than the
+    model's positions (Phi-3.5/4-mini's 262144 against 131072 positions never applies)."""
     layer_types = getattr(config, "layer_types", None) or []
     if layer_types:
         return any(t != "full_attention" for t in layer_types)
-    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return False
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions is None or window < positions
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies chosen from each call's longest position
+
+
+def length_dependent_rope(config) -> str | None:
+    """The rotary scaling of a model whose frequencies depend on the longest position of a decoder call
+    (transformers' dynamic_rope_update), None for any other: one call per pass computes what separate rows do, two
+    calls (prompts, then completions on their cache) would rotate the prompts' keys with other frequencies."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = parameters.values() if all(isinstance(v, dict) for v in parameters.values()) and parameters else \
+        [parameters]  # per layer type (Gemma 3, OLMo 3) or one for every layer
+    return next((p.get("rope_type") for p in nested if isinstance(p, dict)
+                 and p.get("rope_type", p.get("type")) in LENGTH_DEPENDENT_ROPE), None)
 
 
 def sharing_prompts_unsupported(model: nn.Module) -> str | None:
@@ -61,7 +80,9 @@ def sharing_prompts_unsupported(model: nn.Module) -> str | None:
         return "sliding-window attention"
     if policy_state(model) is not None or ml.has_molora(model):
         return "a row's adapter or routing is its own"
-    if hf.training and (getattr(config, "attention_dropout", 0.0) or _lora_dropout(model)):
+    # the base's dropout (attention; Phi-3's resid_pdrop, Seed-OSS's residual_dropout: applied functionally)
+    if hf.training and (any(getattr(config, key, 0.0) for key in ("attention_dropout", "resid_pdrop",
+                                                                  "residual_dropout")) or _lora_dropout(model)):
         return "dropout in training"
     return None
 
@@ -76,10 +97,14 @@ def prompt_cache_unsupported(model: nn.Module) -> str | None:
     where sharing is otherwise allowed (None: it may). A sharded base (train.fsdp) all-gathers each layer per call,
     and every rank must make the same calls: its passes are packed (models/packed_groups.py) or unshared, one
     decoder call each, as in the padding passes of ranks with fewer micro-batches (train/fsdp.py zero_pass).
-    Gradient checkpointing turns transformers' cache off; a packed pass needs none."""
+    Gradient checkpointing turns transformers' cache off; a packed pass needs none. A rotary scaling chosen by each
+    call's longest position (length_dependent_rope) would rotate the prompts' cached keys differently."""
     hf = causal_lm(model)
     if sharded_base(model) is not None:
         return "a sharded base (train.fsdp)"
+    rope = length_dependent_rope(hf.config)
+    if rope is not None:
+        return f"rope_type '{rope}' (frequencies chosen by each call's length)"
     if activation_checkpointing(hf) and hf.training and torch.is_grad_enabled():
         return "gradient checkpointing"  # transformers checkpoints (and drops the cache) only then
     return None

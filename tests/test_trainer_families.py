@@ -153,7 +153,7 @@ def test_shared_and_packed_passes_equal_unshared_ones_on_every_shared_family(sha
         ((shared_grads - unshared_grads).abs().max(), scale)
 
 
-def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path):
+def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path, monkeypatch):
     """Phi-3's LongRoPE picks its long or short frequencies from each decoder call's longest position: prompts of at
     most 6 tokens fit the 8 positions of the short factors, prompt and completion together do not. The cache pass
     (prompts alone, then completions on their keys) would rotate the prompts' keys with the short factors and the
@@ -163,7 +163,9 @@ def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path):
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "short_factor": [1.0] * k,
         "long_factor": [8.0, 16.0, 32.0, 64.0], "original_max_position_embeddings": 8})
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    # Phi-3 reads the switch point from the config's top level
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64,
+                                                    "original_max_position_embeddings": 8}))
     tokenizer, tok, model = make_policy(str(folder))
     perturb_adapter(model, scale=0.3)
     batch = trim(rollout_of(model, tokenizer, tok))
@@ -179,10 +181,13 @@ def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path):
     set_group_packing(model, False)  # what would run next: the cache pass is not allowed, so rows run unshared
     assert plan_packing(model, batch, prompt_groups(batch)) is None
     fallback, _ = logp_and_grads(model, batch, weights)
+    monkeypatch.setattr(shared_prompts, "length_dependent_rope", lambda config: None)
+    cache, _ = logp_and_grads(model, batch, weights)  # what the cache pass would have given
     set_prompt_sharing(model, False)
     unshared, _ = logp_and_grads(model, batch, weights)
     assert (packed[mask] - unshared[mask]).abs().max() <= 1e-12
     assert torch.equal(fallback[mask], unshared[mask])
+    assert (cache[mask] - unshared[mask]).abs().max() > 1e-3  # seen 0.079
 
 
 @pytest.mark.parametrize("family", FOUR_LAYERS)

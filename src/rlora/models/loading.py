@@ -249,6 +249,18 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
                         f"{', '.join(names)} ({what}) or set lora.target_modules=all-linear")
 
 
+# rotary types whose frequencies transformers chooses from the longest position of each call (dynamic_rope_update)
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def rope_parameter_sets(config) -> list[dict]:
+    """The config's rotary parameters: one set per layer type (Gemma 3, OLMo 3), or the one set of every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())
+    return [params] if isinstance(params, dict) else []
+
+
 def activation_checkpointing(hf_model: torch.nn.Module) -> bool:
     """Whether gradient checkpointing is on (transformers 5's is_activation_checkpointing; is_gradient_checkpointing,
     its deprecated alias, in earlier versions)."""

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from rlora.models import molora as ml
-from rlora.models.loading import activation_checkpointing, causal_lm
+from rlora.models.loading import (
+    LENGTH_DEPENDENT_ROPE, activation_checkpointing, causal_lm, rope_parameter_sets,
+)
 from rlora.models.multi_lora import policy_state
 from rlora.models.sharded_base import sharded_base
 from rlora.tensors import position_ids_from_mask
@@ -54,18 +56,12 @@ def sliding_window_layers(config) -> bool:
     return positions is None or window < positions
 
 
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies chosen from each call's longest position
-
-
 def length_dependent_rope(config) -> str | None:
     """The rotary scaling of a model whose frequencies depend on the longest position of a decoder call
     (transformers' dynamic_rope_update), None for any other: one call per pass computes what separate rows do, two
     calls (prompts, then completions on their cache) would rotate the prompts' keys with other frequencies."""
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    nested = parameters.values() if all(isinstance(v, dict) for v in parameters.values()) and parameters else \
-        [parameters]  # per layer type (Gemma 3, OLMo 3) or one for every layer
-    return next((p.get("rope_type") for p in nested if isinstance(p, dict)
-                 and p.get("rope_type", p.get("type")) in LENGTH_DEPENDENT_ROPE), None)
+    return next((p["rope_type"] for p in rope_parameter_sets(config) if p.get("rope_type") in LENGTH_DEPENDENT_ROPE),
+                None)
 
 
 def sharing_prompts_unsupported(model: nn.Module) -> str | None:

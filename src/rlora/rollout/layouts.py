@@ -34,6 +34,8 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.seed_oss import modeling_seed_oss
 from transformers.models.smollm3 import modeling_smollm3
 
+from rlora.models.loading import LENGTH_DEPENDENT_ROPE, rope_parameter_sets
+
 
 def _no_window(config) -> list[int | None]:
     return [None] * config.num_hidden_layers
@@ -103,16 +105,6 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 SUPPORTED_MODEL_TYPES = tuple(LAYOUTS)
-# rotary types whose frequencies change with the longest position seen: HF switches them in the middle of a
-# generation, while the trainer's one forward uses one set for the whole sequence
-_LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
-
-
-def _rope_parameters(config) -> list[dict]:
-    params = getattr(config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        return list(params.values())  # Gemma 3: one set per layer type
-    return [params] if isinstance(params, dict) else []
 
 
 def layout_refusal(model_type: str, config, max_length: int | None) -> str | None:
@@ -127,8 +119,9 @@ def layout_refusal(model_type: str, config, max_length: int | None) -> str | Non
         return "attention logit soft-capping"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
-    for params in _rope_parameters(config):
-        if params.get("rope_type") in _LENGTH_DEPENDENT_ROPE:
+    # HF switches such frequencies in the middle of a generation, while the trainer's one forward uses one set
+    for params in rope_parameter_sets(config):
+        if params.get("rope_type") in LENGTH_DEPENDENT_ROPE:
             limit = min(params.get("original_max_position_embeddings") or config.max_position_embeddings,
                         config.max_position_embeddings)
             if max_length is None or max_length > limit:

@@ -153,6 +153,25 @@ def test_shared_and_packed_passes_equal_unshared_ones_on_every_shared_family(sha
         ((shared_grads - unshared_grads).abs().max(), scale)
 
 
+def test_a_window_longer_than_the_positions_shares_and_packs(tmp_path):
+    """Phi-3.5/4-mini set a window (262144) longer than their positions (131072): it never applies, so prompts are
+    shared and packed, although the attention modules still pass it on; here a window of 4096 on 2048 positions.
+    Both passes equal separate rows (float64 log-probs)."""
+    tokenizer, tok, model = make_policy(str(build_random_model(tmp_path / "phi3", family="phi3", sliding_window=4096)))
+    perturb_adapter(model, scale=0.3)
+    batch = trim(rollout_of(model, tokenizer, tok))
+    model.to(torch.float64)
+    assert shared_prompts.sharing_prompts_unsupported(model) is None and group_packing_unsupported(model) is None
+    mask = batch.completion_mask_BTc.bool()
+    weights = torch.ones(batch.completion_ids_BTc.shape, dtype=torch.float64)
+    packed, _ = logp_and_grads(model, batch, weights)
+    set_group_packing(model, False)
+    cache, _ = logp_and_grads(model, batch, weights)
+    set_prompt_sharing(model, False)
+    unshared, _ = logp_and_grads(model, batch, weights)
+    assert (packed[mask] - unshared[mask]).abs().max() <= 1e-12 and (cache[mask] - unshared[mask]).abs().max() <= 1e-12
+
+
 def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path, monkeypatch):
     """Phi-3's LongRoPE picks its long or short frequencies from each decoder call's longest position: prompts of at
     most 6 tokens fit the 8 positions of the short factors, prompt and completion together do not. The cache pass

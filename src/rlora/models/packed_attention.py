@@ -104,9 +104,13 @@ def _packed_attention(module: nn.Module, query_SHNd: torch.Tensor, key_SKNd: tor
     plan = rlora_packed
     if plan is None:
         raise RuntimeError(f"attention '{STRUCTURED_ATTENTION}' runs only inside rlora's packed passes")
-    for unsupported in ("softcap", "s_aux", "sliding_window"):
+    for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"a packed pass cannot apply attention's {unsupported}: set train.pack_groups=false")
+    window, span = kwargs.get("sliding_window"), plan.row_bias_B1LK.shape[-1]  # span: a row's prompt + completion
+    if window is not None and window < span:  # a longer window (Phi-3.5's 262144) never applies
+        raise ValueError(f"a packed pass cannot apply a sliding window of {window} to rows of up to {span} positions: "
+                         "set train.pack_groups=false")
     S, H, Ns, _ = query_SHNd.shape
     Tp = plan.prompt_len
     gqa = key_SKNd.shape[1] != H

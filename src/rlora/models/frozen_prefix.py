@@ -27,7 +27,7 @@ import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from rlora.batching import trim
-from rlora.models.loading import causal_lm
+from rlora.models.loading import FUNCTIONAL_DROPOUT_KEYS, causal_lm
 from rlora.tensors import position_ids_from_mask
 from rlora.types import Rollout, RolloutSlice
 
@@ -61,9 +61,8 @@ def sharing_unsupported(model) -> str | None:
     config = causal_lm(model).config
     if config.model_type not in SHAREABLE_MODEL_TYPES:
         return f"model type '{config.model_type}' is not one of {', '.join(SHAREABLE_MODEL_TYPES)}"
-    # the prefix runs without dropout, training passes with it: attention_dropout, Phi-3's resid_pdrop, Seed-OSS's
-    # residual_dropout (a dropout of the base's that transformers applies functionally, not as a module)
-    for key in ("attention_dropout", "resid_pdrop", "residual_dropout"):
+    # the prefix runs without dropout, training passes with it
+    for key in FUNCTIONAL_DROPOUT_KEYS:
         if getattr(config, key, 0.0):
             return f"{key}={getattr(config, key)} makes the lower layers random in training"
     if getattr(config, "use_bidirectional_attention", False):  # Gemma 3's encoder variant: other masks

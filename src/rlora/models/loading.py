@@ -249,6 +249,10 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
                         f"{', '.join(names)} ({what}) or set lora.target_modules=all-linear")
 
 
+# dropouts of the base that transformers applies functionally inside the layers (attention; Phi-3's resid_pdrop,
+# Seed-OSS's residual_dropout): a pass that runs rows or layers apart from a training pass would not draw them alike
+FUNCTIONAL_DROPOUT_KEYS = ("attention_dropout", "resid_pdrop", "residual_dropout")
+
 # rotary types whose frequencies transformers chooses from the longest position of each call (dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from rlora.models import molora as ml
 from rlora.models.loading import (
-    LENGTH_DEPENDENT_ROPE, activation_checkpointing, causal_lm, rope_parameter_sets,
+    FUNCTIONAL_DROPOUT_KEYS, LENGTH_DEPENDENT_ROPE, activation_checkpointing, causal_lm, rope_parameter_sets,
 )
 from rlora.models.multi_lora import policy_state
 from rlora.models.sharded_base import sharded_base
@@ -76,9 +76,7 @@ def sharing_prompts_unsupported(model: nn.Module) -> str | None:
         return "sliding-window attention"
     if policy_state(model) is not None or ml.has_molora(model):
         return "a row's adapter or routing is its own"
-    # the base's dropout (attention; Phi-3's resid_pdrop, Seed-OSS's residual_dropout: applied functionally)
-    if hf.training and (any(getattr(config, key, 0.0) for key in ("attention_dropout", "resid_pdrop",
-                                                                  "residual_dropout")) or _lora_dropout(model)):
+    if hf.training and (any(getattr(config, key, 0.0) for key in FUNCTIONAL_DROPOUT_KEYS) or _lora_dropout(model)):
         return "dropout in training"
     return None
 

@@ -32,8 +32,8 @@ from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, base_dropouts, causal_lm, check_adapter_folder, check_lora_targets,
-    load_base_model,
-    load_tokenizer, max_positions, model_device, quantization_config, resolve_device, resolve_model_path,
+    load_base_model, load_tokenizer, max_positions, model_device, quantization_config, resolve_device,
+    resolve_model_path,
 )
 from rlora.models.multi_lora import attach_policies
 from rlora.models.packed_groups import set_group_packing

@@ -56,6 +56,10 @@ RANDOM_SHAPES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128),  # per-token overhead, not arithmetic
     "qwen2-0.1b": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072),
     "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab_size=151936),
+    # Gemma-3-270M's shape: five sliding-window layers (512) to one global, 256-wide heads, one KV head
+    "gemma3-270m": dict(family="gemma3_text", hidden=640, layers=18, heads=4, kv_heads=1, ffn=2048, head_dim=256,
+                        query_pre_attn_scalar=256, sliding_window=512, vocab_size=262144,
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3),
 }
 
 
@@ -63,7 +67,8 @@ def model_folder(name: str) -> str:
     """'smollm2': the embedded SmolLM2-135M-Instruct; 'tiny' (hidden 64, 2 layers: what a step costs besides
     arithmetic), 'qwen2-0.1b' (hidden 768, 12 layers, 12 heads, 4 KV
     heads, FFN 3072) and 'qwen2.5-0.5b' (vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads, FFN
-    4864, tied embeddings): random-initialised, built once into the cache; any other value is a model folder."""
+    4864, tied embeddings), 'gemma3-270m' (Gemma 3 text: vocab 262144, hidden 640, 18 layers, a window of 512 on
+    five of every six): random-initialised, built once into the cache; any other value is a model folder."""
     if name == "smollm2":
         return resolve_alias(SMOLLM2_ALIAS)
     if name in RANDOM_SHAPES:
@@ -74,7 +79,8 @@ def model_folder(name: str) -> str:
             from rlora.models.tiny import build_random_model
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_alias(SMOLLM2_ALIAS))
-            build_random_model(folder, family="qwen2", tokenizer=tokenizer, tie=True, seed=0, **RANDOM_SHAPES[name])
+            shape = {"family": "qwen2", **RANDOM_SHAPES[name]}
+            build_random_model(folder, tokenizer=tokenizer, tie=True, seed=0, **shape)
         return str(folder)
     return name
 

@@ -3,6 +3,7 @@ against shared prompts' padded rows, on one batch, alternating in one process:
 
     .venv/bin/python bench/packed_groups.py [--model smollm2] [--prompts 2] [--G 8] [--prompt 46]
         [--lengths 5,48] [--repeats 5] [--device auto] [--dtype float32] [--force | --capacity N] [--dense]
+        [--unshared]
 
 P prompts x G rows of random tokens; each row's completion length uniform in [LO, HI], one row of each prompt
 at HI (a row that ran to the length limit, as in the demo's steps). LoRA r16/alpha32 on all linear layers with
@@ -14,7 +15,8 @@ The packed layout is the estimate's choice (bins of `cheapest_capacity` completi
 packs even where the estimate prefers the padded pass, --capacity N packs in bins of N tokens (N at least a prompt's
 rows' total: one sequence per prompt). A packed pass attends by the layout's structure (models/packed_attention.py);
 --dense adds a third side that attends with the dense [Ns, Ns] mask instead (what a pass under gradient
-checkpointing does; its own estimate picks its bins).
+checkpointing does; its own estimate picks its bins); --unshared one that runs every row's prompt (train.share_prompts
+off: what a sliding-window model's passes ran before its rows within the window were shared and packed).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from rlora.models.loading import attach_lora, load_base_model, model_device, tra
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.packed_groups import plan_packing, set_group_packing
 from rlora.models.precision import SavedForBackward
-from rlora.models.shared_prompts import prompt_groups
+from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing
 from rlora.train.update import ScoredRollout, accumulate_policy_gradient
 from rlora.types import Rollout
 
@@ -70,7 +72,8 @@ def update(model, rollout: Rollout) -> tuple[float, torch.Tensor]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2, qwen2-0.1b, qwen2.5-0.5b or a model folder")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2, qwen2-0.1b, qwen2.5-0.5b, gemma3-270m or a model folder")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the base's dtype")
     parser.add_argument("--prompts", type=int, default=2)
@@ -84,6 +87,7 @@ def main() -> int:
                         help="pack in bins of this many completion tokens, whatever the estimate says")
     parser.add_argument("--dense", action="store_true",
                         help="also time packed passes that attend with a dense mask (the attention before 2026-11-28)")
+    parser.add_argument("--unshared", action="store_true", help="also time passes that share no prompt")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     quiet_libraries()
@@ -100,20 +104,23 @@ def main() -> int:
         packed_groups.cheapest_capacity = lambda *_, **__: args.capacity
     batch = trim(rollout.to(model_device(model)))
     structured = packed_groups.recomputes_forward
-    sides = ["structured", "padded"] + (["dense"] if args.dense else [])
+    sides = ["structured", "padded"] + (["dense"] if args.dense else []) + (["unshared"] if args.unshared else [])
 
     def use(side: str) -> None:  # what the next passes do
-        set_group_packing(model, side != "padded")
+        set_prompt_sharing(model, side != "unshared")
+        set_group_packing(model, side not in ("padded", "unshared"))
         packed_groups.recomputes_forward = (lambda model: True) if side == "dense" else structured
 
     print(f"# {args.model} {args.dtype}, LoRA r16 all-linear; {args.prompts} prompts x {args.G} rows, "
           f"prompt {args.prompt}, completions {lo}-{hi} ({int(mask_BT.sum())} of {mask_BT.numel()} positions real); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     forced = " (forced: --force)" if args.force else f" (forced: --capacity {args.capacity})" if args.capacity else ""
-    for side in [side for side in sides if side != "padded"]:
+    for side in [side for side in sides if side not in ("padded", "unshared")]:
         use(side)
         layout = plan_packing(model, batch, prompt_groups(batch))
-        print(f"# {side}: the estimate does not pack this batch" if layout is None else
+        refused = packed_groups.group_packing_unsupported(model, batch)
+        print(f"# {side}: not packed ({refused})" if refused else
+              f"# {side}: the estimate does not pack this batch" if layout is None else
               f"# {side}, packed{forced}: {len(layout.prompt_S)} sequences of {layout.num_positions} positions")
     times: dict[str, list[float]] = {side: [] for side in sides}
     grads: dict[str, torch.Tensor] = {}
@@ -132,7 +139,8 @@ def main() -> int:
         with torch.no_grad():
             logp[side] = completion_logprobs(model, rollout)[0].cpu()
     medians = {side: statistics.median(values) for side, values in times.items()}
-    labels = {"padded": "padded (shared prompts)", "structured": "packed groups", "dense": "packed, dense mask"}
+    labels = {"padded": "padded (shared prompts)", "structured": "packed groups", "dense": "packed, dense mask",
+              "unshared": "unshared (each row)"}
     for side in sides:
         values = times[side]
         print(f"{labels[side]:<24} {medians[side]:8.3f} s  ({min(values):.3f}-{max(values):.3f}), kept for backward "

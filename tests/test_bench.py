@@ -162,6 +162,19 @@ def test_sft_output_layer_bench_times_both_ways_at_the_same_loss(tiny_model_dir)
     assert float(done.stdout.splitlines()[-1].split()[3].rstrip("x")) > 0  # "labelled / full: 0.82x the time"
 
 
+def test_packed_groups_bench_times_every_side_on_the_same_gradient(tiny_model_dir):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "packed_groups.py"), "--model", str(tiny_model_dir),
+                           "--prompt", "6", "--lengths", "2,9", "--G", "4", "--repeats", "1", "--force", "--dense",
+                           "--unshared"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert done.returncode == 0, done.stderr
+    timed = [line for line in done.stdout.splitlines() if " s  (" in line]
+    assert [line[:24].strip() for line in timed] == ["packed groups", "padded (shared prompts)", "packed, dense mask",
+                                                     "unshared (each row)"]
+    ratios = [line for line in done.stdout.splitlines() if " / padded: " in line]
+    assert len(ratios) == 3 and all(float(line.split("cosine ")[1].split(",")[0]) > 1 - 1e-6 for line in ratios)
+
+
 def test_trl_quality_summarises_reward_quarters_and_seed_medians():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from trl_quality import medians, quarter_means

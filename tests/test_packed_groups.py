@@ -214,17 +214,17 @@ def test_no_packing_where_it_is_off_unsupported_or_would_drop_a_token(tiny_model
     model = _policy(tiny_model_dir, pack=True)
     batch = trim(_rollout(model, tiny_model_dir))
     groups = prompt_groups(batch)
-    assert group_packing_unsupported(model) is None and plan_packing(model, batch, groups) is not None
+    assert group_packing_unsupported(model, batch) is None and plan_packing(model, batch, groups) is not None
     holed = batch.completion_mask_BTc.clone()
     row = int(holed.sum(-1).argmax())
     holed[row, 0] = 0  # a token after padding: packing would lose it, so the padded path runs
     assert plan_packing(model, type(batch)(batch.prompt_ids_BTp, batch.prompt_mask_BTp, batch.completion_ids_BTc,
                                            holed, batch.temperature_B), groups) is None
     causal_lm(model).config._attn_implementation = "flash_attention_2"  # reads no 4-D mask
-    assert group_packing_unsupported(model) == "attention 'flash_attention_2' takes no custom mask"
+    assert group_packing_unsupported(model, batch) == "attention 'flash_attention_2' takes no custom mask"
     causal_lm(model).config._attn_implementation = "sdpa"
     set_group_packing(model, False)
-    assert group_packing_unsupported(model) == "train.pack_groups=false"
+    assert group_packing_unsupported(model, batch) == "train.pack_groups=false"
     assert plan_packing(model, batch, groups) is None
 
 

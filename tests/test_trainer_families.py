@@ -18,6 +18,7 @@ from rlora.models.adapters import reference_policy
 from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer, sharing_unsupported
 from rlora.models.loading import causal_lm
 from rlora.models.logprobs import completion_logprobs, supports_chunked
+from rlora.models import packed_groups
 from rlora.models.packed_groups import group_packing_unsupported, plan_packing, set_group_packing
 from rlora.models import shared_prompts
 from rlora.models.shared_prompts import prompt_groups, set_prompt_sharing
@@ -161,7 +162,7 @@ def test_a_window_longer_than_the_positions_shares_and_packs(tmp_path):
     perturb_adapter(model, scale=0.3)
     batch = trim(rollout_of(model, tokenizer, tok))
     model.to(torch.float64)
-    assert shared_prompts.sharing_prompts_unsupported(model) is None and group_packing_unsupported(model) is None
+    assert shared_prompts.sharing_prompts_unsupported(model) is None and group_packing_unsupported(model, batch) is None
     mask = batch.completion_mask_BTc.bool()
     weights = torch.ones(batch.completion_ids_BTc.shape, dtype=torch.float64)
     packed, _ = logp_and_grads(model, batch, weights)
@@ -209,17 +210,103 @@ def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path, monkeypa
     assert (cache[mask] - unshared[mask]).abs().max() > 1e-3  # seen 0.079
 
 
-@pytest.mark.parametrize("family", FOUR_LAYERS)
-def test_sliding_windows_are_neither_shared_nor_packed(four_layer_dirs, family, monkeypatch):
-    """The shared and packed passes attend without a window: a model with sliding-window layers runs its rows
-    unshared (Qwen3 and SmolLM3 with use_sliding_window, Gemma 3, OLMo 3, and Phi-3, whose config has a window
-    without layer types), whatever its family (every family let in here); the others share and pack (their passes
-    against unshared ones: the test above)."""
-    monkeypatch.setattr(shared_prompts, "SHAREABLE_MODEL_TYPES", (*shared_prompts.SHAREABLE_MODEL_TYPES, family))
-    tokenizer, tok, model = make_policy(four_layer_dirs[family])
+WINDOWED = ("mistral", "qwen3", "gemma3_text", "olmo3", "smollm3", "phi3")  # FOUR_LAYERS' windows, Mistral's config
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    return str(build_random_model(tmp_path_factory.mktemp("mistral") / "m", family="mistral", layers=4, seed=5,
+                                  sliding_window=3))
+
+
+@pytest.mark.parametrize("recomputed", [False, True], ids=["structured", "dense"])
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_windows_share_prompts_and_pack_rows_that_fit(four_layer_dirs, mistral_dir, family, recomputed,
+                                                              monkeypatch):
+    """A window of W lets a token see the keys fewer than W positions before it. Rows that reach it (a window of 3
+    over rows of ~10 positions, on every layer or on the sliding layers of the family's layer types) still share
+    their prompts: the cache pass runs the model's own attention, window and all, and equals separate rows. A packed
+    pass attends without a window, so it runs only where the micro-batch's padded rows fit the window (W = Tp + Tc),
+    and there it equals separate rows too, attending by structure or with the dense mask of a pass under gradient
+    checkpointing (whose packed sequences are longer than W)."""
+    assert family in shared_prompts.SHAREABLE_MODEL_TYPES
+    monkeypatch.setattr(packed_groups, "recomputes_forward", lambda model: recomputed)
+    tokenizer, tok, model = make_policy(mistral_dir if family == "mistral" else four_layer_dirs[family])
+    perturb_adapter(model, scale=0.3)
     batch = trim(rollout_of(model, tokenizer, tok))
-    windowed = family in ("qwen3", "gemma3_text", "olmo3", "smollm3", "phi3")
-    reason = "sliding-window attention" if windowed else None
-    assert shared_prompts.sharing_prompts_unsupported(model) == reason
-    assert group_packing_unsupported(model) == reason
-    assert (plan_packing(model, batch, prompt_groups(batch)) is None) == windowed
+    model.to(torch.float64)
+    hf = causal_lm(model)
+    positions = batch.prompt_ids_BTp.shape[1] + batch.completion_ids_BTc.shape[1]
+    mask = batch.completion_mask_BTc.bool()
+    weights = torch.randn(batch.completion_ids_BTc.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
+    decoder_calls = []
+    hf.get_decoder().register_forward_hook(lambda *args: decoder_calls.append(1))
+    for window in (3, positions):
+        _set_window(hf, window)
+        set_prompt_sharing(model, True)
+        assert shared_prompts.sharing_prompts_unsupported(model) is None
+        reached = f"a sliding window of 3 positions over rows of {positions}" if window == 3 else None
+        assert group_packing_unsupported(model, batch) == reached
+        planned = plan_packing(model, batch, prompt_groups(batch))
+        assert (planned is None) == (window == 3)
+        if planned is not None:
+            assert planned.structured != recomputed and planned.num_positions > window
+        decoder_calls.clear()
+        shared_logp, shared_grads = logp_and_grads(model, batch, weights)
+        assert len(decoder_calls) == (2 if window == 3 else 1)  # the cache pass, or the packed one
+        set_prompt_sharing(model, False)
+        unshared_logp, unshared_grads = logp_and_grads(model, batch, weights)
+        assert (shared_logp[mask] - unshared_logp[mask]).abs().max() <= 1e-12
+        scale = float(unshared_grads.abs().max())
+        assert torch.allclose(shared_grads, unshared_grads, atol=2e-6 * scale, rtol=0)
+    _set_window(hf, 3)
+    set_prompt_sharing(model, False)
+    cut, _ = logp_and_grads(model, batch, weights)
+    assert (cut[mask] - unshared_logp[mask]).abs().max() > 1e-3  # the window of 3 did cut what the rows saw
+
+
+def test_soft_capped_attention_shares_prompts_but_does_not_pack(tmp_path):
+    """Attention logit soft-capping (Gemma 2's; a Gemma 3 config may set it): the cache pass runs the model's own
+    attention and equals separate rows; the packed attention has no cap, so it does not run."""
+    folder = build_random_model(tmp_path / "gemma", family="gemma3_text", attn_logit_softcapping=5.0)
+    tokenizer, tok, model = make_policy(str(folder))
+    perturb_adapter(model, scale=0.3)
+    batch = trim(rollout_of(model, tokenizer, tok))
+    model.to(torch.float64)
+    assert group_packing_unsupported(model, batch) == "attention logit soft-capping"
+    assert plan_packing(model, batch, prompt_groups(batch)) is None
+    mask = batch.completion_mask_BTc.bool()
+    weights = torch.ones(batch.completion_ids_BTc.shape, dtype=torch.float64)
+    cache, _ = logp_and_grads(model, batch, weights)
+    set_prompt_sharing(model, False)
+    unshared, _ = logp_and_grads(model, batch, weights)
+    assert (cache[mask] - unshared[mask]).abs().max() <= 1e-12
+
+
+def _set_window(hf, window):
+    """The window in the config (masks, caches) and in the attention modules that copied it when built (Qwen3's
+    sliding layers)."""
+    hf.config.sliding_window = window
+    for module in hf.modules():
+        if module is not hf and getattr(module, "sliding_window", None) is not None:
+            module.sliding_window = window
+
+
+def test_the_attention_window_by_config():
+    """The shortest window any layer applies: layer types, or a window without them unless longer than the model's
+    positions or turned off; a layer of another kind (Llama 4's chunked attention) keeps every micro-batch unpacked."""
+    class Config:
+        def __init__(self, **keys):
+            self.__dict__.update({"max_position_embeddings": 2048, **keys})
+
+    assert packed_groups.attention_window(Config(sliding_window=None)) is None
+    assert packed_groups.attention_window(Config(sliding_window=4096)) is None  # Phi-3.5's longer than the positions
+    assert packed_groups.attention_window(Config(sliding_window=2047)) == 2047  # Phi-3-mini-4k
+    assert packed_groups.attention_window(Config(sliding_window=4096, max_position_embeddings=32768)) == 4096
+    assert packed_groups.attention_window(Config(sliding_window=64, use_sliding_window=False)) is None  # Qwen2
+    assert packed_groups.attention_window(Config(sliding_window=512,
+                                                 layer_types=["sliding_attention", "full_attention"])) == 512
+    assert packed_groups.attention_window(Config(sliding_window=512, layer_types=["full_attention"] * 2)) is None
+    assert packed_groups.attention_window(Config(sliding_window=None,
+                                                 layer_types=["chunked_attention", "full_attention"])) == 0

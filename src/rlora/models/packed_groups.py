@@ -19,7 +19,8 @@ group of long completions in one sequence costs more attention than its padded r
 go into several bins of a prompt, each holding at most `capacity` completion tokens (first-fit, longest rows first;
 a copy of the prompt heads each bin). `cheapest_capacity` weighs the layouts' arithmetic (linear maps per token,
 attention per pair) for a few capacities and packs only when the cheapest costs less than the pass that runs
-otherwise.
+otherwise. Neither way applies a sliding window, so a micro-batch whose padded rows reach one is not packed
+(window_reached; the cache pass applies it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 
 from rlora.models.loading import activation_checkpointing, causal_lm
 from rlora.models.packed_attention import plan_structured_attention, structured_attention
-from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported, sliding_window_layers
+from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
@@ -46,17 +47,50 @@ def set_group_packing(model: nn.Module, enabled: bool) -> None:
     setattr(causal_lm(model), _OFF_ATTR, not enabled)
 
 
-def group_packing_unsupported(model: nn.Module) -> str | None:
-    """Why this model's passes cannot pack groups (None: they can, where prompts are shared and it pays)."""
+def group_packing_unsupported(model: nn.Module, batch: RolloutSlice) -> str | None:
+    """Why this model's pass over `batch` cannot pack groups (None: it can, where prompts are shared and it pays)."""
     hf = causal_lm(model)
     if getattr(hf, _OFF_ATTR, False):
         return "train.pack_groups=false"
     attention = getattr(hf.config, "_attn_implementation", None)
     if attention not in PACKABLE_ATTENTION:
         return f"attention '{attention}' takes no custom mask"
-    if sliding_window_layers(hf.config):
-        return "sliding-window attention"  # the packed attention has no window
-    return None
+    if getattr(hf.config, "attn_logit_softcapping", None) is not None:  # the packed attention has no cap
+        return "attention logit soft-capping"
+    return window_reached(hf.config, batch)  # the packed attention has no window
+
+
+def attention_window(config) -> int | None:
+    """The shortest window a layer attends within (None: every layer attends over the whole row; 0: a layer of
+    another kind than full or sliding-window attention). From the layer types, or a window set without them
+    (Mistral's and Phi-3's configs; use_sliding_window=false turns Qwen2's off) that is shorter than the model's
+    positions (Phi-3.5/4-mini's 262144 against 131072 positions never applies)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if layer_types:
+        if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+            return 0
+        return config.sliding_window if "sliding_attention" in layer_types else None
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    positions = getattr(config, "max_position_embeddings", None)
+    return window if positions is None or window < positions else None
+
+
+def window_reached(config, batch: RolloutSlice) -> str | None:
+    """Why a window would cut what `batch`'s rows attend to (None: it would not). A window of W lets a token see the
+    keys fewer than W positions before it; a row's real tokens sit side by side in its padded row, so in a micro-batch
+    of Tp + Tc <= W positions (padded prompt and completion widths: no row is longer) no window cuts, and its packed
+    pass, which attends without one, equals its unshared one. RL rows are mostly far shorter than the 2047-4096 token windows of
+    Phi-3-mini-4k or Mistral-7B-v0.1; longer ones run the cache pass (models/shared_prompts.py), whose attention is
+    the model's own, window included."""
+    window = attention_window(config)
+    positions = batch.prompt_ids_BTp.shape[1] + batch.completion_ids_BTc.shape[1]
+    if window is None or positions <= window:
+        return None
+    if window == 0:
+        return "attention layers of another kind than full or sliding-window"
+    return f"a sliding window of {window} positions over rows of {positions}"
 
 
 @dataclass(frozen=True)
@@ -86,7 +120,7 @@ def plan_packing(model: nn.Module, batch: RolloutSlice, groups: tuple[torch.Tens
     """The packed layout of a micro-batch whose rows share prompts (`groups`: models/shared_prompts.py
     prompt_groups), or None where it is not built: packing off or unsupported, a completion mask that is not a
     prefix of ones (a token after padding would be dropped), or more arithmetic than the padded layout."""
-    if group_packing_unsupported(model) is not None:
+    if group_packing_unsupported(model, batch) is not None:
         return None
     first_U, inverse_B = groups
     mask_BT = batch.completion_mask_BTc.bool()

@@ -11,8 +11,10 @@ The numbers equal the unshared pass up to the rounding of differently shaped pro
 model's hidden states agree to 1e-12, its gradients to float32's resolution since transformers' RMSNorm runs in
 float32; a float32 model's log-probs to ~1e-6: tests/test_shared_prompts.py). Where that cannot hold the pass is not shared:
 several policies or a MoLoRA router on the model (a row's adapter or routing is its own), LoRA or attention
-dropout in training (one prompt pass would draw one dropout mask for G rows), sliding-window attention (the
-cache keeps a window), and models outside the Llama family. The cache pass itself (not a packed one,
+dropout in training (one prompt pass would draw one dropout mask for G rows), and families outside
+SHAREABLE_MODEL_TYPES. Sliding windows need nothing here: the cache pass runs the model's own attention, whose masks
+apply them as in an unshared pass (the prompts' cache keeps the W - 1 keys before the completions, all that a window
+of W lets them see). The cache pass itself (not a packed one,
 models/packed_groups.py) does not run under gradient checkpointing (which turns the cache off) or on a sharded
 base (prompt_cache_unsupported).
 """
@@ -32,28 +34,14 @@ from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
 # the families whose shared and packed passes are tested against unshared ones (tests/test_trainer_families.py)
-SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "glm4", "ernie4_5",
-                         "seed_oss")
+SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text",
+                         "glm4", "ernie4_5", "seed_oss")
 _OFF_ATTR = "_rlora_no_prompt_sharing"
 
 
 def set_prompt_sharing(model: nn.Module, enabled: bool) -> None:
     """train.share_prompts for the log-prob passes of this model (on by default)."""
     setattr(causal_lm(model), _OFF_ATTR, not enabled)
-
-
-def sliding_window_layers(config) -> bool:
-    """Whether some layer attends within a window: layer types other than full attention, or a window set without
-    layer types (Mistral's and Phi-3's configs; use_sliding_window=false turns Qwen2's off) that is shorter than the
-    model's positions (Phi-3.5/4-mini's 262144 against 131072 positions never applies)."""
-    layer_types = getattr(config, "layer_types", None) or []
-    if layer_types:
-        return any(t != "full_attention" for t in layer_types)
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return False
-    positions = getattr(config, "max_position_embeddings", None)
-    return positions is None or window < positions
 
 
 def length_dependent_rope(config) -> str | None:
@@ -72,8 +60,6 @@ def sharing_prompts_unsupported(model: nn.Module) -> str | None:
         return "train.share_prompts=false"
     if config.model_type not in SHAREABLE_MODEL_TYPES:
         return f"model type '{config.model_type}'"
-    if sliding_window_layers(config):
-        return "sliding-window attention"
     if policy_state(model) is not None or ml.has_molora(model):
         return "a row's adapter or routing is its own"
     if hf.training and (any(getattr(config, key, 0.0) for key in FUNCTIONAL_DROPOUT_KEYS) or _lora_dropout(model)):

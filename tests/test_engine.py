@@ -292,22 +292,23 @@ def test_per_prompt_stop_strings(tiny_model_dir):
 
 
 def test_the_demo_settings_run_unchanged_on_a_model_that_falls_back(tmp_path, prompts_file, capsys):
-    """A model the engine does not support (Mistral whose sliding window is shorter than the sequences) samples
-    with generate in the model's dtype: the demo's algo.sampler_is_cap and sampler_dtype then do not apply, which
-    one notice says once; the run trains with no importance weights instead of refusing after the model loaded."""
+    """A model the engine does not support (Gemma 3 with attention logit soft-capping, as Gemma 2 has) samples with
+    generate in the model's dtype: the demo's algo.sampler_is_cap and sampler_dtype then do not apply, which one
+    notice says once; the run trains with no importance weights instead of refusing after the model loaded (its
+    log-prob passes share prompts through the model's own attention, which applies the cap; they do not pack)."""
     import json
 
     from conftest import tiny_overrides
 
     from rlora.cli import main
 
-    model_dir = build_random_model(tmp_path / "mistral", family="mistral", tie=False, sliding_window=4)
+    model_dir = build_random_model(tmp_path / "gemma", family="gemma3_text", attn_logit_softcapping=50.0)
     out = tmp_path / "run"
     code = main(["train", *tiny_overrides(str(model_dir), prompts_file, str(out), **{
         "algo.sampler_is_cap": 2.0, "rollout.sampler_dtype": "bfloat16", "eval.before": "false"})])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert err.count("does not support this model (sliding-window attention)") == 1, err
+    assert err.count("does not support this model (attention logit soft-capping)") == 1, err
     assert "algo.sampler_is_cap do not apply" in err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["is_weight_mean"] is None and r["sampler_logp_gap"] is None for r in rows), rows

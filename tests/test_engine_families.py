@@ -9,7 +9,7 @@ from test_engine import TEXTS, assert_greedy_matches_generate, policy
 from test_policies import policies_model, single_model
 from transformers import AutoModelForCausalLM, GPT2Config, Phi3Config
 
-from rlora.models.loading import load_tokenizer
+from rlora.models.loading import causal_lm, load_tokenizer
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.tiny import build_random_model
 from rlora.rollout.decoder import unsupported_reason
@@ -87,11 +87,82 @@ def test_the_families_are_supported_within_their_limits(family_dirs):
     for family, model_dir in family_dirs.items():
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         assert unsupported_reason(model, max_length=512) is None, family
-        assert unsupported_reason(model, max_length=None) == (
-            "sliding-window attention" if family in ("gemma3_text", "olmo3") else None), family
-    for family in ("gemma3_text", "olmo3"):  # their sliding layer's window: 512
-        windowed = AutoModelForCausalLM.from_pretrained(family_dirs[family])
-        assert unsupported_reason(windowed, max_length=513) == "sliding-window attention", family
+        assert unsupported_reason(model, max_length=None) is None, family  # sliding windows too (below)
+
+
+# windows of 4 tokens, shorter than the prompts (1-12 tokens) and completions (16): on every layer (Mistral's and
+# Phi-3's configs), or on the sliding layers of the layer types (Qwen3's first layer is full: max_window_layers)
+WINDOWED = {
+    "mistral": dict(family="mistral", tie=False, sliding_window=4),
+    "phi3": dict(family="phi3", tie=False, sliding_window=4),
+    "qwen3": dict(family="qwen3", tie=False, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "gemma3_text": dict(family="gemma3_text", sliding_window=4),
+    "olmo3": dict(family="olmo3", tie=False, sliding_window=4),
+}
+
+
+@pytest.fixture(scope="module")
+def windowed_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("windowed")
+    return {name: str(build_random_model(root / name, seed=3, **kwargs)) for name, kwargs in WINDOWED.items()}
+
+
+def _widen_windows(model, window):
+    """The model's windows set to `window` (config, and the attention modules that copied it when built)."""
+    hf = causal_lm(model)
+    hf.config.sliding_window = window
+    for module in hf.modules():
+        if module is not hf and getattr(module, "sliding_window", None) is not None:
+            module.sliding_window = window
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("merge, decode", [(True, "eager"), (False, "static")])
+def test_sliding_windows_greedy_matches_hf_generate(windowed_dirs, family, merge, decode):
+    """Rows longer than the window: transformers' generate applies it through its masks and sliding caches; the
+    sampler through the masks of its prefill and of each decode step."""
+    assert_greedy_matches_generate(windowed_dirs[family], merge, decode, family)
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_sliding_windows_sampling_logprobs_agree_with_the_trainer(windowed_dirs, family, decode):
+    """The sampler's log-probs against the trainer's one forward (transformers' window masks) to 1e-4; with the
+    windows widened, the trainer's log-probs move by more than 1e-2, so the windows were in play."""
+    tokenizer, tok, model, prompts = policy(windowed_dirs[family])
+    per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, min_new_tokens=n) for n, t in
+                  [(16, 0.7), (5, 1.0), (9, 1.3), (16, 0.7)]]
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode=decode)
+    rollout = engine.sample(model, prompts, 2, per_prompt, seed=7)
+    model.eval()
+    mask = rollout.completion_mask_BTc.bool()
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
+        gap = (trainer[mask] - rollout.sampling_logp_BTc[mask]).abs()
+        assert gap.max() < 1e-4, (family, gap.mean(), gap.max())
+        _widen_windows(model, 1000)
+        unwindowed, _ = completion_logprobs(model, rollout.select(slice(None)))
+    assert (unwindowed[mask] - trainer[mask]).abs().max() > 1e-2
+
+
+def test_a_continued_row_sees_its_window_by_position(windowed_dirs):
+    """Multi-turn: a second turn continues each row's cache, whose history and new tokens are admitted with padding
+    between them. The window counts positions, not cache slots: each second-turn token's sampling log-prob equals the
+    trainer's on the whole sequence (prompt, first completion but its last token, turn, second completion) run alone."""
+    tokenizer, tok, model, prompts = policy(windowed_dirs["mistral"])
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, min_new_tokens=6)
+    first, caches = engine.sample_continued(model, prompts, 1, params, seed=1)
+    turns = [list(range(10, 10 + 2 * (4 - i))) for i in range(len(prompts))]  # ragged: padding in the cache
+    second, _ = engine.sample_continued(model, turns, 1, params, seed=2, past=caches)
+    model.eval()
+    for i, prompt in enumerate(prompts):
+        history = prompt + first.completion_ids_BTc[i, :5].tolist() + turns[i]
+        completion = second.completion_ids_BTc[i, :6]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([history + completion.tolist()])).logits[0].float()
+        logp = logits[len(history) - 1:-1].log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+        assert (logp - second.sampling_logp_BTc[i, :6]).abs().max() < 1e-4, i
 
 
 def test_what_the_sampler_cannot_run_gets_a_reason(family_dirs):

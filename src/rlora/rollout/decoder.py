@@ -171,6 +171,7 @@ class LayerView:
     q_norm: Callable | None = None
     k_norm: Callable | None = None
     rope: str | None = "default"  # which cos/sin table rotates q and k (DecoderView.rope_tables); None: NoPE
+    window: int | None = None  # a sliding-window layer's W: a token sees the keys fewer than W positions back
 
     def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [.., H*d], k and v [.., K*d] of x, q/k normed where the family norms them (before the rotary)."""
@@ -222,6 +223,7 @@ class DecoderView:
     device: torch.device
     layout: Layout
     rope_keys: tuple[str, ...] = ("default",)  # the cos/sin tables some layer uses
+    windows: tuple[int, ...] = ()  # the distinct sliding windows of the layers (each step builds one mask per window)
     final_softcap: float | None = None  # Gemma 3's optional final logit soft-capping
 
     def rope_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -276,6 +278,11 @@ class DecoderView:
         def norm(module: nn.Module, name: str | None) -> Cast | None:
             return None if name is None else Cast(getattr(module, name), dtype)
 
+        # a window no sequence can exceed (Phi-3.5/4-mini's 262144 on 131072 positions) needs no mask
+        positions = getattr(config, "max_position_embeddings", None)
+        windows = [w if w is not None and (positions is None or w < positions) else None
+                   for w in layout.windows(config)]
+
         def layer_view(layer: nn.Module) -> LayerView:
             attn, mlp = layer.self_attn, layer.mlp
             gate_up = fused([getattr(mlp, n) for n in layout.gate_up])
@@ -296,6 +303,7 @@ class DecoderView:
                 mlp_in_norm=norm(layer, layout.mlp_in_norm), mlp_out_norm=norm(layer, layout.mlp_out_norm),
                 q_norm=q_norm, k_norm=k_norm,
                 rope=rope if getattr(attn, "use_rope", True) else None,  # SmolLM3's NoPE layers
+                window=windows[attn.layer_idx],
             )
 
         sharded = sharded_base(model)
@@ -308,5 +316,6 @@ class DecoderView:
             embed=Cast(inner.embed_tokens, dtype), rotary=inner.rotary_emb, layers=layers, norm=Cast(inner.norm, dtype),
             lm_head=fused([hf.lm_head]), num_heads=H, num_kv_heads=K, head_dim=head_dim, dtype=dtype,
             device=inner.embed_tokens.weight.device, layout=layout, rope_keys=rope_keys,
+            windows=tuple(sorted({w for w in windows if w is not None})),
             final_softcap=getattr(config, "final_logit_softcapping", None),
         )

@@ -17,11 +17,13 @@ from collections.abc import Callable
 import torch
 
 from rlora.rollout.decoder import DecoderView, LayerView, decode_layers
+from rlora.rollout.kvcache import window_biases
 
 
 def _static_attention(layer: LayerView, view: DecoderView, q_BHd, k_BKd, v_BKd, t_S: torch.Tensor,
-                      gen_bias_S111T: torch.Tensor, cache, layer_index: int, S: int, G: int) -> torch.Tensor:
+                      biases: dict, cache, layer_index: int, S: int, G: int) -> torch.Tensor:
     H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
+    window_bias_S111P, gen_bias_S111T = biases[layer.window]
     per_kv = H // K
     k_prompt, v_prompt = cache.prompt[layer_index]  # [S, K, Tp, d]
     k_gen, v_gen = cache.gen[layer_index]  # [S, K, G, Tmax, d]
@@ -34,7 +36,10 @@ def _static_attention(layer: LayerView, view: DecoderView, q_BHd, k_BKd, v_BKd, 
     scores_prompt = q.reshape(S, K, G * per_kv, d) @ k_prompt.transpose(-1, -2)  # [S, K, G*per_kv, Tp]
     scores_prompt = scores_prompt * layer.scaling + cache.prompt_bias_S11T
     scores_gen = q @ k_gen.transpose(-1, -2) * layer.scaling + gen_bias_S111T  # [S, K, G, per_kv, Tmax]
-    scores = torch.cat([scores_prompt.view(S, K, G, per_kv, Tp), scores_gen], dim=-1)
+    scores_prompt = scores_prompt.view(S, K, G, per_kv, Tp)
+    if window_bias_S111P is not None:  # a sliding-window layer
+        scores_prompt = scores_prompt + window_bias_S111P
+    scores = torch.cat([scores_prompt, scores_gen], dim=-1)
     probs = scores.float().softmax(-1).to(q.dtype)
     probs_prompt, probs_gen = probs.split([Tp, Tmax], dim=-1)
     out = (probs_prompt.reshape(S, K, G * per_kv, Tp) @ v_prompt).view(S, K, G, per_kv, d)
@@ -49,12 +54,10 @@ def static_decode_step(view: DecoderView, tokens_B: torch.Tensor, positions_B: t
     of their next token, [B, V]."""
     x = view.embed(tokens_B)  # [B, hidden]
     tables = view.rope_tables(x[:, None], positions_B[:, None])
-    Tmax = cache.gen[0][0].shape[3]
-    slots_T = torch.arange(Tmax, device=tokens_B.device)
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    gen_bias_S111T = torch.where(slots_T > t_S[:, None], float("-inf"), zero).view(S, 1, 1, 1, Tmax)
+    biases = window_biases(view.windows, t_S.view(S, 1, 1, 1, 1), cache.prompt_back_ST, cache.gen[0][0].shape[3],
+                           x.dtype)
     return decode_layers(view, x, tables, lambda layer, i, q, k, v: _static_attention(
-        layer, view, q, k, v, t_S, gen_bias_S111T, cache, i, S, G))
+        layer, view, q, k, v, t_S, biases, cache, i, S, G))
 
 
 class StaticDecoder:

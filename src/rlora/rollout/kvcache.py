@@ -28,6 +28,10 @@ class KVCache:
                      torch.zeros(S, K, G, max_new, d, dtype=dtype, device=device)) for _ in range(len(view.layers))]
         self.prompt_mask_ST = torch.zeros(S, prompt_width, dtype=torch.long, device=device)  # 1 on real tokens
         self.prompt_bias_S11T = torch.full((S, 1, 1, prompt_width), float("-inf"), dtype=dtype, device=device)
+        # how many positions each prompt key sits before the slot's first generated token (1: the prompt's last);
+        # sliding-window layers read it (window_biases). Positions, not indices: a continued row's prompt (its
+        # history, then padding, then the new turn) is not contiguous in the cache
+        self.prompt_back_ST = torch.zeros(S, prompt_width, dtype=torch.long, device=device)
 
     def admit(self, slots_n: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]], mask_nT: torch.Tensor) -> None:
         """Prefilled prompts into these slots: per layer (K, V) [n, kv_heads, T, d], mask_nT 1 on real tokens."""
@@ -39,6 +43,26 @@ class KVCache:
         self.prompt_mask_ST[slots_n] = mask_nT
         zero = torch.zeros((), dtype=self.prompt_bias_S11T.dtype, device=mask_nT.device)
         self.prompt_bias_S11T[slots_n] = torch.where(mask_nT.bool(), zero, float("-inf"))[:, None, None, :]
+        self.prompt_back_ST[slots_n] = mask_nT.sum(-1, keepdim=True) - mask_nT.cumsum(-1) + 1
+
+
+def window_biases(windows: tuple[int, ...], t: torch.Tensor, prompt_back_ST: torch.Tensor, gen_width: int,
+                  dtype: torch.dtype) -> dict[int | None, tuple[torch.Tensor | None, torch.Tensor]]:
+    """The additive masks of one decode step, per window (None: full attention) -> (prompt bias [S, 1, G', 1, Tp]
+    or None, generated bias [S, 1, G', 1, gen_width]). t: each row's generated index, [S, 1, G', 1, 1] (G' = G for
+    the eager step's rows, 1 for the static step's slots). A row at t sees generated keys s <= t, and with a window
+    of W only those with t - s < W and the prompt keys with t + back < W (back: KVCache.prompt_back_ST); padding keys
+    stay masked by the cache's prompt bias."""
+    zero = torch.zeros((), dtype=dtype, device=t.device)
+    slots = torch.arange(gen_width, device=t.device)
+    seen = slots <= t
+    biases: dict[int | None, tuple[torch.Tensor | None, torch.Tensor]] = {
+        None: (None, torch.where(seen, zero, float("-inf")))}
+    back = prompt_back_ST[:, None, None, None, :]
+    for window in windows:
+        biases[window] = (torch.where(t + back < window, zero, float("-inf")),
+                          torch.where(seen & (slots > t - window), zero, float("-inf")))
+    return biases
 
 
 @dataclass
@@ -86,6 +110,11 @@ def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, past
     allowed_PTT = (causal_TT & mask_PT.bool()[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
     # padding queries see themselves only (their output is unused); every query sees the row's cached keys
     allowed_P1TS = torch.cat([past_mask_PT.bool()[:, None, :].expand(P, T, -1), allowed_PTT], dim=-1)[:, None]
+    # a sliding-window layer's query sees the keys fewer than W positions back (the key's own position: a
+    # continued row's cache has padding between its history and the new turn)
+    key_positions_PS = torch.cat([past_mask_PT.cumsum(-1) - 1, positions_PT], dim=-1)
+    back_P1TS = (positions_PT[:, :, None] - key_positions_PS[:, None, :])[:, None]
+    allowed = {None: allowed_P1TS, **{w: allowed_P1TS & (back_P1TS < w) for w in view.windows}}
     layers = []
     for index, layer in enumerate(view.layers):
         q, k, v = layer.attention_inputs(x)
@@ -96,7 +125,8 @@ def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, past
         if past_layers:
             k, v = torch.cat([past_layers[index][0], k], dim=2), torch.cat([past_layers[index][1], v], dim=2)
         layers.append((k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_P1TS, scale=layer.scaling, enable_gqa=K != H)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[layer.window], scale=layer.scaling,
+                                              enable_gqa=K != H)
         x = layer.add_attention(x, attn.transpose(1, 2).reshape(P, T, H * d))
         x = layer.add_mlp(x)
     return view.logits(x[:, -1]), layers, torch.cat([past_mask_PT, mask_PT.long()], dim=1)
@@ -113,9 +143,10 @@ def slot_row_caches(cache: KVCache, slot: int, lengths: list[int]) -> list[RowCa
             for g, length in enumerate(lengths)]
 
 
-def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, rows_A, t_A, gen_bias_S1G1W,
+def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, rows_A, t_A, biases: dict,
                       cache: KVCache, layer_index: int, S: int, G: int) -> torch.Tensor:
     H, K, d = view.num_heads, view.num_kv_heads, view.head_dim
+    window_bias_S1G1P, gen_bias_S1G1W = biases[layer.window]
     per_kv, B, W = H // K, S * G, gen_bias_S1G1W.shape[-1]
     k_prompt, v_prompt = cache.prompt[layer_index]
     k_gen, v_gen = cache.gen[layer_index]  # [S, K, G, Tmax, d]
@@ -129,7 +160,10 @@ def _decode_attention(layer: LayerView, view: DecoderView, q_AHd, k_AKd, v_AKd, 
     scores_prompt = q.reshape(S, K, G * per_kv, d) @ k_prompt.transpose(-1, -2)  # [S, K, G*per_kv, Tp]
     scores_prompt = scores_prompt * layer.scaling + cache.prompt_bias_S11T
     scores_gen = q @ k_gen[:, :, :, :W].transpose(-1, -2) * layer.scaling + gen_bias_S1G1W  # [S, K, G, per_kv, W]
-    scores = torch.cat([scores_prompt.view(S, K, G, per_kv, Tp), scores_gen], dim=-1)
+    scores_prompt = scores_prompt.view(S, K, G, per_kv, Tp)
+    if window_bias_S1G1P is not None:  # a sliding-window layer
+        scores_prompt = scores_prompt + window_bias_S1G1P
+    scores = torch.cat([scores_prompt, scores_gen], dim=-1)
     probs = scores.float().softmax(-1).to(q.dtype)
     probs_prompt, probs_gen = probs.split([Tp, W], dim=-1)
     out = (probs_prompt.reshape(S, K, G * per_kv, Tp) @ v_prompt).view(S, K, G, per_kv, d)
@@ -145,9 +179,7 @@ def decode_step(view: DecoderView, tokens_A, rows_A, positions_A, t_B: torch.Ten
     width: the generated positions attention reads (more than any active row's t); each row sees its t + 1."""
     x = view.embed(tokens_A)  # [A, hidden]
     tables = view.rope_tables(x[:, None], positions_A[:, None])  # cos, sin: [A, 1, d]
-    slots_W = torch.arange(width, device=x.device)
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    gen_bias_S1G1W = torch.where(slots_W <= t_B[:, None], zero, float("-inf")).view(S, 1, G, 1, width)
+    biases = window_biases(view.windows, t_B.view(S, 1, G, 1, 1), cache.prompt_back_ST, width, x.dtype)
     t_A = t_B[rows_A]
     return decode_layers(view, x, tables, lambda layer, i, q, k, v: _decode_attention(
-        layer, view, q, k, v, rows_A, t_A, gen_bias_S1G1W, cache, i, S, G))
+        layer, view, q, k, v, rows_A, t_A, biases, cache, i, S, G))

@@ -112,9 +112,6 @@ def layout_refusal(model_type: str, config, max_length: int | None) -> str | Non
     layout = LAYOUTS.get(model_type)
     if layout is None:
         return f"model type '{model_type}' (built-in sampler supports {', '.join(SUPPORTED_MODEL_TYPES)})"
-    windows = [w for w in layout.windows(config) if w is not None]
-    if windows and (max_length is None or max_length > min(windows)):
-        return "sliding-window attention"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
     if getattr(config, "use_bidirectional_attention", False):

@@ -86,9 +86,9 @@ def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_d
 
 
 def test_layer_streaming_for_a_model_the_builtin_sampler_cannot_run_is_refused(tmp_path, prompts_file):
-    """A sliding-window Mistral samples with transformers generate, whose FSDP all-gathers the ranks could not pair
-    up: refused with one line (gather=model runs it)."""
-    model = build_random_model(tmp_path / "mistral", family="mistral", tie=False, seed=4, sliding_window=4)
+    """A Gemma 3 with attention logit soft-capping samples with transformers generate, whose FSDP all-gathers the
+    ranks could not pair up: refused with one line (gather=model runs it)."""
+    model = build_random_model(tmp_path / "gemma", family="gemma3_text", seed=4, attn_logit_softcapping=50.0)
     args = tiny_overrides(str(model), prompts_file, str(tmp_path / "o"), **{"train.fsdp": "true",
                                                                           "train.fsdp_gather": "layer", "train.steps": 1})
     done = _run(2, args)

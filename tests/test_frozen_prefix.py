@@ -98,7 +98,7 @@ def run_training(tiny_model_dir, prompts_file, out, share, monkeypatch):
     """-> (adapter tensors, metrics, number of prefixes computed: one per step when sharing)."""
     import json
 
-    import rlora.train.step as step_module
+    import rlora.models.frozen_prefix as prefix_module
     from conftest import tiny_overrides
     from rlora.cli import main
     from safetensors.torch import load_file
@@ -110,7 +110,7 @@ def run_training(tiny_model_dir, prompts_file, out, share, monkeypatch):
             super().__init__(*args)
             built.append(self.num_frozen)
 
-    monkeypatch.setattr(step_module, "FrozenPrefix", CountedPrefix)
+    monkeypatch.setattr(prefix_module, "FrozenPrefix", CountedPrefix)  # what the step's frozen_prefix builds
 
     overrides = tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
         "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2, "train.share_frozen_layers": share,

@@ -15,7 +15,7 @@ from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
 
 from rlora.batching import trim
 from rlora.models.adapters import reference_policy
-from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer, sharing_unsupported
+from rlora.models.frozen_prefix import FrozenPrefix, first_adapter_layer, frozen_prefix, sharing_unsupported
 from rlora.models.loading import causal_lm
 from rlora.models.logprobs import completion_logprobs, supports_chunked
 from rlora.models import packed_groups
@@ -173,20 +173,54 @@ def test_a_window_longer_than_the_positions_shares_and_packs(tmp_path):
     assert (packed[mask] - unshared[mask]).abs().max() <= 1e-12 and (cache[mask] - unshared[mask]).abs().max() <= 1e-12
 
 
-def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path, monkeypatch):
-    """Phi-3's LongRoPE picks its long or short frequencies from each decoder call's longest position: prompts of at
-    most 6 tokens fit the 8 positions of the short factors, prompt and completion together do not. The cache pass
-    (prompts alone, then completions on their keys) would rotate the prompts' keys with the short factors and the
-    rest with the long ones, so it does not run; the packed pass, one call as separate rows make, equals them."""
+def _longrope_phi3(folder):
+    """A Phi-3 with LongRoPE switching to its long factors past 8 positions (of 64)."""
     k = 4  # Phi-3's tiny model: head_dim 16, half of it rotated, in pairs
-    folder = build_random_model(tmp_path / "phi3", family="phi3", sliding_window=None, rope_parameters={
+    folder = build_random_model(folder, family="phi3", layers=4, sliding_window=None, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "short_factor": [1.0] * k,
         "long_factor": [8.0, 16.0, 32.0, 64.0], "original_max_position_embeddings": 8})
     config = json.loads((folder / "config.json").read_text())
     # Phi-3 reads the switch point from the config's top level
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64,
                                                     "original_max_position_embeddings": 8}))
-    tokenizer, tok, model = make_policy(str(folder))
+    return folder
+
+
+def test_a_rope_chosen_by_length_shares_the_frozen_prefix_only_below_its_switch(tmp_path):
+    """LongRoPE picks its frequencies from each call's longest position. The frozen prefix runs the rollout in its
+    own micro-batches: where short rows were prefixed beside long ones (long factors) but a pass runs them alone
+    (short factors), the prefix is not the full pass's, so a rollout that reaches the switch point gets no prefix;
+    below it every call uses the original frequencies and the prefix equals full passes (float64, 1e-12)."""
+    tokenizer, tok, model = make_policy(str(_longrope_phi3(tmp_path / "phi3")), layers=[2, 3])
+    perturb_adapter(model, scale=0.3)
+    assert first_adapter_layer(model) == 2 and sharing_unsupported(model) is None
+    set_prompt_sharing(model, False)
+    rollout = rollout_of(model, tokenizer, tok)
+    model.to(torch.float64)
+    lengths = (rollout.prompt_mask_BTp.sum(-1) + rollout.completion_mask_BTc.sum(-1)).tolist()
+    short = torch.tensor([i for i, n in enumerate(lengths) if n <= 8])
+    assert 0 < len(short) < len(lengths)  # rows on both sides of the switch
+    micro = trim(rollout.select(short))
+    mask = micro.completion_mask_BTc.bool()
+    weights = torch.ones(micro.completion_ids_BTc.shape, dtype=torch.float64)
+    full, _ = logp_and_grads(model, micro, weights)
+    assert frozen_prefix(model, rollout, 2, micro_batch_size=3) is None
+    mixed = FrozenPrefix(model, rollout, 2, micro_batch_size=3)  # what it would have given: 0.01 off
+    assert (logp_and_grads(model, micro, weights, mixed.rows(short, micro))[0][mask] - full[mask]).abs().max() > 1e-3
+    rope = causal_lm(model).config.rope_parameters
+    rope["original_max_position_embeddings"] = causal_lm(model).config.original_max_position_embeddings = 64
+    full, _ = logp_and_grads(model, micro, weights)  # every call now below the switch
+    prefix = frozen_prefix(model, rollout, 2, micro_batch_size=3)
+    assert prefix is not None
+    assert (logp_and_grads(model, micro, weights, prefix.rows(short, micro))[0][mask] - full[mask]).abs().max() <= 1e-12
+
+
+def test_a_rope_chosen_by_length_packs_but_runs_no_cache_pass(tmp_path, monkeypatch):
+    """Phi-3's LongRoPE picks its long or short frequencies from each decoder call's longest position: prompts of at
+    most 6 tokens fit the 8 positions of the short factors, prompt and completion together do not. The cache pass
+    (prompts alone, then completions on their keys) would rotate the prompts' keys with the short factors and the
+    rest with the long ones, so it does not run; the packed pass, one call as separate rows make, equals them."""
+    tokenizer, tok, model = make_policy(str(_longrope_phi3(tmp_path / "phi3")))
     perturb_adapter(model, scale=0.3)
     batch = trim(rollout_of(model, tokenizer, tok))
     model.to(torch.float64)

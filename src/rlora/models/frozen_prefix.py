@@ -27,7 +27,7 @@ import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from rlora.batching import trim
-from rlora.models.loading import FUNCTIONAL_DROPOUT_KEYS, causal_lm
+from rlora.models.loading import FUNCTIONAL_DROPOUT_KEYS, causal_lm, rope_switch_length
 from rlora.tensors import position_ids_from_mask
 from rlora.types import Rollout, RolloutSlice
 
@@ -134,6 +134,17 @@ def suffix_hidden(model, batch: RolloutSlice, hidden_BTH: torch.Tensor, num_froz
     inputs = _layer_inputs(decoder, hidden_BTH, attention_mask, position_ids)
     hidden_BTH = _run_layers(decoder, hidden_BTH, inputs, num_frozen, decoder.config.num_hidden_layers)
     return decoder.norm(hidden_BTH)
+
+
+def frozen_prefix(model, rollout: Rollout, num_frozen: int, micro_batch_size: int) -> "FrozenPrefix | None":
+    """The rollout's FrozenPrefix, or None where its rows would not compute what full passes compute: a rotary
+    scaling chosen by each call's length (Phi-3.5/4-mini's longrope, dynamic scaling) whose switch point the
+    rollout's rows reach. The prefix's micro-batches and the passes' would then pick their frequencies from
+    different longest rows (a Phi-3 whose short rows were prefixed beside long ones: log-probs 0.01 off)."""
+    limit = rope_switch_length(causal_lm(model).config)
+    if limit is not None and rollout.prompt_ids_BTp.shape[1] + rollout.completion_ids_BTc.shape[1] >= limit:
+        return None
+    return FrozenPrefix(model, rollout, num_frozen, micro_batch_size)
 
 
 class FrozenPrefix:

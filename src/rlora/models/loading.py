@@ -265,6 +265,17 @@ def rope_parameter_sets(config) -> list[dict]:
     return [params] if isinstance(params, dict) else []
 
 
+def rope_switch_length(config) -> int | None:
+    """The length from which a length-dependent rotary scaling (LENGTH_DEPENDENT_ROPE) may use other frequencies
+    than its original ones (None: no such scaling). Calls whose positions all stay below it compute with the original
+    frequencies, whatever their batch: longrope switches to its long factors past its original length, dynamic
+    scaling grows past it and resets below it."""
+    limits = [min(params.get("original_max_position_embeddings") or config.max_position_embeddings,
+                  config.max_position_embeddings)
+              for params in rope_parameter_sets(config) if params.get("rope_type") in LENGTH_DEPENDENT_ROPE]
+    return min(limits) if limits else None
+
+
 def activation_checkpointing(hf_model: torch.nn.Module) -> bool:
     """Whether gradient checkpointing is on (transformers 5's is_activation_checkpointing; is_gradient_checkpointing,
     its deprecated alias, in earlier versions)."""

@@ -34,7 +34,7 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.seed_oss import modeling_seed_oss
 from transformers.models.smollm3 import modeling_smollm3
 
-from rlora.models.loading import LENGTH_DEPENDENT_ROPE, rope_parameter_sets
+from rlora.models.loading import LENGTH_DEPENDENT_ROPE, rope_parameter_sets, rope_switch_length
 
 
 def _no_window(config) -> list[int | None]:
@@ -117,10 +117,8 @@ def layout_refusal(model_type: str, config, max_length: int | None) -> str | Non
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
     # HF switches such frequencies in the middle of a generation, while the trainer's one forward uses one set
-    for params in rope_parameter_sets(config):
-        if params.get("rope_type") in LENGTH_DEPENDENT_ROPE:
-            limit = min(params.get("original_max_position_embeddings") or config.max_position_embeddings,
-                        config.max_position_embeddings)
-            if max_length is None or max_length > limit:
-                return f"{params['rope_type']} rotary embeddings beyond {limit} positions"
+    limit = rope_switch_length(config)
+    if limit is not None and (max_length is None or max_length > limit):
+        kind = next(p["rope_type"] for p in rope_parameter_sets(config) if p.get("rope_type") in LENGTH_DEPENDENT_ROPE)
+        return f"{kind} rotary embeddings beyond {limit} positions"
     return None

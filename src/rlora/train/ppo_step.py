@@ -21,7 +21,7 @@ import torch
 
 from rlora.algos.gae import clipped_value_loss, explained_variance, ppo_advantages
 from rlora.algos.losses import aggregate
-from rlora.models.frozen_prefix import FrozenPrefix
+from rlora.models.frozen_prefix import FrozenPrefix, frozen_prefix
 from rlora.models.precision import trainer_precision
 from rlora.models.value_model import Critic
 from rlora.batching import trim
@@ -110,7 +110,7 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
     # every log-prob and value pass and its backward under one precision; the optimizer steps outside it
     precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
     with precision():
-        prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
+        prefix = frozen_prefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
         ref_logp = None
         if beta > 0:
             with s.adapter.disabled():

@@ -15,7 +15,7 @@ from rlora.algos.registry import AdvantageInputs
 from rlora.data.prompts import PromptOrder, prompt_text
 from rlora.errors import UserError
 from rlora.rewards.scoring import Scores
-from rlora.models.frozen_prefix import FrozenPrefix
+from rlora.models.frozen_prefix import frozen_prefix
 from rlora.models.precision import trainer_precision
 from rlora.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
@@ -248,7 +248,7 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
     with precision():
         # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
-        prefix = FrozenPrefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
+        prefix = frozen_prefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
         t_prefix = time.perf_counter()
         ref_logp = None
         if need_ref:

@@ -125,14 +125,15 @@ def test_sliding_windows_greedy_matches_hf_generate(windowed_dirs, family, merge
 
 
 @pytest.mark.parametrize("family", WINDOWED)
-@pytest.mark.parametrize("decode", ["eager", "static"])
-def test_sliding_windows_sampling_logprobs_agree_with_the_trainer(windowed_dirs, family, decode):
-    """The sampler's log-probs against the trainer's one forward (transformers' window masks) to 1e-4; with the
+@pytest.mark.parametrize("decode, max_rows", [("eager", None), ("static", None), ("eager", 2), ("static", 2)])
+def test_sliding_windows_sampling_logprobs_agree_with_the_trainer(windowed_dirs, family, decode, max_rows):
+    """The sampler's log-probs against the trainer's one forward (transformers' window masks) to 1e-4, all prompts
+    admitted at once or one slot taking each prompt in turn (max_rows=2: a slot's prompt keys replaced); with the
     windows widened, the trainer's log-probs move by more than 1e-2, so the windows were in play."""
     tokenizer, tok, model, prompts = policy(windowed_dirs[family])
     per_prompt = [SamplingParams(max_new_tokens=n, temperature=t, min_new_tokens=n) for n, t in
                   [(16, 0.7), (5, 1.0), (9, 1.3), (16, 0.7)]]
-    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode=decode)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode=decode, max_rows=max_rows)
     rollout = engine.sample(model, prompts, 2, per_prompt, seed=7)
     model.eval()
     mask = rollout.completion_mask_BTc.bool()
@@ -145,12 +146,13 @@ def test_sliding_windows_sampling_logprobs_agree_with_the_trainer(windowed_dirs,
     assert (unwindowed[mask] - trainer[mask]).abs().max() > 1e-2
 
 
-def test_a_continued_row_sees_its_window_by_position(windowed_dirs):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_continued_row_sees_its_window_by_position(windowed_dirs, decode):
     """Multi-turn: a second turn continues each row's cache, whose history and new tokens are admitted with padding
     between them. The window counts positions, not cache slots: each second-turn token's sampling log-prob equals the
     trainer's on the whole sequence (prompt, first completion but its last token, turn, second completion) run alone."""
     tokenizer, tok, model, prompts = policy(windowed_dirs["mistral"])
-    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode=decode)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, min_new_tokens=6)
     first, caches = engine.sample_continued(model, prompts, 1, params, seed=1)
     turns = [list(range(10, 10 + 2 * (4 - i))) for i in range(len(prompts))]  # ragged: padding in the cache

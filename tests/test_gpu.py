@@ -92,6 +92,24 @@ def test_sampler_logprobs_equal_the_trainers_on_the_gpu(tiny_model_dir, decode):
     assert gap.mean() < 1e-4 and gap.max() < 1e-3, (gap.mean(), gap.max())
 
 
+@pytest.mark.parametrize("max_rows", [None, 2])
+def test_sliding_windows_in_the_cuda_graph_equal_the_trainer(tmp_path, max_rows):
+    """A Gemma 3 with windows of 4 on its sliding layers, rows past them: the recorded step builds its window masks
+    from the slots' steps and KVCache.prompt_back_ST (written in place when a slot takes a prompt: max_rows=2)."""
+    from rlora.models.tiny import build_random_model
+
+    tokenizer, tok, model, prompts = policy(str(build_random_model(tmp_path / "gemma", family="gemma3_text",
+                                                                    sliding_window=4, seed=3)))
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, min_new_tokens=12)
+    rollout = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, decode="graph", max_rows=max_rows).sample(
+        model, prompts, 2, params, seed=7)
+    model.eval()
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
+    mask = rollout.completion_mask_BTc.bool()
+    assert (trainer.cpu()[mask] - rollout.sampling_logp_BTc[mask]).abs().max() < 1e-4
+
+
 def test_bf16_base_bit_identical_after_50_merge_cycles_on_the_gpu(tiny_model_dir):
     tokenizer, tok, model, prompts = policy(tiny_model_dir)
     model.to(torch.bfloat16)

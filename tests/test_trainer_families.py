@@ -276,19 +276,20 @@ def test_sliding_windows_share_prompts_and_pack_rows_that_fit(four_layer_dirs, m
                           dtype=torch.float64)
     decoder_calls = []
     hf.get_decoder().register_forward_hook(lambda *args: decoder_calls.append(1))
-    for window in (3, positions):
+    for window in (3, positions - 1, positions):  # the last fits the padded rows exactly
         _set_window(hf, window)
         set_prompt_sharing(model, True)
         assert shared_prompts.sharing_prompts_unsupported(model) is None
-        reached = f"a sliding window of 3 positions over rows of {positions}" if window == 3 else None
-        assert group_packing_unsupported(model, batch) == reached
+        reached = window < positions
+        assert group_packing_unsupported(model, batch) == (
+            f"a sliding window of {window} positions over rows of {positions}" if reached else None)
         planned = plan_packing(model, batch, prompt_groups(batch))
-        assert (planned is None) == (window == 3)
+        assert (planned is None) == reached
         if planned is not None:
             assert planned.structured != recomputed and planned.num_positions > window
         decoder_calls.clear()
         shared_logp, shared_grads = logp_and_grads(model, batch, weights)
-        assert len(decoder_calls) == (2 if window == 3 else 1)  # the cache pass, or the packed one
+        assert len(decoder_calls) == (2 if reached else 1)  # the cache pass, or the packed one
         set_prompt_sharing(model, False)
         unshared_logp, unshared_grads = logp_and_grads(model, batch, weights)
         assert (shared_logp[mask] - unshared_logp[mask]).abs().max() <= 1e-12
@@ -298,6 +299,15 @@ def test_sliding_windows_share_prompts_and_pack_rows_that_fit(four_layer_dirs, m
     set_prompt_sharing(model, False)
     cut, _ = logp_and_grads(model, batch, weights)
     assert (cut[mask] - unshared_logp[mask]).abs().max() > 1e-3  # the window of 3 did cut what the rows saw
+
+
+def test_bidirectional_attention_shares_nothing(four_layer_dirs):
+    """A Gemma 3 with bidirectional attention (EmbeddingGemma's configs) lets a prompt token see the completions in
+    the model's own pass: neither the cache pass nor a packed one can, so its rows run unshared."""
+    tokenizer, tok, model = make_policy(four_layer_dirs["gemma3_text"])
+    assert shared_prompts.sharing_prompts_unsupported(model) is None
+    causal_lm(model).config.use_bidirectional_attention = True
+    assert shared_prompts.sharing_prompts_unsupported(model) == "bidirectional attention"
 
 
 def test_soft_capped_attention_shares_prompts_but_does_not_pack(tmp_path):
@@ -342,5 +352,7 @@ def test_the_attention_window_by_config():
     assert packed_groups.attention_window(Config(sliding_window=512,
                                                  layer_types=["sliding_attention", "full_attention"])) == 512
     assert packed_groups.attention_window(Config(sliding_window=512, layer_types=["full_attention"] * 2)) is None
+    assert packed_groups.attention_window(Config(sliding_window=4096,  # a window no sequence of the model reaches
+                                                 layer_types=["sliding_attention", "full_attention"])) is None
     assert packed_groups.attention_window(Config(sliding_window=None,
                                                  layer_types=["chunked_attention", "full_attention"])) == 0

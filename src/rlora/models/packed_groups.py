@@ -66,12 +66,12 @@ def attention_window(config) -> int | None:
     (Mistral's and Phi-3's configs; use_sliding_window=false turns Qwen2's off) that is shorter than the model's
     positions (Phi-3.5/4-mini's 262144 against 131072 positions never applies)."""
     layer_types = getattr(config, "layer_types", None) or []
-    if layer_types:
-        if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
-            return 0
-        return config.sliding_window if "sliding_attention" in layer_types else None
+    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        return 0
     window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    if not window or (not layer_types and getattr(config, "use_sliding_window", True) is False):
         return None
     positions = getattr(config, "max_position_embeddings", None)
     return window if positions is None or window < positions else None

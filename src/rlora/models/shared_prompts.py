@@ -11,12 +11,11 @@ The numbers equal the unshared pass up to the rounding of differently shaped pro
 model's hidden states agree to 1e-12, its gradients to float32's resolution since transformers' RMSNorm runs in
 float32; a float32 model's log-probs to ~1e-6: tests/test_shared_prompts.py). Where that cannot hold the pass is not shared:
 several policies or a MoLoRA router on the model (a row's adapter or routing is its own), LoRA or attention
-dropout in training (one prompt pass would draw one dropout mask for G rows), and families outside
-SHAREABLE_MODEL_TYPES. Sliding windows need nothing here: the cache pass runs the model's own attention, whose masks
-apply them as in an unshared pass (the prompts' cache keeps the W - 1 keys before the completions, all that a window
-of W lets them see). The cache pass itself (not a packed one,
-models/packed_groups.py) does not run under gradient checkpointing (which turns the cache off) or on a sharded
-base (prompt_cache_unsupported).
+dropout in training (one prompt pass would draw one dropout mask for G rows), bidirectional attention, and families
+outside SHAREABLE_MODEL_TYPES. Sliding windows need nothing here: the cache pass runs the model's own attention,
+whose masks apply them as in an unshared pass (the prompts' cache keeps the W - 1 keys before the completions, all
+that a window of W lets them see). The cache pass itself (not a packed one, models/packed_groups.py) does not run
+under gradient checkpointing (which turns the cache off) or on a sharded base (prompt_cache_unsupported).
 """
 
 from __future__ import annotations
@@ -60,6 +59,8 @@ def sharing_prompts_unsupported(model: nn.Module) -> str | None:
         return "train.share_prompts=false"
     if config.model_type not in SHAREABLE_MODEL_TYPES:
         return f"model type '{config.model_type}'"
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        return "bidirectional attention"  # a prompt token would see the completions: no pass here lets it
     if policy_state(model) is not None or ml.has_molora(model):
         return "a row's adapter or routing is its own"
     if hf.training and (any(getattr(config, key, 0.0) for key in FUNCTIONAL_DROPOUT_KEYS) or _lora_dropout(model)):

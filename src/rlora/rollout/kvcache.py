@@ -53,6 +53,8 @@ def window_biases(windows: tuple[int, ...], t: torch.Tensor, prompt_back_ST: tor
     the eager step's rows, 1 for the static step's slots). A row at t sees generated keys s <= t, and with a window
     of W only those with t - s < W and the prompt keys with t + back < W (back: KVCache.prompt_back_ST); padding keys
     stay masked by the cache's prompt bias."""
+    # an idle slot's rows (outputs unused) may carry a step past the width: clamped, each still sees a key (no NaN)
+    t = t.clamp(max=gen_width - 1)
     zero = torch.zeros((), dtype=dtype, device=t.device)
     slots = torch.arange(gen_width, device=t.device)
     seen = slots <= t

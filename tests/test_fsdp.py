@@ -120,16 +120,21 @@ def test_unsupported_combinations_are_refused(override, message):
 
 
 @pytest.fixture(scope="module")
-def four_layer_dir(tmp_path_factory):
-    return str(build_random_model(tmp_path_factory.mktemp("four") / "model", layers=4, seed=2))
+def four_layer_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("four")
+    return {"llama": str(build_random_model(root / "llama", layers=4, seed=2)),
+            # windows of 4 tokens, shorter than the rows: each streamed layer's view must carry its window
+            "mistral-window": str(build_random_model(root / "mistral", family="mistral", layers=4, seed=2,
+                                                     sliding_window=4))}
 
 
-@pytest.mark.parametrize("gather", ["model", "layer"])
-def test_sampling_from_the_sharded_base_equals_the_unsharded_policy(four_layer_dir, tmp_path, gather):
+@pytest.mark.parametrize("model, gather", [("llama", "model"), ("llama", "layer"), ("mistral-window", "layer")])
+def test_sampling_from_the_sharded_base_equals_the_unsharded_policy(four_layer_dirs, tmp_path, model, gather):
     """Ranks with different work: rank 0 samples 3 prompts in 2 chunks with rows ending at ragged steps, rank 1 one
     short prompt; then rank 0 alone samples twice (evaluation). Every rank gets exactly what the unsharded policy
     samples. gather=layer has one of the 4 layers gathered at any use of a layer (plus the next one's all-gather in
     flight), and none afterwards; gather=model holds all 4 while sampling (the probe sees the difference)."""
+    four_layer_dir = four_layer_dirs[model]
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

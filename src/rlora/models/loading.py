@@ -265,6 +265,13 @@ def rope_parameter_sets(config) -> list[dict]:
     return [params] if isinstance(params, dict) else []
 
 
+def reachable_window(config, window: int | None) -> int | None:
+    """`window` where some sequence of the model can be longer, else None: a window at least the model's positions
+    (Phi-3.5/4-mini's 262144 on 131072) never applies."""
+    positions = getattr(config, "max_position_embeddings", None)
+    return window if window and (positions is None or window < positions) else None
+
+
 def rope_switch_length(config) -> int | None:
     """The length from which a length-dependent rotary scaling (LENGTH_DEPENDENT_ROPE) may use other frequencies
     than its original ones (None: no such scaling). Calls whose positions all stay below it compute with the original

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlora.models.loading import activation_checkpointing, causal_lm
+from rlora.models.loading import activation_checkpointing, causal_lm, reachable_window
 from rlora.models.packed_attention import plan_structured_attention, structured_attention
 from rlora.models.shared_prompts import PromptRows, prompt_cache_unsupported
 from rlora.tensors import position_ids_from_mask
@@ -71,19 +71,18 @@ def attention_window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
     if layer_types and "sliding_attention" not in layer_types:
         return None
-    if not window or (not layer_types and getattr(config, "use_sliding_window", True) is False):
+    if not layer_types and getattr(config, "use_sliding_window", True) is False:
         return None
-    positions = getattr(config, "max_position_embeddings", None)
-    return window if positions is None or window < positions else None
+    return reachable_window(config, window)
 
 
 def window_reached(config, batch: RolloutSlice) -> str | None:
     """Why a window would cut what `batch`'s rows attend to (None: it would not). A window of W lets a token see the
     keys fewer than W positions before it; a row's real tokens sit side by side in its padded row, so in a micro-batch
     of Tp + Tc <= W positions (padded prompt and completion widths: no row is longer) no window cuts, and its packed
-    pass, which attends without one, equals its unshared one. RL rows are mostly far shorter than the 2047-4096 token windows of
-    Phi-3-mini-4k or Mistral-7B-v0.1; longer ones run the cache pass (models/shared_prompts.py), whose attention is
-    the model's own, window included."""
+    pass, which attends without one, equals its unshared one. RL rows are mostly far shorter than the 2047-4096
+    token windows of Phi-3-mini-4k or Mistral-7B-v0.1; longer ones run the cache pass (models/shared_prompts.py),
+    whose attention is the model's own, window included."""
     window = attention_window(config)
     positions = batch.prompt_ids_BTp.shape[1] + batch.completion_ids_BTc.shape[1]
     if window is None or positions <= window:

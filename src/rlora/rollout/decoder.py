@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlora.models.loading import causal_lm
+from rlora.models.loading import causal_lm, reachable_window
 from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
 from rlora.models.sharded_base import StreamedLayers, sharded_base
 from rlora.rollout.layouts import LAYOUTS, SUPPORTED_MODEL_TYPES, Layout, layout_refusal
@@ -278,10 +278,7 @@ class DecoderView:
         def norm(module: nn.Module, name: str | None) -> Cast | None:
             return None if name is None else Cast(getattr(module, name), dtype)
 
-        # a window no sequence can exceed (Phi-3.5/4-mini's 262144 on 131072 positions) needs no mask
-        positions = getattr(config, "max_position_embeddings", None)
-        windows = [w if w is not None and (positions is None or w < positions) else None
-                   for w in layout.windows(config)]
+        windows = [reachable_window(config, w) for w in layout.windows(config)]  # a window never reached: no mask
 
         def layer_view(layer: nn.Module) -> LayerView:
             attn, mlp = layer.self_attn, layer.mlp

@@ -112,11 +112,12 @@ def prefill(view: DecoderView, ids_PT: torch.Tensor, mask_PT: torch.Tensor, past
     allowed_PTT = (causal_TT & mask_PT.bool()[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
     # padding queries see themselves only (their output is unused); every query sees the row's cached keys
     allowed_P1TS = torch.cat([past_mask_PT.bool()[:, None, :].expand(P, T, -1), allowed_PTT], dim=-1)[:, None]
-    # a sliding-window layer's query sees the keys fewer than W positions back (the key's own position: a
-    # continued row's cache has padding between its history and the new turn)
-    key_positions_PS = torch.cat([past_mask_PT.cumsum(-1) - 1, positions_PT], dim=-1)
-    back_P1TS = (positions_PT[:, :, None] - key_positions_PS[:, None, :])[:, None]
-    allowed = {None: allowed_P1TS, **{w: allowed_P1TS & (back_P1TS < w) for w in view.windows}}
+    allowed = {None: allowed_P1TS}
+    if view.windows:  # a sliding-window layer's query sees the keys fewer than W positions back, counted by the
+        # keys' own positions: a continued row's cache has padding between its history and the new turn
+        key_positions_PS = torch.cat([past_mask_PT.cumsum(-1) - 1, positions_PT], dim=-1)
+        back_P1TS = (positions_PT[:, :, None] - key_positions_PS[:, None, :])[:, None]
+        allowed.update({w: allowed_P1TS & (back_P1TS < w) for w in view.windows})
     layers = []
     for index, layer in enumerate(view.layers):
         q, k, v = layer.attention_inputs(x)

@@ -143,6 +143,9 @@ def main() -> int:
         "builtin-static-chunks": BuiltinGenerator(**ours, merge=True, decode="static", continuous=False),
         "builtin-unmerged": BuiltinGenerator(**ours, merge=False),
         "builtin-bf16": BuiltinGenerator(**ours, merge=True, dtype=torch.bfloat16),
+        # MKL's products over merged weight copies (the CPU's float32 / bf16 sampler before oneDNN packs)
+        "builtin-mkl": BuiltinGenerator(**ours, merge=True, onednn=False),
+        "builtin-bf16-mkl": BuiltinGenerator(**ours, merge=True, dtype=torch.bfloat16, onednn=False),
         "builtin-fp16w": BuiltinGenerator(**ours, merge=True, fp16_weights=True) if packed_fp16_available() else None,
         "hf": HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=args.prompts * args.G),
     }

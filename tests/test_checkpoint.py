@@ -339,3 +339,16 @@ def test_resume_takes_step_n_for_the_zero_padded_folder_and_a_missing_one_lists_
         find_checkpoint(load_config(None, [f"train.resume={root / 'step-2'}"]))
     with pytest.raises(UserError, match=r"no checkpoint folder at '.*step-3' \(.*holds step-0000002, step-0000004\)"):
         find_checkpoint(load_config(None, [f"train.resume={root / 'step-3'}"]))
+
+
+def test_weight_packs_may_change_on_resume_other_rollout_settings_may_not(tmp_path):
+    """rollout.weight_packs changes only which kernel computes the sampler's products (e.g. switched off after a run
+    ran out of memory holding them): a resume may change it; rollout.temperature decides the samples: refused."""
+    from rlora.config import load_config, to_yaml
+    from rlora.errors import UserError
+    from rlora.train.resume import check_same_run
+
+    (tmp_path / "state.json").write_text(json.dumps({"step": 1, "config": to_yaml(load_config(None, []))}))
+    assert check_same_run(load_config(None, ["rollout.weight_packs=false"]), tmp_path)["step"] == 1
+    with pytest.raises(UserError, match="different rollout.temperature"):
+        check_same_run(load_config(None, ["rollout.weight_packs=false", "rollout.temperature=0.5"]), tmp_path)

@@ -30,6 +30,8 @@ def test_sharded_base_trains_and_samples_like_data_parallel(tiny_model_dir, prom
               "algo.num_iterations": 2, "train.gradient_checkpointing": "true", "train.checkpoint_every": 1,
               "train.micro_batch_size": 2, "train.lr": 0.05, "train.threads": 1}
     plain, sharded, layered = tmp_path / "plain", tmp_path / "sharded", tmp_path / "layered"
+    # a sharded base samples from merged copies; the whole one too (its default, oneDNN packs, rounds differently)
+    common["rollout.weight_packs"] = "false"
     streamed = {"train.fsdp": "true", "train.fsdp_gather": "layer"}
     for out, steps, extra in ((plain, 3, {}), (layered, 3, streamed), (sharded, 2, {"train.fsdp": "true"}),
                               (sharded, 3, {"train.fsdp": "true", "train.resume": "auto"})):
@@ -66,6 +68,7 @@ def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_d
     common = {"rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "data.shuffle": "false", "train.lr": 0.05,
               "train.micro_batch_size": 2, "train.threads": 1, "algo.beta": 0.0, "eval.before": "false",
               "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
+              "rollout.weight_packs": "false",  # the sharded base's merged copies for the whole one too
               "policies": "[{name: a, seed: 1}, {name: b, lr: 0.01, seed: 2}, {name: c, seed: 3, beta: 0.04}]"}
     outs = {}
     for label, extra in (("whole", {}), ("sharded", {"train.fsdp": "true", "train.fsdp_gather": "layer"})):

@@ -1,5 +1,5 @@
-"""`rollout.sampler_dtype: float16_weights`: float32 sampling from fbgemm-packed float16 copies of the base weights,
-the LoRA unmerged beside them (rollout/packed.py)."""
+"""The sampler's packed base weights, the LoRA unmerged beside them (rollout/packed.py): `rollout.sampler_dtype:
+float16_weights` (fbgemm's float16 copies, float32 compute). oneDNN's packs: tests/test_onednn_packs.py."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.packed import PackCache, PackedLinear, packed_fp16_available
 from rlora.types import SamplingParams
 
-pytestmark = pytest.mark.skipif(not packed_fp16_available(), reason="torch without the fbgemm engine (non-x86)")
+needs_fbgemm = pytest.mark.skipif(not packed_fp16_available(), reason="torch without the fbgemm engine (non-x86)")
 
 
 def naive_map(modules, x, weight_dtype):
@@ -29,6 +29,7 @@ def naive_map(modules, x, weight_dtype):
     return torch.cat(outs, dim=-1)
 
 
+@needs_fbgemm
 def test_packed_qkv_equals_the_naive_map_with_float16_weights(qwen2_dir):
     """Qwen2's fused q/k/v (biases included) with a non-zero LoRA on each: equal to the map with float16-rounded base
     weights up to float32 accumulation, and measurably not the float32 map (so the test sees the rounding)."""
@@ -50,6 +51,7 @@ def test_packed_qkv_equals_the_naive_map_with_float16_weights(qwen2_dir):
     assert (base_only - want_base).abs().max() < 1e-6 * scale and (base_only - ours).abs().max() > 1e-3 * scale
 
 
+@needs_fbgemm
 def test_the_packed_base_is_kept_between_calls_and_redone_when_it_changes(tiny_model_dir):
     _, _, model, _ = policy(tiny_model_dir)
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj
@@ -67,6 +69,7 @@ def test_the_packed_base_is_kept_between_calls_and_redone_when_it_changes(tiny_m
     assert (after.double() - want).abs().max() < 1e-6 * want.abs().max() and not torch.allclose(before, after)
 
 
+@needs_fbgemm
 def test_sampled_logprobs_are_the_trainers_up_to_float16_weights(tiny_model_dir):
     """The sampler's log-probs of its own tokens: close to the float32 trainer's with the adapter on (the
     adapter is applied), far from them with it off; the model's parameters stay float32 and untouched."""
@@ -86,6 +89,7 @@ def test_sampled_logprobs_are_the_trainers_up_to_float16_weights(tiny_model_dir)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
+@needs_fbgemm
 def test_greedy_equals_the_float32_samplers_and_reuses_the_packs(tiny_model_dir):
     """Greedy decoding from float16 weights picks the float32 sampler's tokens here (no near-ties in this tiny
     model at these prompts), and a second call packs nothing new."""
@@ -101,12 +105,14 @@ def test_greedy_equals_the_float32_samplers_and_reuses_the_packs(tiny_model_dir)
     assert all(engine.packs._entries[k][2] is v[2] for k, v in packed.items())
 
 
+@needs_fbgemm
 def test_packs_refuse_a_model_off_the_cpu(tiny_model_dir):
     _, _, model, _ = policy(tiny_model_dir)
     with pytest.raises(ValueError, match="CPU only"):
         DecoderView.of(model.to("meta"), merge=True, packs=PackCache())
 
 
+@needs_fbgemm
 def test_packs_refuse_a_sharded_base(tiny_model_dir, monkeypatch):
     """A sharded base is gathered anew each pass: packs would be rebuilt every call (slower than float32)."""
     from rlora.rollout import decoder
@@ -117,9 +123,9 @@ def test_packs_refuse_a_sharded_base(tiny_model_dir, monkeypatch):
         DecoderView.of(model, merge=True, packs=PackCache())
 
 
-def test_several_policies_sample_from_the_packed_base_with_their_own_adapters(tiny_model_dir):
-    """A model with 3 policy adapters: each row's log-probs are its own policy's (float32 trainer, up to the float16
-    base weights), far from another policy's."""
+def policies_gaps(tiny_model_dir, **engine_args):
+    """A model with 3 policy adapters sampled by BuiltinGenerator(**engine_args) -> (the engine, the model, |trainer -
+    sampler| log-prob gaps of every completion token: [each row under its own policy, under another policy])."""
     from test_policies import policies_model
 
     from rlora.models.loading import load_tokenizer
@@ -129,7 +135,7 @@ def test_several_policies_sample_from_the_packed_base_with_their_own_adapters(ti
     model = policies_model(tiny_model_dir, dtype=torch.float32)
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 1 + 1?", "Hello there")]
     K, G = 3, 4
-    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, fp16_weights=True)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, **engine_args)
     rollout = engine.sample(model, prompts * K, G, SamplingParams(max_new_tokens=8, temperature=1.0), seed=0,
                             keys=list(range(len(prompts))) * K, policies=[k for k in range(K) for _ in prompts])
     policy_B = torch.arange(K).repeat_interleave(len(prompts) * G)
@@ -139,6 +145,14 @@ def test_several_policies_sample_from_the_packed_base_with_their_own_adapters(ti
         with torch.no_grad(), policy_rows(model, rows_policy):
             trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
         gaps.append((trainer[mask] - rollout.sampling_logp_BTc[mask]).abs())
+    return engine, model, gaps
+
+
+@needs_fbgemm
+def test_several_policies_sample_from_the_packed_base_with_their_own_adapters(tiny_model_dir):
+    """A model with 3 policy adapters: each row's log-probs are its own policy's (float32 trainer, up to the float16
+    base weights), far from another policy's."""
+    engine, model, gaps = policies_gaps(tiny_model_dir, fp16_weights=True)
     assert 1e-7 < gaps[0].mean() and gaps[0].max() < 5e-3 and gaps[1].mean() > 100 * gaps[0].mean()
     layers = len(model.get_base_model().model.layers)
     assert len(engine.packs._entries) == 4 * layers + 1  # q/k/v, o, gate/up, down per layer; the output layer

@@ -17,7 +17,9 @@ from rlora.rollout.packed import packed_fp16_available
 
 
 def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pad_id: int, max_length: int,
-                    batch_size: int) -> Generator:
+                    batch_size: int, keep_packs: bool = True) -> Generator:
+    """keep_packs=False: the built-in engine's weight packs are made in each call and freed after it (a sampler used
+    now and then, e.g. a run's evaluations, need not hold a second copy of the base through training)."""
     if cfg.engine == "builtin":
         reason = unsupported_reason(model, max_length)
         if reason is None:
@@ -34,7 +36,8 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
                 info(f"rollout.sampler_dtype={setting} on a device without native support for it: sampling "
                      "will be slower, not faster")
             return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype,
-                                    decode="auto" if cfg.cuda_graphs else "eager", fp16_weights=fp16_weights)
+                                    decode="auto" if cfg.cuda_graphs else "eager", fp16_weights=fp16_weights,
+                                    onednn=cfg.weight_packs, keep_packs=keep_packs)
         if cfg.think is not None:
             raise UserError(f"rollout.think (phase-aware sampling) needs the built-in engine, which does not support "
                             f"this model ({reason}): remove rollout.think to sample with transformers generate")

@@ -251,21 +251,22 @@ class DecoderView:
     def of(cls, model: nn.Module, merge: bool, dtype: torch.dtype | None = None,
            packs: PackCache | None = None) -> "DecoderView":
         """dtype: the sampler's compute dtype (default: the model's). A lower one, e.g. bfloat16 for a
-        float32 model, samples from merged weight copies in that dtype. packs (float32 models on a CPU): the
-        linear maps run from float16 copies of the base weights packed for fbgemm (kept in `packs` between
-        calls), their LoRA unmerged beside them (rollout/packed.py); layers that cannot be packed run as with
-        merge. A model with several policy adapters gets each row's own adapter (PolicyFusedLinear; merge does
-        not apply)."""
+        float32 model, samples from merged weight copies in that dtype. packs (a CPU): the linear maps run from
+        packed copies of the base weights (oneDNN's, or fbgemm's float16; kept in `packs` between calls), their
+        LoRA unmerged beside them (rollout/packed.py); layers that cannot be packed run as with merge. A model with
+        several policy adapters gets each row's own adapter (PolicyFusedLinear; merge does not apply)."""
         hf = causal_lm(model)
         config, inner = hf.config, hf.model
         layout = LAYOUTS[config.model_type]
         dtype = dtype or inner.embed_tokens.weight.dtype
         policies = policy_state(model)
         if packs is not None and inner.embed_tokens.weight.device.type != "cpu":
-            raise ValueError("float16 weight packs (fbgemm) run on the CPU only")
+            raise ValueError(f"{packs.format.name} run on the CPU only")
         if packs is not None and sharded_base(model) is not None:
-            raise ValueError("float16 weight packs need a base that stays put (a sharded base is gathered anew "
+            raise ValueError(f"{packs.format.name} need a base that stays put (a sharded base is gathered anew "
                              "each pass: packing it every time would cost more than it saves)")
+        if packs is not None and packs.format.dtype != dtype:
+            raise ValueError(f"{packs.format.name} compute in {packs.format.dtype}, the sampler in {dtype}")
         H, K = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
 

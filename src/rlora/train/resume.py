@@ -39,6 +39,9 @@ CHECKPOINTS = "checkpoints"
 # sections whose change makes a checkpoint meaningless for the run (train.* may change: e.g. more steps)
 MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "ppo", "policies", "train.seed",
               "train.prompts_per_step")
+# settings inside those sections that may change on resume: how the sampler computes (the same products through
+# another kernel: later samples differ by rounding), e.g. weight packs switched off after running out of memory
+MAY_CHANGE = ("rollout.weight_packs",)
 
 
 def rng_state() -> dict:
@@ -150,6 +153,9 @@ def check_same_run(cfg, folder: Path) -> dict:
     state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     saved = _with_current_defaults(yaml.safe_load(state["config"]), type(cfg))
     current = yaml.safe_load(to_yaml(cfg))
+    for section, _, field in (key.partition(".") for key in MAY_CHANGE):
+        for config in (saved, current):
+            (config.get(section) or {}).pop(field, None)
     for key in MUST_MATCH:
         section, _, field = key.partition(".")
         then, now = saved.get(section), current.get(section)

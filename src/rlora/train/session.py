@@ -284,7 +284,9 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     eval_generator = generator
     if cfg.rollout.sampler_dtype != "model" and generator.name == "builtin":  # evaluations sample exactly
         exact = cfg.rollout.model_copy(update={"sampler_dtype": "model"})
-        eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
+        # its float32 packs only while it samples: the rollouts' packs (another dtype) are held through the run already
+        eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size,
+                                         keep_packs=False)
     if sharded is not None:  # the sampler reads the weights directly: every call gathers the base or streams it
         generator, eval_generator = ShardedSampler(generator, sharded), ShardedSampler(eval_generator, sharded)
         if cfg.train.fsdp_gather == "layer" and "hf" in (generator.name, eval_generator.name):

@@ -139,8 +139,11 @@ def test_the_kept_decoder_samples_what_a_fresh_one_samples(server):
     key, view = worker.view
     assert key == first_key
     assert sample(first) == fresh and worker.view[1] is view  # the kept decoder, the same samples
+    packs = worker.packer.packs_for(worker.model)  # an x86 CPU: one set of base packs under every snapshot's LoRA
+    made = {k: e[2] for k, e in packs._entries.items()} if packs is not None else {}
     other = sample(second)
     assert other != fresh and worker.view[0] != first_key  # another snapshot: its own decoder
+    assert (len(made) > 0) == (packs is not None) and all(packs._entries[k][2] is v for k, v in made.items())
     assert sample(first) == fresh
     worker.view = None  # built afresh: the same again
     assert sample(first) == fresh

@@ -34,6 +34,7 @@ from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.rollout.decoder import DecoderView, unsupported_reason
+from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
@@ -72,6 +73,8 @@ class ModelWorker:
         self.unnamed: OrderedDict[str, None] = OrderedDict()  # sampling sessions whose snapshot is in memory
         self.loaded: OrderedDict[int, str] = OrderedDict()  # snapshot.key -> its adapter's name
         self.view: tuple[int | None, DecoderView] | None = None  # (snapshot.key, None: the base) of the last sampled
+        # owns the base's weight packs on an x86 CPU (rollout/packed.py), shared by every snapshot's decoder
+        self.packer = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
         self.counter = 0  # numbers adapter names: never reused, also after one is deleted
         self.max_trainees, self.max_samplers = MAX_TRAINEES, MAX_SAMPLERS
         self.engine_refusal = unsupported_reason(base, max_length)  # None: rlora's built-in sampler runs it
@@ -373,15 +376,17 @@ class ModelWorker:
 
     def _generator(self, session_id: str, model, eos_ids: list[int]):
         """The sampler for the model as sampling_model switched it. rlora's keeps the last sampled snapshot's
-        decoder (its merged weight copies: one copy of the model's linear layers) for the next request: an RL
-        loop samples many prompts from one snapshot. Any adapter added or deleted drops it."""
+        decoder for the next request (an RL loop samples many prompts from one snapshot); any adapter added or
+        deleted drops it. On an x86 CPU every decoder runs the base from one set of oneDNN packs, made once, with the
+        snapshot's LoRA unmerged beside them; elsewhere the decoder holds the snapshot's merged weight copies (one
+        copy of the model's linear layers, made again for another snapshot)."""
         if self.engine_refusal is not None:
             return HFGenerator(self.tokenizer, eos_ids, self.tok.pad_id)
         snapshot = self.samplers[session_id].snapshot
         key = None if snapshot is None else snapshot.key
         if self.view is None or self.view[0] != key:
             self.view = None  # the old copy goes before the new one is made
-            self.view = (key, DecoderView.of(model, merge=True))
+            self.view = (key, DecoderView.of(model, merge=True, packs=self.packer.packs_for(model)))
         return ViewGenerator(self.view[1], self.tokenizer, eos_ids, self.tok.pad_id, merge=True, dtype=None,
                              decode="auto")
 

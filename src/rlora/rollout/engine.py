@@ -92,7 +92,7 @@ class BuiltinGenerator:
 
     def decoder_view(self, model) -> DecoderView:
         """The decoder to sample with (a subclass may keep one between calls: `rlora serve` does, for its merged
-        weight copies)."""
+        weight copies or its LoRA stacked beside the packs)."""
         return DecoderView.of(model, self.merge, self.dtype, self.packs_for(model))
 
     def packs_for(self, model) -> PackCache | None:

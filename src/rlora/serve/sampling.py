@@ -21,7 +21,7 @@ class Sampler:
 
 class ViewGenerator(BuiltinGenerator):
     """rlora's sampler on a decoder built before: the same weights, so the same samples, without merging the
-    adapter into fresh weight copies again for every request."""
+    adapter into fresh weight copies (or stacking it beside the base's packs) again for every request."""
 
     def __init__(self, view: DecoderView, *args, **kwargs):
         super().__init__(*args, **kwargs)

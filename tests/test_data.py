@@ -134,6 +134,13 @@ def test_rows_without_an_answer_are_refused_before_the_model_loads(tiny_model_di
             check_rows_answered(cfg, load_prompt_sets(cfg.data))
 
 
+def test_the_closeness_reward_also_needs_every_row_answered(tiny_model_dir, tmp_path):
+    rows = _rows_file(tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}])
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, rows, str(tmp_path / "o"), rewards="[{fn: closeness}]"))
+    with pytest.raises(UserError, match="row 2: column 'answer' is missing \\(null\\), but reward 'closeness'"):
+        check_rows_answered(cfg, load_prompt_sets(cfg.data))
+
+
 def test_rows_without_an_answer_are_fine_for_rewards_that_do_not_compare_with_it(tiny_model_dir, tmp_path):
     rows = _rows_file(tmp_path, [{"prompt": "a", "answer": None}, {"prompt": "b"}])
     for rewards in ("[{fn: rewards_for_tests.count_a}]", "[{fn: format}]"):

@@ -5,7 +5,7 @@ import pytest
 from rlora.config import RewardSpec
 from rlora.data.tasks import make_task_examples
 from rlora.errors import UserError
-from rlora.rewards.builtin import extract_answer, format_reward, gym_reward, math_reward
+from rlora.rewards.builtin import closeness_reward, extract_answer, format_reward, gym_reward, math_reward
 from rlora.rewards.scoring import resolve_rewards, score_completions
 
 
@@ -35,6 +35,28 @@ def test_format_and_math_rewards():
     assert format_reward([""] * 2, ["<answer>3</answer>", "3"]) == [1.0, 0.0]
     assert format_reward([""], ["#### 5"], pattern=r"####\s*\d+") == [1.0]
     assert math_reward(["", ""], ["The answer is $\\frac{1}{2}$", "It is 0.3"], answer=["0.5", "0.5"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("4 - 9 = -5", "-5", 1.0),  # exact
+    ("4 - 9 = -4", "-5", 0.8),  # 1 - 1/5
+    ("so it is -1", "-5", 0.2),  # 1 - 4/5: a small guess of the right sign earns little
+    ("4 - 9 = 5", "-5", 0.0),  # the wrong sign never earns anything: |5 - -5| = 10 >= 5
+    ("4 - 9 = 0", "-5", 0.0),
+    ("4 + 4 = 6", "8", 0.75),
+    ("5 - 5 = 1", "0", 0.0),  # |answer| < 1 counts as 1: one off from 0 is as far as it gets
+    ("<answer>2.5</answer> then 9", "2", 0.75),  # extracted as gym does: the tag first
+    ("1,240 apples", "1234", 1 - 6 / 1234),
+    ("no number", "3", 0.0),
+    ("nan", "3", 0.0),
+])
+def test_closeness_reward_by_hand(completion, answer, expected):
+    assert closeness_reward(["q"], [completion], answer=[answer]) == [pytest.approx(expected, abs=1e-12)]
+
+
+def test_closeness_reward_refuses_a_non_numeric_answer():
+    with pytest.raises(ValueError, match="numeric `answer` column, got 'seven'"):
+        closeness_reward(["q"], ["7"], answer=["seven"])
 
 
 def _resolve(*fns, weights=None):

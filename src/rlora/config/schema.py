@@ -105,7 +105,7 @@ class DataConfig(Section):
 
 
 class RewardSpec(Section):
-    fn: str = Field(description="Built-in name (gym, format, math, code), reward_model (a reward adapter of `rlora "
+    fn: str = Field(description="Built-in name (gym, format, math, code, closeness), reward_model (a reward adapter of `rlora "
                     "rm` on the policy's base: args.path, docs/reward_models.md), a file FILE.py:function (relative "
                     "to the config file; my_reward.function also finds my_reward.py there) or an importable "
                     "module.function")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from functools import lru_cache
 
@@ -68,9 +69,36 @@ def math_reward(prompts, completions, answer, **_columns) -> list[float]:
     return scores
 
 
+def closeness_reward(prompts, completions, answer, extract: str = "auto", **_columns) -> list[float]:
+    """Partial credit for a numeric answer: max(0, 1 - |x - answer| / max(|answer|, 1)) for the completion's number x
+    (extracted as `gym` does). 1 when exact, less the further off relative to the answer's size, 0 without a number;
+    never anything for the wrong sign (|x - answer| >= |answer| then), so a constant guess earns little.
+
+    Meant as shaping beside an exact verifier, at a small weight: GRPO divides a group's advantages by its rewards'
+    spread, so where no completion of a group is exactly right, near misses still rank above far ones and the
+    group teaches something, while in groups with a right answer the exact reward dominates."""
+    scores = []
+    for completion, gold in zip(completions, answer):
+        target = _number(str(gold))
+        if target is None:
+            raise ValueError(f"the closeness reward needs a numeric `answer` column, got {gold!r}")
+        value = _number(extract_answer(completion, extract))
+        scores.append(0.0 if value is None else max(0.0, 1.0 - abs(value - target) / max(abs(target), 1.0)))
+    return scores
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text.strip().replace(",", "").replace("−", "-"))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def code_reward(prompts, completions, **columns) -> list[float]:
     """Runs the completion's program against its unit tests in a sandboxed process (rewards/code.py)."""
     return run_code(prompts, completions, **columns)
 
 
-BUILTIN_REWARDS = {"gym": gym_reward, "format": format_reward, "math": math_reward, "code": code_reward}
+BUILTIN_REWARDS = {"gym": gym_reward, "format": format_reward, "math": math_reward, "code": code_reward,
+                   "closeness": closeness_reward}

@@ -187,7 +187,7 @@ class PackedLinear:
         # differ for fewer than 12 rows): the sampler's tests compare rows across batchings at such a tolerance.
         x_NI = x.reshape(-1, x.shape[-1])
         y_NO = self.format.linear(x_NI, self.packed)
-        if self.A is not None:
-            y_NO = torch.addmm(y_NO, F.linear(x_NI, self.A), self.B.t())
+        if self.A is not None:  # in place: the packed product's output is ours (addmm would copy it first)
+            y_NO.addmm_(F.linear(x_NI, self.A), self.B.t())
         y = y_NO.view(*x.shape[:-1], y_NO.shape[-1])
         return (y,) if len(self.sizes) == 1 else y.split(self.sizes, dim=-1)

@@ -141,6 +141,30 @@ def test_the_closeness_reward_also_needs_every_row_answered(tiny_model_dir, tmp_
         check_rows_answered(cfg, load_prompt_sets(cfg.data))
 
 
+def test_the_closeness_reward_refuses_a_non_numeric_answer_before_the_model_loads(tiny_model_dir, tmp_path):
+    good = _rows_file(tmp_path, [{"prompt": "a", "answer": "-3"}, {"prompt": "b", "answer": "1,234"}], name="good.jsonl")
+    bad = _rows_file(tmp_path, [{"prompt": "a", "answer": "1/2"}, {"prompt": "b", "answer": "seven"}], name="bad.jsonl")
+    for setting in ("data.path", "data.eval_path"):
+        cfg = load_config(None, tiny_overrides(tiny_model_dir, good, str(tmp_path / "o"), **{
+            "rewards": "[{fn: closeness}]", setting: bad}))
+        with pytest.raises(UserError, match=rf"data file {bad}, row 2: answer 'seven' is not a number, but reward 'closeness'"):
+            check_rows_answered(cfg, load_prompt_sets(cfg.data))
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, good, str(tmp_path / "o"), rewards="[{fn: closeness}]"))
+    check_rows_answered(cfg, load_prompt_sets(cfg.data))  # every answer a number: no error
+
+
+def test_the_closeness_reward_checks_a_tasks_answers_too(tiny_model_dir, tmp_path):
+    def config(task):
+        return load_config(None, tiny_overrides(tiny_model_dir, "null", str(tmp_path / "o"), **{
+            "data.task": task, "data.task_args": "{}", "data.eval_path": "null", "data.train_size": 20, "data.eval_size": 4,
+            "rewards": "[{fn: gym}, {fn: closeness, weight: 0.1}]"}))
+    numeric = config("basic_arithmetic")
+    check_rows_answered(numeric, load_prompt_sets(numeric.data))  # arithmetic answers are numbers: no error
+    words = config("spell_backward")
+    with pytest.raises(UserError, match=r"task 'spell_backward', (training|held-out) problem 1: answer '\w+' is not a number"):
+        check_rows_answered(words, load_prompt_sets(words.data))
+
+
 def test_rows_without_an_answer_are_fine_for_rewards_that_do_not_compare_with_it(tiny_model_dir, tmp_path):
     rows = _rows_file(tmp_path, [{"prompt": "a", "answer": None}, {"prompt": "b"}])
     for rewards in ("[{fn: rewards_for_tests.count_a}]", "[{fn: format}]"):

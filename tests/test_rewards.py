@@ -1,11 +1,13 @@
 import math
+from fractions import Fraction
 
 import pytest
 
 from rlora.config import RewardSpec
 from rlora.data.tasks import make_task_examples
 from rlora.errors import UserError
-from rlora.rewards.builtin import closeness_reward, extract_answer, format_reward, gym_reward, math_reward
+from rlora.rewards.builtin import (closeness_reward, extract_answer, format_reward, gym_reward, math_reward,
+                                  numeric_answer)
 from rlora.rewards.scoring import resolve_rewards, score_completions
 
 
@@ -49,9 +51,24 @@ def test_format_and_math_rewards():
     ("1,240 apples", "1234", 1 - 6 / 1234),
     ("no number", "3", 0.0),
     ("nan", "3", 0.0),
+    ("it is -0.25", "0.5", 0.0),  # the wrong sign earns nothing even where |answer| < 1 (1 - 0.75 / 1 would be 0.25)
+    ("about 0.25", "0.5", 0.75),  # 1 - 0.25 / max(0.5, 1)
+    ("<answer>1/4</answer>", "1/2", 0.75),  # fractions on both sides, exactly
+    ("<answer>2.5e3</answer>", "2000", 0.75),  # an exponent inside the tag: 1 - 500 / 2000
+    ("−3", "-4", 0.75),  # U+2212 as the minus sign
+    ("<answer>1e999999999</answer>", "3", 0.0),  # an exponent this large is not a number here (no huge integer)
 ])
 def test_closeness_reward_by_hand(completion, answer, expected):
     assert closeness_reward(["q"], [completion], answer=[answer]) == [pytest.approx(expected, abs=1e-12)]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1,234", Fraction(1234)), (" -0.5 ", Fraction(-1, 2)), ("3 / 4", Fraction(3, 4)), ("5.", Fraction(5)),
+    ("12345678901234567890123", Fraction(12345678901234567890123)),  # exact: a float would end in ...0200
+    ("1/0", None), ("inf", None), ("nan", None), ("seven", None), ("", None), ("1e1000", None), ("1.2.3", None),
+])
+def test_numeric_answer_parses_exactly_or_refuses(text, expected):
+    assert numeric_answer(text) == expected
 
 
 def test_closeness_reward_refuses_a_non_numeric_answer():

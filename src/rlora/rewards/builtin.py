@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import re
+from fractions import Fraction
 from functools import lru_cache
 
 from rlora.rewards.code import code_reward as run_code
@@ -70,29 +70,41 @@ def math_reward(prompts, completions, answer, **_columns) -> list[float]:
 
 
 def closeness_reward(prompts, completions, answer, extract: str = "auto", **_columns) -> list[float]:
-    """Partial credit for a numeric answer: max(0, 1 - |x - answer| / max(|answer|, 1)) for the completion's number x
-    (extracted as `gym` does). 1 when exact, less the further off relative to the answer's size, 0 without a number;
-    never anything for the wrong sign (|x - answer| >= |answer| then), so a constant guess earns little.
+    """Partial credit for a numeric answer t: max(0, 1 - |x - t| / max(|t|, 1)) for the completion's number x
+    (extracted as `gym` does), and 0 when x and t have opposite signs. 1 when exact, less the further off relative to
+    the answer's size, 0 without a number, so a constant guess earns little. Numbers are parsed exactly (integers,
+    decimals, `a/b`: `numeric_answer`) and only the score is rounded to a float.
 
     Meant as shaping beside an exact verifier, at a small weight: GRPO divides a group's advantages by its rewards'
     spread, so where no completion of a group is exactly right, near misses still rank above far ones and the
     group teaches something, while in groups with a right answer the exact reward dominates."""
     scores = []
     for completion, gold in zip(completions, answer):
-        target = _number(str(gold))
+        target = numeric_answer(str(gold))
         if target is None:
             raise ValueError(f"the closeness reward needs a numeric `answer` column, got {gold!r}")
-        value = _number(extract_answer(completion, extract))
-        scores.append(0.0 if value is None else max(0.0, 1.0 - abs(value - target) / max(abs(target), 1.0)))
+        value = numeric_answer(extract_answer(completion, extract))
+        if value is None or value * target < 0:
+            scores.append(0.0)
+            continue
+        scores.append(float(max(Fraction(0), 1 - abs(value - target) / max(abs(target), Fraction(1)))))
     return scores
 
 
-def _number(text: str) -> float | None:
-    try:
-        value = float(text.strip().replace(",", "").replace("−", "-"))
-    except ValueError:
+# A plain number (1,234 / -0.5 / 2.5e3, exponent of at most 3 digits so that parsing cannot build a huge integer) or
+# a fraction a/b. The minus sign may be U+2212, as some models and datasets write it.
+_EXACT_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?|[-+]?\d+\s*/\s*\d+")
+
+
+def numeric_answer(text: str) -> Fraction | None:
+    """`text` as an exact number, or None when it is not one (words, a blank, a division by zero)."""
+    text = text.strip().replace("\u2212", "-")
+    if not _EXACT_NUMBER.fullmatch(text):
         return None
-    return value if math.isfinite(value) else None
+    try:
+        return Fraction(text.replace(",", "").replace(" ", ""))
+    except ZeroDivisionError:
+        return None
 
 
 def code_reward(prompts, completions, **columns) -> list[float]:

@@ -11,7 +11,7 @@ import torch
 from rlora.config import DataConfig
 from rlora.data.prompts import load_prompt_sets
 from rlora.models.embedded import SMOLLM2_ALIAS, cache_root, resolve_alias
-from rlora.rewards.builtin import extract_answer
+from rlora.rewards.builtin import closeness_reward, extract_answer
 
 TASK = "chain_sum"
 TASK_ARGS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -28,6 +28,19 @@ def completion_text(completion) -> str:
 def answer_reward(prompts, completions, answer, **_columns) -> list[float]:
     """1.0 when the extracted answer (tags, else last number) equals the reference exactly (chain_sum: integers)."""
     return [1.0 if extract_answer(completion_text(c)) == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def closeness(prompts, completions, answer, **_columns) -> list[float]:
+    """rlora's built-in `closeness` shaping on either side's completions (TRL passes them as messages)."""
+    return closeness_reward(prompts, [completion_text(c) for c in completions], answer)
+
+
+def reward_setup(closeness_weight: float) -> tuple[list, list[float]]:
+    """The reward functions and weights both sides train on: the exact answer, plus the demo's `closeness` shaping
+    where it has a weight (the held-out accuracy counts the exact answer only)."""
+    if not closeness_weight:
+        return [answer_reward], [1.0]
+    return [answer_reward, closeness], [1.0, closeness_weight]
 
 
 def task_rows(split: str, train_size: int = 1000, eval_size: int = 100) -> list[dict]:

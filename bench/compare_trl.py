@@ -3,11 +3,11 @@
     .venv/bin/pip install -e ".[bench]"                       # TRL 1.16 (optional extra)
     .venv/bin/python bench/compare_trl.py timing [--models smollm2,qwen2-0.1b] [--lengths 32,128]
         [--gens 4,16] [--betas 0,0.04] [--steps 3] [--warmup 1] [--repeats 2] [--out FILE.jsonl]
-    .venv/bin/python bench/compare_trl.py quality [--budget-s 300 | --steps 16] [--seeds 0,1,2]
+    .venv/bin/python bench/compare_trl.py quality [--budget-s 300 | --steps 16] [--seeds 0,1,2] [--closeness-weight 0.1]
 
 Each run is its own subprocess (so peak RSS is per side); runs alternate rlora, TRL, rlora, TRL. Both sides
 get the same model folder and tokenizer, the same chat prompts (reasoning-gym chain_sum), the same reward
-function (bench_common.answer_reward), G, completion length, LoRA rank/alpha/targets, beta, learning rate,
+functions (bench_common.reward_setup), G, completion length, LoRA rank/alpha/targets, beta, learning rate,
 AdamW, loss aggregation, seed, fp32 and thread count; TRL defaults that differ from rlora's are pinned (see
 TRL_PINNED). In `timing` mode EOS is suppressed until the length limit on both sides (min_new_tokens), so
 both generate and train on exactly the same number of tokens.
@@ -59,6 +59,7 @@ class Work:
     max_time_s: float | None = None  # quality mode: stop after this much training time
     train_size: int = 512
     output_dir: str = ""
+    closeness_weight: float = 0.0  # > 0: both sides add bench_common.closeness at this weight (the demo's shaping)
     rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" / "float16_weights": not identical work
     rlora_autocast: str = "auto"  # rlora only: "bfloat16" runs a float32 model's update under bf16 autocast: not identical
     device: str = "cpu"  # "cuda": both sides on the GPU
@@ -98,7 +99,7 @@ def peak_gpu_mb() -> float | None:
 
 # --------------------------------------------------------------------------- rlora side
 def run_rlora(work: Work) -> dict:
-    from bench_common import model_folder, task_rows, write_jsonl
+    from bench_common import model_folder, reward_setup, task_rows, write_jsonl
     from rlora.config import load_config
     from rlora.train.grpo import run_grpo
 
@@ -107,7 +108,8 @@ def run_rlora(work: Work) -> dict:
         "model.path": model_folder(work.model), "model.device": work.device, "model.dtype": work.dtype,
         "data.task": None, "data.path": str(data), "data.eval_size": 0,
         "data.shuffle": False,  # both sides take the prompts in file order, so each step sees the same prompts
-        "rewards": [{"fn": "bench_common.answer_reward"}], "lora.rank": work.lora_rank,
+        "rewards": [{"fn": f"bench_common.{fn.__name__}", "weight": weight}
+                    for fn, weight in zip(*reward_setup(work.closeness_weight))], "lora.rank": work.lora_rank,
         "lora.alpha": work.lora_alpha, "lora.target_modules": work.lora_targets,
         "rollout.num_generations": work.num_generations, "rollout.max_new_tokens": work.completion_len,
         "rollout.min_new_tokens": work.completion_len if work.fixed_length else 0,
@@ -234,16 +236,17 @@ def run_trl(work: Work) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from bench_common import answer_reward, model_folder, task_rows
+    from bench_common import model_folder, reward_setup, task_rows
 
     torch.set_num_threads(work.threads)
     folder = model_folder(work.model)
     completions_per_step = work.prompts_per_step * work.num_generations
+    reward_funcs, reward_weights = reward_setup(work.closeness_weight)
     args = GRPOConfig(
         output_dir=str(Path(work.output_dir) / "trl"), per_device_train_batch_size=work.micro_batch_size,
         gradient_accumulation_steps=completions_per_step // work.micro_batch_size,
         num_generations=work.num_generations, max_completion_length=work.completion_len,
-        temperature=work.temperature, learning_rate=work.lr, beta=work.beta,
+        temperature=work.temperature, learning_rate=work.lr, beta=work.beta, reward_weights=reward_weights,
         loss_type=LOSS_AGG_TO_TRL[work.loss_agg], seed=work.seed, max_steps=work.total_steps,
         generation_kwargs={"min_new_tokens": work.completion_len} if work.fixed_length else None,
         **trl_pinned(work),
@@ -252,7 +255,7 @@ def run_trl(work: Work) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     lora = LoraConfig(r=work.lora_rank, lora_alpha=work.lora_alpha, target_modules=work.lora_targets,
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[answer_reward], args=args,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
                           train_dataset=Dataset.from_list(task_rows("train", work.train_size)),
                           processing_class=tokenizer, peft_config=lora)
     clock = PhaseClock()
@@ -436,6 +439,8 @@ def main() -> int:
     q.add_argument("--threads", type=int, default=2)
     q.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16", "float16_weights"],
                    help="bfloat16: rlora samples from bf16 copies with truncated IS (the demo's setting)")
+    q.add_argument("--closeness-weight", type=float, default=0.0, help="both sides add the closeness shaping at this "
+                   "weight beside the exact answer (the demo's: 0.1)")
     w = sub.add_parser("worker", help="internal: run one side")
     w.add_argument("side", choices=["rlora", "trl"])
     w.add_argument("work")

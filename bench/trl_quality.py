@@ -74,7 +74,7 @@ def quality_runs(args, work_cls, spawn) -> list[dict]:
                             steps=args.steps if by_steps else 10_000, warmup=0, fixed_length=False,
                             max_time_s=None if by_steps else args.budget_s, threads=args.threads,
                             train_size=args.train_size, temperature=args.temperature, seed=seed,
-                            rlora_sampler_dtype=args.rlora_sampler_dtype)
+                            rlora_sampler_dtype=args.rlora_sampler_dtype, closeness_weight=args.closeness_weight)
             for side in SIDES:
                 results[seed, side] = spawn(side, work, Path(keep) / f"{side}-seed{seed}")
                 print(f"<!-- seed {seed} {side}: {len(results[seed, side]['steps'])} steps done -->", flush=True)

@@ -188,3 +188,18 @@ def test_trl_quality_summarises_reward_quarters_and_seed_medians():
     summary = medians(rows)
     assert summary["rlora"]["accuracy"] == 0.6 and summary["rlora"]["reward_first_quarter"] == 0.3
     assert summary["trl"]["accuracy"] == 0.4 and summary["rlora"]["reward_last_quarter"] is None
+
+
+def test_the_trl_comparison_shapes_both_sides_alike():
+    """bench/compare_trl.py --closeness-weight: both sides get the same functions and weights, and the shaping scores
+    TRL's message completions as rlora's text ones."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_common import answer_reward, closeness, reward_setup
+
+    assert reward_setup(0.0) == ([answer_reward], [1.0])
+    assert reward_setup(0.1) == ([answer_reward, closeness], [1.0, 0.1])
+    text = ["4 - 9 = -4", "4 - 9 = -5", "4 - 9 = 5"]
+    messages = [[{"role": "assistant", "content": c}] for c in text]
+    expected = [pytest.approx(0.8, abs=1e-12), 1.0, 0.0]  # 1 - 1/5; exact; the wrong sign
+    assert closeness(["q"] * 3, text, answer=["-5"] * 3) == expected
+    assert closeness(["q"] * 3, messages, answer=["-5"] * 3) == expected

@@ -97,13 +97,14 @@ _EXACT_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3
 
 
 def numeric_answer(text: str) -> Fraction | None:
-    """`text` as an exact number, or None when it is not one (words, a blank, a division by zero)."""
+    """`text` as an exact number, or None when it is not one (words, a blank, a division by zero, more digits than
+    Python converts to an integer: 4300 by default)."""
     text = text.strip().replace("\u2212", "-")
     if not _EXACT_NUMBER.fullmatch(text):
         return None
     try:
         return Fraction(text.replace(",", "").replace(" ", ""))
-    except ZeroDivisionError:
+    except (ZeroDivisionError, ValueError):
         return None
 
 

@@ -12,8 +12,12 @@ forward (1024; app.py), so the defaults (4 x 1024 tokens) time a batch it forms 
 of --prompt-tokens random tokens, --samples each, --max-tokens, temperature 1, each its own seed) sample client
 0's adapter (a snapshot).
 
+With --snapshot-switch, two more ways time the batched sample requests as an RL loop meets them: a new snapshot
+each round (its decoder made again), the base from the oneDNN weight packs the server keeps (the default on an x86
+CPU) against merged weight copies made per snapshot.
+
     .venv/bin/python bench/serve_batching.py [--model smollm2] [--clients 4] [--data 8] [--tokens 128] [--repeats 3]
-        [--sample-requests 16] [--samples 8] [--prompt-tokens 40] [--max-tokens 16]
+        [--sample-requests 16] [--samples 8] [--prompt-tokens 40] [--max-tokens 16] [--snapshot-switch]
 """
 
 from __future__ import annotations
@@ -61,6 +65,18 @@ def _sample_bodies(worker, count: int, samples: int, prompt_tokens: int, max_tok
     return session, bodies
 
 
+def _after_a_snapshot_switch(worker, session: str, bodies: list, packs: bool) -> list:
+    """The batched requests as the first of a new snapshot: the kept decoder dropped, then made from the packs
+    (made once for the server's life) or from merged weight copies."""
+    worker.packer.onednn = packs
+    worker.view = None
+    try:
+        return worker.sample(session, bodies)
+    finally:  # the other ways sample as the server does: from packs, their decoder made anew from them
+        worker.packer.onednn = True
+        worker.view = None
+
+
 def _timed(worker, run) -> float:
     start = time.perf_counter()
     outcomes = run()
@@ -89,6 +105,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=8, help="num_samples of each")
     parser.add_argument("--prompt-tokens", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens sampled (stop=[]: exactly these)")
+    parser.add_argument("--snapshot-switch", action="store_true", help="also time the batched requests after a "
+                        "snapshot switch, from the kept weight packs and from merged copies")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings")
     with tempfile.TemporaryDirectory(prefix="rlora-bench-serve-") as state_dir:
@@ -102,6 +120,9 @@ def main() -> int:
             session, bodies = _sample_bodies(worker, args.sample_requests, args.samples, args.prompt_tokens, args.max_tokens)
             ways["sample sequential"] = lambda: [worker.sample(session, [body])[0] for body in bodies]
             ways["sample batched"] = lambda: worker.sample(session, bodies)
+            if args.snapshot_switch:
+                ways["switch, packs"] = lambda: _after_a_snapshot_switch(worker, session, bodies, packs=True)
+                ways["switch, merged"] = lambda: _after_a_snapshot_switch(worker, session, bodies, packs=False)
         times: dict[str, list[float]] = {way: [] for way in ways}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for way, run in ways.items():
@@ -122,6 +143,11 @@ def main() -> int:
     for prefix in ("", "sample ")[:1 + bool(args.sample_requests)]:
         ratio = statistics.median(times[f"{prefix}sequential"]) / statistics.median(times[f"{prefix}batched"])
         print(f"{prefix or 'forward_backward '}sequential / batched: {ratio:.2f}x")
+    if args.sample_requests and args.snapshot_switch:
+        if worker.packer.packs_for(worker.model) is None:
+            print("# no oneDNN weight packs on this machine: both switch ways sampled from merged copies")
+        ratio = statistics.median(times["switch, packs"]) / statistics.median(times["switch, merged"])
+        print(f"after a snapshot switch, packs / merged copies: {ratio:.2f}x the time")
     return 0
 
 

@@ -139,15 +139,18 @@ def test_episodes_bench_times_both_ways_of_continuing(tiny_model_dir):
 def test_serve_batching_bench_times_both_ways_of_both_kinds(tiny_model_dir):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_batching.py"), "--model", str(tiny_model_dir),
                            "--clients", "2", "--data", "2", "--tokens", "8", "--rank", "2", "--repeats", "1",
-                           "--sample-requests", "3", "--samples", "2", "--prompt-tokens", "5", "--max-tokens", "3"],
+                           "--sample-requests", "3", "--samples", "2", "--prompt-tokens", "5", "--max-tokens", "3",
+                           "--snapshot-switch"],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    for way in ("sequential", "batched", "sample sequential", "sample batched"):
+    for way in ("sequential", "batched", "sample sequential", "sample batched", "switch, packs", "switch, merged"):
         [seconds] = [re.match(rf"{way} +([0-9.]+) s ", line) for line in lines if re.match(rf"{way} +[0-9]", line)]
         assert float(seconds.group(1)) > 0, way
     ratios = [line for line in lines if "sequential / batched" in line]
     assert len(ratios) == 2 and all(float(line.split()[-1].rstrip("x")) > 0 for line in ratios)
+    [switch] = [line for line in lines if line.startswith("after a snapshot switch, packs / merged copies:")]
+    assert float(switch.split()[-3].rstrip("x")) > 0
 
 
 def test_sft_output_layer_bench_times_both_ways_at_the_same_loss(tiny_model_dir):

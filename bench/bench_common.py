@@ -43,6 +43,11 @@ def reward_setup(closeness_weight: float) -> tuple[list, list[float]]:
     return [answer_reward, closeness], [1.0, closeness_weight]
 
 
+def rlora_rewards(closeness_weight: float) -> list[dict]:
+    """reward_setup's functions and weights as rlora's `rewards` config."""
+    return [{"fn": f"bench_common.{fn.__name__}", "weight": weight} for fn, weight in zip(*reward_setup(closeness_weight))]
+
+
 def task_rows(split: str, train_size: int = 1000, eval_size: int = 100) -> list[dict]:
     """Chat-format prompts with their answers: the same rows feed rlora (jsonl) and TRL (datasets). The split
     is rlora's (the demo's): held-out problems are distinct and never appear in the training rows."""

@@ -59,7 +59,7 @@ class Work:
     max_time_s: float | None = None  # quality mode: stop after this much training time
     train_size: int = 512
     output_dir: str = ""
-    closeness_weight: float = 0.0  # > 0: both sides add bench_common.closeness at this weight (the demo's shaping)
+    closeness_weight: float = 0.0  # > 0: both sides add the demo's closeness shaping (bench_common.reward_setup)
     rlora_sampler_dtype: str = "model"  # rlora only: "bfloat16" / "float16_weights": not identical work
     rlora_autocast: str = "auto"  # rlora only: "bfloat16" runs a float32 model's update under bf16 autocast: not identical
     device: str = "cpu"  # "cuda": both sides on the GPU
@@ -79,6 +79,7 @@ TRL_PINNED = {
     "top_p": 1.0, "top_k": 0, "mask_truncated_completions": False, "disable_dropout": True,
     "report_to": [], "save_strategy": "no", "logging_steps": 1, "log_completions": False,
     "shuffle_dataset": False,  # same prompts per step as rlora (data.shuffle=false)
+    "multi_objective_aggregation": "sum_then_normalize",  # weighted rewards summed, then group advantages (as rlora)
 }
 
 
@@ -99,7 +100,7 @@ def peak_gpu_mb() -> float | None:
 
 # --------------------------------------------------------------------------- rlora side
 def run_rlora(work: Work) -> dict:
-    from bench_common import model_folder, reward_setup, task_rows, write_jsonl
+    from bench_common import model_folder, rlora_rewards, task_rows, write_jsonl
     from rlora.config import load_config
     from rlora.train.grpo import run_grpo
 
@@ -108,8 +109,7 @@ def run_rlora(work: Work) -> dict:
         "model.path": model_folder(work.model), "model.device": work.device, "model.dtype": work.dtype,
         "data.task": None, "data.path": str(data), "data.eval_size": 0,
         "data.shuffle": False,  # both sides take the prompts in file order, so each step sees the same prompts
-        "rewards": [{"fn": f"bench_common.{fn.__name__}", "weight": weight}
-                    for fn, weight in zip(*reward_setup(work.closeness_weight))], "lora.rank": work.lora_rank,
+        "rewards": rlora_rewards(work.closeness_weight), "lora.rank": work.lora_rank,
         "lora.alpha": work.lora_alpha, "lora.target_modules": work.lora_targets,
         "rollout.num_generations": work.num_generations, "rollout.max_new_tokens": work.completion_len,
         "rollout.min_new_tokens": work.completion_len if work.fixed_length else 0,

@@ -67,14 +67,14 @@ def _sample_bodies(worker, count: int, samples: int, prompt_tokens: int, max_tok
 
 def _after_a_snapshot_switch(worker, session: str, bodies: list, packs: bool) -> list:
     """The batched requests as the first of a new snapshot: the kept decoder dropped, then made from the packs
-    (made once for the server's life) or from merged weight copies."""
+    (made once for the server's life) or from merged weight copies. The kept decoder is put back after, so the
+    other ways sample as they would without these two."""
+    kept, worker.view = worker.view, None
     worker.packer.onednn = packs
-    worker.view = None
     try:
         return worker.sample(session, bodies)
-    finally:  # the other ways sample as the server does: from packs, their decoder made anew from them
-        worker.packer.onednn = True
-        worker.view = None
+    finally:
+        worker.packer.onednn, worker.view = True, kept
 
 
 def _timed(worker, run) -> float:

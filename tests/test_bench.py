@@ -197,12 +197,41 @@ def test_the_trl_comparison_shapes_both_sides_alike():
     """bench/compare_trl.py --closeness-weight: both sides get the same functions and weights, and the shaping scores
     TRL's message completions as rlora's text ones."""
     sys.path.insert(0, str(ROOT / "bench"))
-    from bench_common import answer_reward, closeness, reward_setup
+    from bench_common import answer_reward, closeness, reward_setup, rlora_rewards
+    from rlora.config import RewardSpec
+    from rlora.rewards.scoring import resolve_rewards
 
     assert reward_setup(0.0) == ([answer_reward], [1.0])
-    assert reward_setup(0.1) == ([answer_reward, closeness], [1.0, 0.1])
+    assert reward_setup(0.1) == ([answer_reward, closeness], [1.0, 0.1])  # what TRL's side is given
+    resolved = resolve_rewards([RewardSpec(**spec) for spec in rlora_rewards(0.1)], has_task=False)  # rlora's side
+    assert [(r.fn, r.weight) for r in resolved] == [(answer_reward, 1.0), (closeness, 0.1)]
     text = ["4 - 9 = -4", "4 - 9 = -5", "4 - 9 = 5"]
     messages = [[{"role": "assistant", "content": c}] for c in text]
     expected = [pytest.approx(0.8, abs=1e-12), 1.0, 0.0]  # 1 - 1/5; exact; the wrong sign
     assert closeness(["q"] * 3, text, answer=["-5"] * 3) == expected
     assert closeness(["q"] * 3, messages, answer=["-5"] * 3) == expected
+
+
+def test_a_snapshot_switch_way_leaves_the_server_as_it_found_it():
+    """bench/serve_batching.py --snapshot-switch: each way samples from a dropped decoder with packs on or off, and
+    puts the kept decoder and the packs setting back, also when sampling fails."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from types import SimpleNamespace
+
+    from serve_batching import _after_a_snapshot_switch
+
+    seen = []
+
+    def sample(session, bodies):
+        seen.append((worker.view, worker.packer.onednn))
+        if session == "fails":
+            raise RuntimeError("sampling failed")
+        return ["ok"]
+
+    worker = SimpleNamespace(view="kept decoder", packer=SimpleNamespace(onednn=True), sample=sample)
+    assert _after_a_snapshot_switch(worker, "s", [], packs=False) == ["ok"]
+    assert _after_a_snapshot_switch(worker, "s", [], packs=True) == ["ok"]
+    with pytest.raises(RuntimeError):
+        _after_a_snapshot_switch(worker, "fails", [], packs=False)
+    assert seen == [(None, False), (None, True), (None, False)]
+    assert worker.view == "kept decoder" and worker.packer.onednn is True

@@ -161,7 +161,7 @@ def test_the_closeness_reward_checks_a_tasks_answers_too(tiny_model_dir, tmp_pat
     numeric = config("basic_arithmetic")
     check_rows_answered(numeric, load_prompt_sets(numeric.data))  # arithmetic answers are numbers: no error
     words = config("spell_backward")
-    with pytest.raises(UserError, match=r"task 'spell_backward', (training|held-out) problem 1: answer '\w+' is not a number"):
+    with pytest.raises(UserError, match=r"task 'spell_backward', (training|held-out) problem 1 \('.+'\): answer '\w+' is not a number"):
         check_rows_answered(words, load_prompt_sets(words.data))
 
 

@@ -66,6 +66,7 @@ def test_closeness_reward_by_hand(completion, answer, expected):
     ("1,234", Fraction(1234)), (" -0.5 ", Fraction(-1, 2)), ("3 / 4", Fraction(3, 4)), ("5.", Fraction(5)),
     ("12345678901234567890123", Fraction(12345678901234567890123)),  # exact: a float would end in ...0200
     ("1/0", None), ("inf", None), ("nan", None), ("seven", None), ("", None), ("1e1000", None), ("1.2.3", None),
+    ("1,2,3", None), ("1,5", None), ("5,", None), ("12,345,678", Fraction(12345678)), ("3\t/4", None),
     ("9" * 5000, None),  # more digits than Python converts to an int: not a number, not a crash
 ])
 def test_numeric_answer_parses_exactly_or_refuses(text, expected):

@@ -91,9 +91,10 @@ def closeness_reward(prompts, completions, answer, extract: str = "auto", **_col
     return scores
 
 
-# A plain number (1,234 / -0.5 / 2.5e3, exponent of at most 3 digits so that parsing cannot build a huge integer) or
-# a fraction a/b. The minus sign may be U+2212, as some models and datasets write it.
-_EXACT_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?|[-+]?\d+\s*/\s*\d+")
+# A plain number (1,234 / -0.5 / 2.5e3: commas only between groups of three digits, so a list "1,2,3" or a European
+# decimal "1,5" is not one; an exponent of at most 3 digits, so that parsing cannot build a huge integer) or a
+# fraction a/b. The minus sign may be U+2212, as some models and datasets write it.
+_EXACT_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?|[-+]?\d+ */ *\d+")
 
 
 def numeric_answer(text: str) -> Fraction | None:

@@ -19,7 +19,7 @@ import torch
 from rlora.algos.registry import Algorithm, get_algorithm
 from rlora.config import RLConfig, apply_presets, check_config, check_init_from_keys, check_launch
 from rlora.data.files import check_data_file
-from rlora.data.prompts import PromptSets, check_answers, held_out_notice, load_prompt_sets, render_prompt
+from rlora.data.prompts import PromptSets, check_answers, held_out_notice, load_prompt_sets, prompt_text, render_prompt
 from rlora.data.tasks import check_task
 from rlora.envs.registry import EnvFactory, env_factory
 from rlora.errors import UserError
@@ -243,7 +243,9 @@ def _check_numeric_answers(cfg: RLConfig, prompts: PromptSets) -> None:
         for number, example in enumerate(examples, start=1):
             answer = example.columns.get("answer")
             if numeric_answer(str(answer)) is None:
-                raise UserError(f"{where} {number}: answer {str(answer)[:60]!r} is not a number, but reward 'closeness' "
+                # a task's problems are numbered after the held-out ones left, so its prompt says which one it is
+                prompt = f" ({prompt_text(example)[-60:]!r})" if cfg.data.task is not None else ""
+                raise UserError(f"{where} {number}{prompt}: answer {str(answer)[:60]!r} is not a number, but reward 'closeness' "
                                 "scores completions by their distance from it: use closeness only where every answer is "
                                 "a number (integer, decimal or a/b)")
 

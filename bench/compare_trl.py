@@ -429,14 +429,9 @@ def main() -> int:
     q.add_argument("--seeds", default="0", help="comma-separated: each seed trains both sides (LoRA init, sampling)")
     q.add_argument("--out", help="write every run's numbers as JSON")
     q.add_argument("--model", default="smollm2")
-    q.add_argument("--completion-len", type=int, default=48)
-    q.add_argument("--temperature", type=float, default=0.7)
-    q.add_argument("--prompts", type=int, default=2)
-    q.add_argument("--micro-batch-size", type=int, default=16)
-    q.add_argument("--lr", type=float, default=2e-4)
-    q.add_argument("--eval-size", type=int, default=100)
-    q.add_argument("--train-size", type=int, default=1000)
-    q.add_argument("--threads", type=int, default=2)
+    for option, default in (("--completion-len", 48), ("--temperature", 0.7), ("--prompts", 2), ("--micro-batch-size", 16),
+                            ("--lr", 2e-4), ("--eval-size", 100), ("--train-size", 1000), ("--threads", 2)):
+        q.add_argument(option, type=type(default), default=default)
     q.add_argument("--rlora-sampler-dtype", default="model", choices=["model", "bfloat16", "float16_weights"],
                    help="bfloat16: rlora samples from bf16 copies with truncated IS (the demo's setting)")
     q.add_argument("--closeness-weight", type=float, default=0.0, help="both sides add the closeness shaping at this "

@@ -114,5 +114,9 @@ def code_reward(prompts, completions, **columns) -> list[float]:
     return run_code(prompts, completions, **columns)
 
 
+# Built-ins that score against the answer's value, not just its text: the form every row's answer must have (a
+# parser returning None for a bad one) and how to say it. `rlora train` checks each row before the model loads.
+ANSWER_FORMS = {"closeness": (numeric_answer, "a number (integer, decimal or a/b)")}
+
 BUILTIN_REWARDS = {"gym": gym_reward, "format": format_reward, "math": math_reward, "code": code_reward,
                    "closeness": closeness_reward}

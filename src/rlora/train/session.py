@@ -40,7 +40,7 @@ from rlora.models.packed_groups import set_group_packing
 from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.models.value_model import Critic, attach_critic
 from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
-from rlora.rewards.builtin import BUILTIN_REWARDS, numeric_answer
+from rlora.rewards.builtin import ANSWER_FORMS, BUILTIN_REWARDS
 from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
@@ -227,13 +227,15 @@ def check_rows_answered(cfg: RLConfig, prompts: PromptSets) -> None:
     needs_answer = [spec.fn for spec in cfg.rewards if spec.fn in BUILTIN_REWARDS and _requires(BUILTIN_REWARDS[spec.fn], "answer")]
     if cfg.data.path is not None and needs_answer:
         check_answers(prompts, cfg.data, needs_answer[0])
-    if any(spec.fn == "closeness" for spec in cfg.rewards):
-        _check_numeric_answers(cfg, prompts)
+    for reward in dict.fromkeys(spec.fn for spec in cfg.rewards if spec.fn in ANSWER_FORMS):
+        _check_answer_form(cfg, prompts, reward)
 
 
-def _check_numeric_answers(cfg: RLConfig, prompts: PromptSets) -> None:
-    """`closeness` measures a completion's distance from a number: a row whose answer is not one (a word, a list, a
-    program) would fail every sample at its step, so the first such row is named now, of a data file or a task."""
+def _check_answer_form(cfg: RLConfig, prompts: PromptSets, reward: str) -> None:
+    """A built-in that scores against the answer's value (`closeness`: a completion's distance from a number) fails
+    every sample of a row whose answer lacks that form (a word, a list, a program) at its step, so the first such
+    row is named now, of a data file or a task."""
+    parse, form = ANSWER_FORMS[reward]
     if cfg.data.task is not None:
         sources = ((f"task '{cfg.data.task}', training problem", prompts.train),
                    (f"task '{cfg.data.task}', held-out problem", prompts.eval))
@@ -242,12 +244,12 @@ def _check_numeric_answers(cfg: RLConfig, prompts: PromptSets) -> None:
     for where, examples in sources:
         for number, example in enumerate(examples, start=1):
             answer = example.columns.get("answer")
-            if numeric_answer(str(answer)) is None:
+            if parse(str(answer)) is None:
                 # a task's problems are numbered after the held-out ones left, so its prompt says which one it is
                 prompt = f" ({prompt_text(example)[-60:]!r})" if cfg.data.task is not None else ""
-                raise UserError(f"{where} {number}{prompt}: answer {str(answer)[:60]!r} is not a number, but reward 'closeness' "
-                                "scores completions by their distance from it: use closeness only where every answer is "
-                                "a number (integer, decimal or a/b)")
+                raise UserError(f"{where} {number}{prompt}: answer {str(answer)[:60]!r} is not {form}, but reward "
+                                f"'{reward}' scores completions against its value: use {reward} only where every "
+                                "answer has that form")
 
 
 def _requires(fn, name: str) -> bool:

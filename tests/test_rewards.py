@@ -1,4 +1,5 @@
 import math
+import sys
 from fractions import Fraction
 
 import pytest
@@ -56,7 +57,9 @@ def test_format_and_math_rewards():
     ("<answer>1/4</answer>", "1/2", 0.75),  # fractions on both sides, exactly
     ("<answer>2.5e3</answer>", "2000", 0.75),  # an exponent inside the tag: 1 - 500 / 2000
     ("−3", "-4", 0.75),  # U+2212 as the minus sign
-    ("<answer>1e999999999</answer>", "3", 0.0),  # an exponent this large is not a number here (no huge integer)
+    # an exponent this large is not a number here: parsing it would build a huge integer (the timeout turns a
+    # regression from a hang into a failure)
+    pytest.param("<answer>1e999999999</answer>", "3", 0.0, marks=pytest.mark.timeout(20)),
 ])
 def test_closeness_reward_by_hand(completion, answer, expected):
     assert closeness_reward(["q"], [completion], answer=[answer]) == [pytest.approx(expected, abs=1e-12)]
@@ -67,10 +70,23 @@ def test_closeness_reward_by_hand(completion, answer, expected):
     ("12345678901234567890123", Fraction(12345678901234567890123)),  # exact: a float would end in ...0200
     ("1/0", None), ("inf", None), ("nan", None), ("seven", None), ("", None), ("1e1000", None), ("1.2.3", None),
     ("1,2,3", None), ("1,5", None), ("5,", None), ("12,345,678", Fraction(12345678)), ("3\t/4", None),
-    ("9" * 5000, None),  # more digits than Python converts to an int: not a number, not a crash
+    ("9" * 1000, Fraction(10**1000 - 1)), ("9" * 1001, None),  # the length bound: not a number past it
 ])
 def test_numeric_answer_parses_exactly_or_refuses(text, expected):
     assert numeric_answer(text) == expected
+
+
+@pytest.mark.timeout(20)
+def test_numeric_answer_bounds_length_itself():
+    """A long digit string is refused by numeric_answer's own bound, also where the process lifted Python's limit on
+    converting strings to integers (which would otherwise parse a million digits, slowly)."""
+    limit = sys.get_int_max_str_digits()
+    try:
+        sys.set_int_max_str_digits(0)
+        assert numeric_answer("9" * 1_000_000) is None
+        assert numeric_answer("9" * 5000) is None
+    finally:
+        sys.set_int_max_str_digits(limit)
 
 
 def test_closeness_reward_refuses_a_non_numeric_answer():

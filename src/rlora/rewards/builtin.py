@@ -95,13 +95,16 @@ def closeness_reward(prompts, completions, answer, extract: str = "auto", **_col
 # decimal "1,5" is not one; an exponent of at most 3 digits, so that parsing cannot build a huge integer) or a
 # fraction a/b. The minus sign may be U+2212, as some models and datasets write it.
 _EXACT_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?|[-+]?\d+ */ *\d+")
+# An answer longer than this is not read as a number: Python's string-to-int conversion is quadratic, and its own digit
+# limit (4300 by default) can be lifted with sys.set_int_max_str_digits, so the bound is this function's own.
+_MAX_NUMBER_CHARS = 1000
 
 
 def numeric_answer(text: str) -> Fraction | None:
-    """`text` as an exact number, or None when it is not one (words, a blank, a division by zero, more digits than
-    Python converts to an integer: 4300 by default)."""
+    """`text` as an exact number, or None when it is not one (words, a blank, a division by zero, over
+    _MAX_NUMBER_CHARS characters)."""
     text = text.strip().replace("\u2212", "-")
-    if not _EXACT_NUMBER.fullmatch(text):
+    if len(text) > _MAX_NUMBER_CHARS or not _EXACT_NUMBER.fullmatch(text):
         return None
     try:
         return Fraction(text.replace(",", "").replace(" ", ""))

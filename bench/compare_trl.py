@@ -134,6 +134,8 @@ def run_rlora(work: Work) -> dict:
         "lora_params": summary["adapter_params"],
         "reward_mean": statistics.mean(r["reward_mean"] for r in rows),
         "rewards": [r["reward_mean"] for r in rows],  # per optimizer step
+        # rows whose forward and backward ran: rlora skips those with an exactly zero gradient (all-equal group, beta 0)
+        "trained_frac": [r.get("trained_frac", 0.0) for r in rows],
         "adapter": str(Path(cfg.train.output_dir) / "adapter"),
     }
 
@@ -344,6 +346,7 @@ def compare_one(work: Work, repeats: int) -> dict:
                 r["completion_tokens"] / max(sum(s["rollout_s"] for s in r["steps"]), 1e-9) for r in results),
             "same_work": {k: results[0][k] for k in ("prompts", "completions", "prompt_tokens", "completion_tokens", "lora_params")},
         }
+    summary["rlora"]["trained_frac"] = statistics.median(f for r in runs["rlora"] for f in r["trained_frac"][work.warmup:])
     summary["ratio_peak_rss"] = summary["rlora"]["peak_rss_mb"] / summary["trl"]["peak_rss_mb"]
     if work.device != "cpu":
         summary["ratio_peak_gpu"] = summary["rlora"]["peak_gpu_mb"] / summary["trl"]["peak_gpu_mb"]
@@ -359,9 +362,11 @@ def print_timing_row(s: dict) -> None:
     on_gpu = w.get("device", "cpu") != "cpu"
     memory = "peak_gpu_mb" if on_gpu else "peak_rss_mb"
     model += f" ({w['device']}, {w['dtype']})" if on_gpu else ""
+    trained = a.get("trained_frac", 1.0)  # results from before it was recorded: every row counted as trained
+    skipped = f" (rlora trained {trained:.0%} of rows: zero-gradient rows skipped)" if trained < 1 else ""
     print(f"| {model} | {w['completion_len']} | {w['num_generations']} | {w['beta']} | "
           f"{a['step_s']:.2f} ({a['step_s_min']:.2f}-{a['step_s_max']:.2f}) | "
-          f"{b['step_s']:.2f} ({b['step_s_min']:.2f}-{b['step_s_max']:.2f}) | {s['ratio_step_median']:.2f} | "
+          f"{b['step_s']:.2f} ({b['step_s_min']:.2f}-{b['step_s_max']:.2f}) | {s['ratio_step_median']:.2f}{skipped} | "
           f"{a['rollout_s']:.2f} / {b['rollout_s']:.2f} | {a['ref_s']:.2f} / {b['ref_s']:.2f} | "
           f"{a['train_s']:.2f} / {b['train_s']:.2f} | {a['optim_s']:.3f} / {b['optim_s']:.3f} | "
           f"{a[memory]:.0f} / {b[memory]:.0f} | {s['ratio_sampling_speed']:.2f} |", flush=True)
@@ -405,16 +410,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("timing", help="per-phase step time and peak memory, A/B alternating")
-    t.add_argument("--models", default="smollm2,qwen2-0.1b")
-    t.add_argument("--lengths", default="32,128")
-    t.add_argument("--gens", default="4,16")
-    t.add_argument("--betas", default="0,0.04")
-    t.add_argument("--steps", type=int, default=3)
-    t.add_argument("--warmup", type=int, default=1)
-    t.add_argument("--repeats", type=int, default=2)
-    t.add_argument("--micro-batch-size", type=int, default=16)
-    t.add_argument("--threads", type=int, default=2)
-    t.add_argument("--train-size", type=int, default=512)
+    for option, default in (("--models", "smollm2,qwen2-0.1b"), ("--lengths", "32,128"), ("--gens", "4,16"),
+                            ("--betas", "0,0.04"), ("--steps", 3), ("--warmup", 1), ("--repeats", 2),
+                            ("--micro-batch-size", 16), ("--threads", 2), ("--train-size", 512)):
+        t.add_argument(option, type=type(default), default=default)
     t.add_argument("--out", help="append one JSON summary per configuration")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -22,6 +22,7 @@ def test_both_sides_do_the_same_work(tiny_model_dir, tmp_path):
     assert rlora == trl
     assert rlora["prompts"] == 2 and rlora["completions"] == 8 and rlora["completion_tokens"] == 8 * 8
     assert rlora["lora_params"] > 0 and rlora["prompt_tokens"] > 0
+    assert summary["rlora"]["trained_frac"] == 1.0  # beta > 0: the KL term gives every row a gradient, none skipped
     for side in ("rlora", "trl"):
         assert summary[side]["step_s"] > 0 and summary[side]["rollout_s"] > 0 and summary[side]["ref_s"] > 0
         assert summary[side]["peak_rss_mb"] > 100

@@ -147,7 +147,7 @@ def test_the_closeness_reward_refuses_a_non_numeric_answer_before_the_model_load
     for setting in ("data.path", "data.eval_path"):
         cfg = load_config(None, tiny_overrides(tiny_model_dir, good, str(tmp_path / "o"), **{
             "rewards": "[{fn: closeness}]", setting: bad}))
-        with pytest.raises(UserError, match=rf"data file {bad}, row 2: answer 'seven' is not a number \(integer, decimal or a/b\), but reward 'closeness'"):
+        with pytest.raises(UserError, match=rf"data file {bad}, row 2: answer 'seven' is not a number \(integer, decimal or a/b, at most 1000 characters\), but reward 'closeness'"):
             check_rows_answered(cfg, load_prompt_sets(cfg.data))
     cfg = load_config(None, tiny_overrides(tiny_model_dir, good, str(tmp_path / "o"), rewards="[{fn: closeness}]"))
     check_rows_answered(cfg, load_prompt_sets(cfg.data))  # every answer a number: no error

@@ -97,7 +97,7 @@ def closeness_reward(prompts, completions, answer, extract: str = "auto", **_col
 _EXACT_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?|[-+]?\d+ */ *\d+")
 # An answer longer than this is not read as a number: Python's string-to-int conversion is quadratic, and its own digit
 # limit (4300 by default) can be lifted with sys.set_int_max_str_digits, so the bound is this function's own.
-_MAX_NUMBER_CHARS = 1000
+_MAX_NUMBER_CHARS = 1000  # ANSWER_FORMS says so in its refusal
 
 
 def numeric_answer(text: str) -> Fraction | None:
@@ -119,7 +119,7 @@ def code_reward(prompts, completions, **columns) -> list[float]:
 
 # Built-ins that score against the answer's value, not just its text: the form every row's answer must have (a
 # parser returning None for a bad one) and how to say it. `rlora train` checks each row before the model loads.
-ANSWER_FORMS = {"closeness": (numeric_answer, "a number (integer, decimal or a/b)")}
+ANSWER_FORMS = {"closeness": (numeric_answer, "a number (integer, decimal or a/b, at most 1000 characters)")}
 
 BUILTIN_REWARDS = {"gym": gym_reward, "format": format_reward, "math": math_reward, "code": code_reward,
                    "closeness": closeness_reward}

@@ -4,6 +4,7 @@ the micro-batching; the sampler routes exactly as the trainer (gates) and its lo
 eval puts a MoLoRA folder beside the base; merge and bad combinations fail in one line with exit code 2."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -223,8 +224,55 @@ def test_merge_refuses_a_molora_folder(molora_folder, tmp_path, capsys):
     assert not (tmp_path / "merged").exists()
 
 
+@pytest.mark.parametrize("router", ["sequence", "token"])
+def test_a_molora_run_resumes_exactly(router, tiny_model_dir, prompts_file, tmp_path, capsys):
+    """4 steps straight == 3 steps (checkpoints at 2 and 3), the step-3 checkpoint lost, resume from 2, on to 4: the
+    same MoLoRA folder (experts and routers), the same completions and the same routers' losses; a resume with
+    other molora settings, or without the molora section, is one line and exit code 2."""
+    from safetensors.torch import load_file
+
+    from rlora.train.checkpoint import checkpoints
+
+    common = {"train.checkpoint_every": 2, "train.sample_every": 1, "train.lr": 0.01, "eval.after": "false"}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    def run(out, steps, **extra):
+        return main(["train", *molora_overrides(tiny_model_dir, prompts_file, out, router, **common,
+                                                **{"train.steps": steps}, **extra)])
+
+    assert run(straight, 4) == 0 and run(resumed, 3) == 0
+    assert [p.name for p in checkpoints(resumed / "checkpoints")] == ["step-0000002", "step-0000003"]
+    assert sorted(p.name for p in (resumed / "checkpoints" / "step-0000002" / "adapter").iterdir()) == [
+        ml.CONFIG_FILE, ml.WEIGHTS_FILE]
+    shutil.rmtree(resumed / "checkpoints" / "step-0000003")  # as if killed after step 3 was logged
+    capsys.readouterr()
+    other = "token" if router == "sequence" else "sequence"
+    assert main(["train", *molora_overrides(tiny_model_dir, prompts_file, resumed, other, **common,
+                                            **{"train.steps": 4, "train.resume": "auto"})]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"different molora.router ('{router}' there, '{other}' now)" in err, err
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(resumed), **common, **{
+        "train.steps": 4, "train.resume": "auto", "lora.rank": 16, "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
+        "algo.beta": 0.04})]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "different molora (" in err, err
+    assert run(resumed, 4, **{"train.resume": "auto"}) == 0
+    assert "resuming from" in capsys.readouterr().err
+    a, b = (load_file(str(out / "adapter" / ml.WEIGHTS_FILE)) for out in (straight, resumed))
+    assert a.keys() == b.keys() and any("router" in k for k in a)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    rows = {out: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (straight, resumed)}
+    assert [m["step"] for m in rows[resumed]] == [1, 2, 3, 4]
+    for x, y in zip(rows[straight], rows[resumed], strict=True):
+        for key in ("loss", "aux_loss", "molora/balance", "reward_mean", "kl", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-9), key
+    samples = [[(json.loads(s)["step"], json.loads(s)["completion"]) for s in (out / "samples.jsonl").read_text()
+                .splitlines()] for out in (straight, resumed)]
+    assert samples[0] == samples[1]
+
+
 @pytest.mark.parametrize("extra, message", [
-    ({"train.checkpoint_every": 1}, "do not support molora yet"),
     ({"train.gradient_checkpointing": "true"}, "train.gradient_checkpointing"),
     ({"lora.rank": 4}, "lora.rank does not apply with molora"),
     ({"rewards": "[{fn: reward_model, args: {path: nowhere}}]"}, "fn: reward_model puts a PEFT reward adapter"),

@@ -173,10 +173,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "molora needs an unquantized base: set model.quantization=none", MOLORA + ("model.quantization=4bit",)),
     Refusal("molora-lora-keys", ("train", "sft"), lambda cfg: cfg.molora is not None and _molora_lora_key(cfg) is not None,
             _molora_lora_message, MOLORA + ("lora.rank=4",)),
-    Refusal("molora-checkpoints", ("train",),
-            lambda cfg: cfg.molora is not None and bool(cfg.train.checkpoint_every or cfg.train.resume is not None),
-            "train.checkpoint_every / train.resume do not support molora yet (checkpoints hold a PEFT adapter): set "
-            "train.checkpoint_every=0 and unset train.resume", MOLORA + ("train.checkpoint_every=5",)),
     Refusal("molora-gradient-checkpointing", ("train",),
             lambda cfg: cfg.molora is not None and cfg.train.gradient_checkpointing and cfg.molora.router == "sequence",
             "train.gradient_checkpointing re-runs the decoder outside the prompt routing of a molora sequence router: "

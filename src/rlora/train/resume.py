@@ -1,6 +1,7 @@
 """What a training checkpoint holds, and putting it back.
 
-    adapter/          the PEFT adapter (safetensors), loaded back into the live model's adapter parameters
+    adapter/          the PEFT adapter (safetensors), loaded back into the live model's adapter parameters; for a
+                      MoLoRA policy its MoLoRA folder (experts and routers, models/molora/folder.py)
     trainer.pt        optimizer and scheduler state, RNG states of python/numpy/torch (and CUDA), read back
                       with torch.load(weights_only=True): no pickled code is ever executed
     replay.pt         the experience-replay buffer, when the run uses one
@@ -37,7 +38,7 @@ from rlora.types import Rollout
 
 CHECKPOINTS = "checkpoints"
 # sections whose change makes a checkpoint meaningless for the run (train.* may change: e.g. more steps)
-MUST_MATCH = ("model", "lora", "data", "rewards", "rollout", "algo", "ppo", "policies", "train.seed",
+MUST_MATCH = ("model", "lora", "molora", "data", "rewards", "rollout", "algo", "ppo", "policies", "train.seed",
               "train.prompts_per_step")
 # settings inside those sections that may change on resume: how the sampler computes (the same products through
 # another kernel: later samples differ by rounding), e.g. weight packs switched off after running out of memory

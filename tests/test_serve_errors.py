@@ -102,8 +102,16 @@ def chunked(size: int):
 
 def test_losses_this_server_does_not_run_are_refused_with_a_message(trainee):
     _, training, datum = trainee
-    with pytest.raises(tinker.BadRequestError, match="loss_fn 'cispo' is not served by rlora serve"):
-        training.forward_backward([datum], "cispo").result()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'gspo' is not served by rlora serve"):
+        training.forward_backward([datum], "gspo").result()
+    rl = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+        "target_tokens": [6, 7, 8, 9], "logprobs": [-1.0] * 4, "advantages": [1.0, -1.0, 0.5, 0.0]})
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'dro' needs loss_fn_config beta .it has no default"):
+        training.forward_backward([rl], "dro").result()
+    with pytest.raises(tinker.BadRequestError, match="dro: loss_fn_config beta must be >= 0"):
+        training.forward_backward([rl], "dro", {"beta": -0.1}).result()
+    with pytest.raises(tinker.BadRequestError, match="cispo: loss_fn_config needs clip_low_threshold <= 1"):
+        training.forward_backward([rl], "cispo", {"clip_low_threshold": 1.1}).result()
     with pytest.raises(tinker.BadRequestError, match="needs loss_fn_inputs logprobs, advantages"):
         training.forward_backward([datum], "importance_sampling").result()
     with pytest.raises(tinker.BadRequestError, match="unknown loss_fn_config beta"):

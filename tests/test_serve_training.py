@@ -1,6 +1,6 @@
 """`rlora serve`'s training and sampling, checked against what they must equal, through the official tinker SDK on a
 tiny random model: ppo's and importance_sampling's gradients are cross_entropy's weighted by ratio * advantage where
-ppo does not clip (0 where it does); a forward_backward split into micro-batches gives what one micro-batch gives; a
+ppo does not clip (0 where it does), cispo's and dro's by their coefficients; a forward_backward split into micro-batches gives what one micro-batch gives; a
 forward_backward that fails part-way leaves the client exactly as if it had never been sent; the sampler's kept
 decoder samples what a fresh one samples."""
 
@@ -66,6 +66,39 @@ def test_ppo_and_importance_sampling_gradients_are_ratio_weighted_cross_entropy(
             assert clipped.any() and not clipped.all(), (loss_fn, config)
         weights = np.where(clipped, 0.0, ratio * advantages)
         _, rl_grads = gradients(server, client, [rl], loss_fn, config)
+        _, ce_grads = gradients(server, client, [ce_datum(ids, weights)], "cross_entropy")
+        assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
+        for rl_grad, ce_grad in zip(rl_grads, ce_grads):
+            scale = float(ce_grad.abs().max())
+            np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
+
+
+def test_cispo_and_dro_are_cross_entropy_weighted_by_their_coefficients(server):
+    """cispo's gradient is cross_entropy's weighted by clip(r, low, high) * A (the clipped ratio is a constant), dro's
+    by A - beta * (logp - q); each loss:sum is Tinker's formula over the returned log-probs (hand-computed here)."""
+    client = trained_client(server, seed=2)
+    ids = SEQUENCES[1]
+    logp = client.forward([ce_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    logp = logp.astype(np.float64)
+    rng = np.random.default_rng(1)
+    sampler_logp = (logp + rng.uniform(-0.4, 0.4, len(logp))).astype(np.float32)
+    advantages = rng.choice([-1.0, 0.5, 2.0], len(logp)).astype(np.float32)
+    rl = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": ids[1:], "logprobs": sampler_logp, "advantages": advantages})
+    ratio, q = np.exp(logp - sampler_logp), sampler_logp.astype(np.float64)
+    for loss_fn, config in [("cispo", None), ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+                            ("dro", {"beta": 0.5})]:
+        if loss_fn == "cispo":
+            low, high = (0.8, 1.2) if config is None else (0.9, 1.05)
+            clipped = np.clip(ratio, low, high)
+            assert (clipped != ratio).any() and (clipped == ratio).any()
+            weights, loss_sum = clipped * advantages, -(clipped * logp * advantages).sum()
+        else:
+            weights = advantages - config["beta"] * (logp - q)
+            loss_sum = -(logp * advantages - 0.5 * config["beta"] * (logp - q) ** 2).sum()
+        out, rl_grads = gradients(server, client, [rl], loss_fn, config)
+        assert out.metrics["loss:sum"] == pytest.approx(loss_sum, rel=1e-5, abs=1e-5), loss_fn
+        np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), logp, rtol=0, atol=1e-6)
         _, ce_grads = gradients(server, client, [ce_datum(ids, weights)], "cross_entropy")
         assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
         for rl_grad, ce_grad in zip(rl_grads, ce_grads):

@@ -8,9 +8,13 @@ with logp the training model's log-prob of target_tokens[i] and, for the RL loss
     importance_sampling  -sum(exp(logp - q) * A)
     ppo                  -sum(min(r * A, clip(r, clip_low_threshold, clip_high_threshold) * A)),  r = exp(logp - q)
                          (loss_fn_config thresholds; default 0.8 and 1.2)
+    cispo                -sum(sg(clip(r, clip_low_threshold, clip_high_threshold)) * logp * A)   (the same thresholds)
+    dro                  -sum(logp * A - beta / 2 * (logp - q)^2)   (loss_fn_config beta: required, Tinker documents
+                         no default)
 
-The two RL losses are rlora's PPO-clip surrogate (algos/losses.py grpo_token_loss), importance_sampling with
-the clip range open on both sides. Any other loss name is refused when the request arrives.
+ppo and importance_sampling are rlora's PPO-clip surrogate (algos/losses.py grpo_token_loss), importance_sampling
+with the clip range open on both sides; cispo is rlora's CISPO loss (cispo_token_loss). Any other loss name
+(gspo, stable_reinforce) is refused when the request arrives.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlora.algos.losses import LossInputs, grpo_token_loss
+from rlora.algos.losses import LossInputs, cispo_token_loss, grpo_token_loss
 from rlora.serve.state import ServeError
 
 
@@ -29,7 +33,7 @@ from rlora.serve.state import ServeError
 class TokenLoss:
     inputs: tuple[str, ...]  # loss_fn_inputs it needs beside target_tokens
     optional: dict[str, float]  # inputs it may do without, and the value they take then
-    config: dict[str, float]  # loss_fn_config keys it reads, and their defaults
+    config: dict[str, float | None]  # loss_fn_config keys it reads, and their defaults (None: the client must set it)
     fn: Callable[..., torch.Tensor]  # (logp_BT, mask_BT, inputs {name: [B, T]}, config) -> loss_BT
 
     def summed(self, logp_BT: torch.Tensor, mask_BT: torch.Tensor, inputs: dict[str, torch.Tensor],
@@ -43,10 +47,13 @@ def _cross_entropy(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
     return -logp_BT * inputs["weights"]
 
 
+def _rl_inputs(logp_BT, mask_BT, inputs) -> LossInputs:
+    return LossInputs(logp_BT=logp_BT, old_logp_BT=inputs["logprobs"], advantages_BT=inputs["advantages"],
+                      mask_BT=mask_BT)
+
+
 def _ratio_loss(logp_BT, mask_BT, inputs, low: float, high: float) -> torch.Tensor:
-    batch = LossInputs(logp_BT=logp_BT, old_logp_BT=inputs["logprobs"], advantages_BT=inputs["advantages"],
-                       mask_BT=mask_BT)
-    return grpo_token_loss(batch, clip_low=low, clip_high=high, beta=0.0).loss_BT
+    return grpo_token_loss(_rl_inputs(logp_BT, mask_BT, inputs), clip_low=low, clip_high=high, beta=0.0).loss_BT
 
 
 def _importance_sampling(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
@@ -57,10 +64,24 @@ def _ppo(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
     return _ratio_loss(logp_BT, mask_BT, inputs, 1.0 - config["clip_low_threshold"], config["clip_high_threshold"] - 1.0)
 
 
+def _cispo(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
+    return cispo_token_loss(_rl_inputs(logp_BT, mask_BT, inputs), clip_low=1.0 - config["clip_low_threshold"],
+                            clip_high=config["clip_high_threshold"] - 1.0, beta=0.0).loss_BT
+
+
+def _dro(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
+    # the quadratic penalty keeps logp near the sampler's q without a ratio, so stale (off-policy) data stays usable
+    return -(logp_BT * inputs["advantages"]) + 0.5 * config["beta"] * (logp_BT - inputs["logprobs"]) ** 2
+
+
+_CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # Tinker's defaults for ppo and cispo
+
 LOSSES = {
     "cross_entropy": TokenLoss((), {"weights": 1.0}, {}, _cross_entropy),
     "importance_sampling": TokenLoss(("logprobs", "advantages"), {}, {}, _importance_sampling),
-    "ppo": TokenLoss(("logprobs", "advantages"), {}, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, _ppo),
+    "ppo": TokenLoss(("logprobs", "advantages"), {}, _CLIPS, _ppo),
+    "cispo": TokenLoss(("logprobs", "advantages"), {}, _CLIPS, _cispo),
+    "dro": TokenLoss(("logprobs", "advantages"), {}, {"beta": None}, _dro),
 }
 
 
@@ -90,6 +111,12 @@ def check_loss(name: str, input_names: set[str], config: dict[str, float | str],
         if isinstance(value, str) or not math.isfinite(value):
             raise ServeError(400, f"loss_fn_config['{key}'] must be a finite number, not {value!r}")
         resolved[key] = float(value)
-    if name == "ppo" and not resolved["clip_low_threshold"] <= 1.0 <= resolved["clip_high_threshold"]:
-        raise ServeError(400, "ppo: loss_fn_config needs clip_low_threshold <= 1 <= clip_high_threshold")
+    unset = [key for key, value in resolved.items() if value is None]
+    if unset:
+        raise ServeError(400, f"loss_fn '{name}' needs loss_fn_config {', '.join(unset)} (it has no default: e.g. "
+                              f"loss_fn_config={{{', '.join(repr(k) + ': 0.05' for k in unset)}}})")
+    if "clip_low_threshold" in resolved and not resolved["clip_low_threshold"] <= 1.0 <= resolved["clip_high_threshold"]:
+        raise ServeError(400, f"{name}: loss_fn_config needs clip_low_threshold <= 1 <= clip_high_threshold")
+    if resolved.get("beta", 0.0) < 0:
+        raise ServeError(400, f"{name}: loss_fn_config beta must be >= 0, not {resolved['beta']}")
     return resolved

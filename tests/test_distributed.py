@@ -264,6 +264,40 @@ def test_sft_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     assert not (tmp_path / "odd").exists()
 
 
+@pytest.mark.slow  # 40 s: three launches
+def test_sft_resumes_under_torchrun(tiny_model_dir, tmp_path):
+    """2 ranks for 2 steps (a checkpoint each step), then 2 ranks resumed to 3 steps, against 2 ranks for 3 steps
+    straight, with LoRA dropout: each rank draws its own masks, so the checkpoint holds every rank's RNG states and
+    each rank reads back its own (with rank 0's on both ranks, as before, this test fails)."""
+    from test_sft import sft_config, write_jsonl
+
+    # rows of two lengths: each step's length-sorted batch gives rank 1 the longer rows, so the ranks' dropout draws
+    # take different amounts of randomness and their RNG states part
+    data_rows = [{"prompt": f"Say {i}.", "completion": f"{i}"} for i in range(4)]
+    data_rows += [{"prompt": f"Count from {i} to {i + 9} in words, please.", "completion": " ".join(["one"] * 9)}
+             for i in range(4)]
+    data = write_jsonl(tmp_path / "rows.jsonl", data_rows)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    def run(out, steps, *extra):
+        config = sft_config(tmp_path, tiny_model_dir, data, steps=steps, lr=0.05, threads=1, checkpoint_every=1,
+                            group_window=1, output_dir=str(out))
+        done = _run_command(2, ["sft", config, "lora.dropout=0.2", "data.use_chat_template=false", *extra])
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    run(straight, 3)
+    run(resumed, 2)
+    assert "resuming from" in run(resumed, 3, "train.resume=auto").stderr
+    one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in (straight, resumed))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
+    rows = {out: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (straight, resumed)}
+    assert [r["step"] for r in rows[resumed]] == [1, 2, 3]
+    for a, b in zip(rows[straight], rows[resumed], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["tokens"] == b["tokens"]
+
+
 def test_sft_with_molora_refuses_torchrun(tmp_path):
     from rlora.config import SFTConfig
     from rlora.train.supervised import check_inputs

@@ -292,10 +292,9 @@ class OptimizerConfig(Section):
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
 
 
-class TrainConfig(OptimizerConfig):
-    prompts_per_step: int = Field(4, gt=0)
-    micro_batch_size: int = Field(8, gt=0, description="Completions per forward/backward pass")
-    save_every: int = Field(0, ge=0, description="Save adapter-stepN every N steps (0: only at the end)")
+class ResumableConfig(OptimizerConfig):
+    """The checkpoint keys `rlora train` and `rlora sft` share (docs/checkpoints.md)."""
+
     checkpoint_every: int = Field(
         0, ge=0, description="Write a resumable checkpoint (adapter, optimizer, scheduler, RNG, step) every N steps "
         "and at the end (0: never)")
@@ -303,6 +302,12 @@ class TrainConfig(OptimizerConfig):
     resume: str | None = Field(
         None, description="'auto': continue from the newest valid checkpoint in output_dir (or start fresh if none); "
         "or a checkpoints/step-N folder")
+
+
+class TrainConfig(ResumableConfig):
+    prompts_per_step: int = Field(4, gt=0)
+    micro_batch_size: int = Field(8, gt=0, description="Completions per forward/backward pass")
+    save_every: int = Field(0, ge=0, description="Save adapter-stepN every N steps (0: only at the end)")
     sample_every: int = Field(5, ge=0, description="Write sample completions every N steps (0: never)")
     max_reward_failure_frac: float = Field(0.25, ge=0, le=1, description="Stop if more samples' rewards fail in a step")
     max_time_s: float | None = Field(None, gt=0, description="Stop after the step that passes this much training time")

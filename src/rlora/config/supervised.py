@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlora.config.schema import LoraConfig, ModelConfig, MoLoRAConfig, OptimizerConfig, Section
+from rlora.config.schema import LoraConfig, ModelConfig, MoLoRAConfig, OptimizerConfig, ResumableConfig, Section
 
 
 # ---- rlora sft -----------------------------------------------------------------------------------------
@@ -27,7 +27,7 @@ class SFTDataConfig(Section):
     seed: int = Field(0, description="Seed of the held-out draw")
 
 
-class SFTTrainConfig(OptimizerConfig):
+class SFTTrainConfig(ResumableConfig):
     steps: int | None = Field(None, gt=0, description="Optimizer steps (null: train.epochs, or 20 without it)")
     epochs: float | None = Field(
         None, gt=0, description="Train this many passes over the rows instead of train.steps (leave steps unset)")

@@ -24,7 +24,7 @@ from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir, to_json
 from rlora.train.ppo_step import ppo_step
 from rlora.train.replay import ReplayBuffer
-from rlora.train.resume import check_same_run, replay_state, restore_training_state, save_training_state
+from rlora.train.resume import check_same_run, replay_state, restore_training_state, rng_state, save_training_state
 from rlora.train.session import Session, prepare
 from rlora.train.step import grpo_step
 
@@ -104,7 +104,7 @@ def start(s: Session, replay) -> tuple[int, float, dict]:
         barrier(s.world)
         return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
-    restore_training_state(s.resume_from, s.adapter, s.policies, replay, s.critic, s.world.size)
+    restore_training_state(s.resume_from, s.adapter, s.policies, replay, s.critic, s.world.size, s.world.rank)
     for run_dir, names in [(s.run_dir, ("metrics.jsonl", "samples.jsonl"))] + [(p.run_dir, ("metrics.jsonl",))
                                                                                 for p in pol.own_folders(s.policies)]:
         run_dir.drop_steps_after(state["step"], names)
@@ -189,11 +189,12 @@ def write_checkpoint(s: Session, done: int, replay: ReplayBuffer | None, train_s
     """The training state after `done` steps (rank 0 writes it; every rank's replay buffer goes in); a write that
     fails stops every rank with the same one-line error."""
     buffers = None if replay is None else gather_objects(s.world, replay_state(replay))  # every rank's
+    rngs = gather_objects(s.world, rng_state())  # every rank's own: their dropout masks differ
     cause = None
     if s.world.is_main:
         try:
             save_training_state(s.run_dir.path, done, s.cfg, s.adapter, s.policies, buffers, train_s, eval_before,
-                                s.critic)
+                                s.critic, rngs)
         except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
             cause = err.strerror or str(err)
     if all_reduce_sums(s.world, [float(cause is not None)])[0]:  # every rank stops with the same line

@@ -2,7 +2,7 @@
 
     adapter/          the PEFT adapter (safetensors), loaded back into the live model's adapter parameters; for a
                       MoLoRA policy its MoLoRA folder (experts and routers, models/molora/folder.py)
-    trainer.pt        optimizer and scheduler state, RNG states of python/numpy/torch (and CUDA), read back
+    trainer.pt        optimizer and scheduler state, RNG states of python/numpy/torch (and CUDA) of every rank, read back
                       with torch.load(weights_only=True): no pickled code is ever executed
     replay.pt         the experience-replay buffer, when the run uses one
     value_model/      PPO's critic (value adapter + head, models/value_model.py), when the run has one; its
@@ -63,6 +63,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def restore_rng(trainer: dict, rank: int = 0, world_size: int = 1) -> None:
+    """This rank's own RNG states (each rank draws its own LoRA dropout masks, so their states differ) where the
+    checkpoint holds one per rank of this many ranks; else (a checkpoint from before, or of another number of
+    ranks) rank 0's on every rank, as a fresh run seeds every rank alike."""
+    ranks = trainer.get("rng_ranks")
+    set_rng_state(ranks[rank] if ranks is not None and len(ranks) == world_size else trainer["rng"])
+
+
 def replay_state(buffer: ReplayBuffer) -> list[dict]:
     """A buffer's groups as tensors and plain containers (what torch.load(weights_only=True) reads back)."""
     return [{"rollout": vars(g.rollout), "advantages_GT": g.advantages_GT, "loss_mask_GT": g.loss_mask_GT,
@@ -79,7 +87,7 @@ def check_replay_ranks(folder: Path, world_size: int) -> None:
     with as many ranks."""
     if not (folder / "replay.pt").is_file():
         return
-    saved = len(_replay_ranks(_safe_load(folder / "replay.pt")))
+    saved = len(_replay_ranks(safe_load(folder / "replay.pt")))
     if saved != world_size:
         raise UserError(f"train.resume: the checkpoint holds the replay buffers of {saved} rank(s), this run has "
                         f"{world_size}: resume with --nproc_per_node {saved} (each rank keeps its own buffer)")
@@ -105,16 +113,19 @@ def _stored_advantages(group: dict) -> torch.Tensor:
 
 
 def save_training_state(run_path: Path, step: int, cfg, adapter: PolicyAdapter, policies: list[Policy],
-                        replay: list[list[dict]] | None, train_s: float, eval_before: dict | None, critic=None) -> Path:
+                        replay: list[list[dict]] | None, train_s: float, eval_before: dict | None, critic=None,
+                        rng_ranks: list[dict] | None = None) -> Path:
     """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints): every policy's adapter
-    (train/policies.py), optimizer and schedule. replay: every rank's replay_state."""
+    (train/policies.py), optimizer and schedule. replay: every rank's replay_state; rng_ranks: every rank's
+    rng_state (None: this process's)."""
 
     def fill(folder: Path) -> None:
         for policy in policies:
             adapter.save(policy.adapter_in(folder), policy.index)
         trainer = {"optimizers": [p.optimizer.state_dict() for p in policies],
                    "schedulers": [p.scheduler.state_dict() for p in policies]}
-        torch.save(trainer | {"rng": rng_state()}, folder / "trainer.pt")
+        rngs = rng_ranks or [rng_state()]
+        torch.save(trainer | {"rng": rngs[0], "rng_ranks": rngs}, folder / "trainer.pt")
         if replay is not None:
             torch.save({"ranks": replay}, folder / "replay.pt")
         if critic is not None:
@@ -149,15 +160,19 @@ def find_checkpoint(cfg) -> Path | None:
     return folder
 
 
-def check_same_run(cfg, folder: Path) -> dict:
-    """-> the checkpoint's state; refuses a checkpoint made with other model/LoRA/data/reward/algorithm settings."""
+def check_same_run(cfg, folder: Path, must_match: tuple[str, ...] = MUST_MATCH, steps: int | None = None) -> dict:
+    """-> the checkpoint's state; refuses a checkpoint made with other settings in `must_match` (the sections and
+    train keys that decide what the run computes; `rlora sft` passes its own) or past the run's `steps` (default
+    train.steps)."""
     state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     saved = _with_current_defaults(yaml.safe_load(state["config"]), type(cfg))
     current = yaml.safe_load(to_yaml(cfg))
     for section, _, field in (key.partition(".") for key in MAY_CHANGE):
         for config in (saved, current):
             (config.get(section) or {}).pop(field, None)
-    for key in MUST_MATCH:
+    fixed = [key.partition(".")[2] for key in must_match if key.startswith("train.")]
+    fixed_text = ", ".join(fixed[:-1]) + " and " + fixed[-1] if len(fixed) > 1 else "".join(fixed)
+    for key in must_match:
         section, _, field = key.partition(".")
         then, now = saved.get(section), current.get(section)
         if field:
@@ -167,10 +182,12 @@ def check_same_run(cfg, folder: Path) -> dict:
         if then != now:
             where = _first_difference(then, now, key)
             raise UserError(f"train.resume: checkpoint {folder} was made with a different {where}: resume with the "
-                            "run's settings (train.* may change, except seed and prompts_per_step, which decide "
-                            "the data order and the samples)")
-    if state["step"] > cfg.train.steps:
-        raise UserError(f"train.resume: checkpoint is at step {state['step']}, beyond train.steps={cfg.train.steps}")
+                            f"run's settings (train.* may change, except {fixed_text}, which decide the "
+                            "data order and what is computed)")
+    steps = cfg.train.steps if steps is None else steps
+    if state["step"] > steps:
+        raise UserError(f"train.resume: checkpoint is at step {state['step']}, beyond the run's {steps} steps "
+                        "(set train.steps to more)")
     return state
 
 
@@ -208,9 +225,19 @@ def _first_difference(a, b, path: str) -> str:
     return f"{path} ({a!r} there, {b!r} now)"
 
 
+def check_fresh_folder(cfg, run_dir) -> None:
+    """A run that starts afresh writes into a new or empty folder (or overwrites); train.resume=auto into a used
+    folder without a checkpoint says that there is none, not only 'choose a new folder'."""
+    if cfg.train.resume == "auto" and not cfg.train.overwrite and run_dir.holds_files():
+        raise UserError(f"train.resume=auto: '{cfg.train.output_dir}' holds a run but no checkpoint to resume from "
+                        "(train.checkpoint_every=N writes them): choose a new folder, or set train.overwrite=true to "
+                        "replace that run")
+    run_dir.check_writable()
+
+
 def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[Policy], replay: ReplayBuffer | None,
-                           critic=None, world_size: int = 1) -> None:
-    trainer = _safe_load(folder / "trainer.pt")
+                           critic=None, world_size: int = 1, rank: int = 0) -> None:
+    trainer = safe_load(folder / "trainer.pt")
     # a checkpoint of one policy from before every run had a list of policies holds its states under these keys
     optimizers = trainer["optimizers"] if "optimizers" in trainer else [trainer["optimizer"]]
     schedulers = trainer["schedulers"] if "schedulers" in trainer else [trainer["scheduler"]]
@@ -222,12 +249,12 @@ def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[
         load_optimizer_state(policy.optimizer, policy.scheduler, opt_state, sched_state)
     if critic is not None:
         critic.restore(folder / "value_model")
-    set_rng_state(trainer["rng"])
+    restore_rng(trainer, rank, world_size)
     if replay is not None and (folder / "replay.pt").is_file():
-        _load_replay(replay, _safe_load(folder / "replay.pt"), world_size)
+        _load_replay(replay, safe_load(folder / "replay.pt"), world_size)
 
 
-def _safe_load(path: Path):
+def safe_load(path: Path):
     """torch.load with weights_only=True: tensors and plain containers only; a file that would need to
     unpickle arbitrary objects (i.e. run code) is refused."""
     try:

@@ -112,7 +112,7 @@ def run_rm(cfg: RMConfig) -> dict:
 
 
 def _run_rm(cfg: RMConfig, world: World) -> dict:
-    run_dir = check_inputs(cfg, "rm", world)
+    run_dir, _ = check_inputs(cfg, "rm", world)  # rlora rm has no checkpoints
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)

@@ -48,7 +48,7 @@ from rlora.train import policies as pol
 from rlora.train.distributed import World, gather_objects, on_rank_zero
 from rlora.train.fsdp import ShardedBase, ShardedSampler, shard_base
 from rlora.train.outputs import RunDir, default_output_dir
-from rlora.train.resume import check_replay_ranks, check_same_run, find_checkpoint, saved_setting
+from rlora.train.resume import check_fresh_folder, check_replay_ranks, check_same_run, find_checkpoint, saved_setting
 from rlora.types import Example
 
 
@@ -109,7 +109,7 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> CheckedInputs:
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)
     resume_from = find_checkpoint(cfg)
     if resume_from is None or not run_dir.holds_checkpoint(resume_from):
-        on_rank_zero(world, lambda: _check_fresh_folder(cfg, run_dir))
+        on_rank_zero(world, lambda: check_fresh_folder(cfg, run_dir))
     check_sinks(cfg.log)  # tensorboard / wandb missing: say so before loading anything
     if cfg.lora.init_from:
         check_adapter_folder(cfg.lora.init_from)
@@ -124,16 +124,6 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> CheckedInputs:
         if cfg.algo.replay.enabled:
             check_replay_ranks(resume_from, world.size)
     return CheckedInputs(run_dir, rewards, resume_from, make_env, notices)
-
-
-def _check_fresh_folder(cfg: RLConfig, run_dir: RunDir) -> None:
-    """A run that starts afresh writes into a new or empty folder (or overwrites); train.resume=auto into a used
-    folder without a checkpoint says that there is none, not only 'choose a new folder'."""
-    if cfg.train.resume == "auto" and not cfg.train.overwrite and run_dir.holds_files():
-        raise UserError(f"train.resume=auto: '{cfg.train.output_dir}' holds a run but no checkpoint to resume from "
-                        "(train.checkpoint_every=N writes them): choose a new folder, or set train.overwrite=true to "
-                        "replace that run")
-    run_dir.check_writable()
 
 
 def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from: Path | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from rlora.train.optim import build_optimizer
 from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir
 from rlora.train.session import seed_everything
+from rlora.train.sft_checkpoints import check_sft_resume, restore_sft_state, save_sft_state, trained_seconds
 from rlora.train.supervised import check_inputs, micro_batches, optimizer_steps
 
 FULL_FINETUNE_MAX_PARAMS = 1_000_000_000
@@ -182,17 +184,19 @@ def run_sft(cfg: SFTConfig) -> dict:
 
 
 def _run_sft(cfg: SFTConfig, world: World) -> dict:
-    run_dir = check_inputs(cfg, world=world)
+    run_dir, resume_from = check_inputs(cfg, world=world)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     data = load_sft_data(cfg.data, tokenizer, tok.eos_ids[0], cfg.train.max_length)  # bad rows fail before the model
+    steps = resolve_steps(cfg, len(data.train))
+    if resume_from is not None:
+        check_sft_resume(cfg, resume_from, steps)  # other settings: refused before the model loads
     model = load_model(cfg, model_path)
     model.train()
     params = trainable_parameters(model)
-    steps = resolve_steps(cfg, len(data.train))
     optimizer, scheduler = build_optimizer(params, cfg.train, steps)
     kind = "parameters (full fine-tuning)" if cfg.train.full_finetune else "adapter parameters"
     if cfg.molora is not None:
@@ -201,15 +205,24 @@ def _run_sft(cfg: SFTConfig, world: World) -> dict:
     info(f"rlora sft: {cfg.model.path}, {sum(p.numel() for p in params):,} {kind}, {len(data.train)} rows "
          f"({data.truncated} truncated, {data.dropped} dropped), {len(data.eval)} held out, {steps} steps "
          f"-> {cfg.train.output_dir}")
-    run_dir.create()
+    if resume_from is None or not run_dir.holds_checkpoint(resume_from):
+        run_dir.create()
     run_dir.write_text("config.yaml", to_yaml(cfg))
-    summary = {"status": "completed", "steps": 0, "trainable_params": sum(p.numel() for p in params),
+    first_step, t0 = 0, time.perf_counter()
+    if resume_from is not None:
+        first_step = restore_sft_state(resume_from, run_dir, cfg, model, optimizer, scheduler, world)
+        t0 -= trained_seconds(resume_from)
+    summary = {"status": "completed", "steps": first_step, "trainable_params": sum(p.numel() for p in params),
                "train_rows": len(data.train), "eval_rows": len(data.eval), "truncated_rows": data.truncated,
                "dropped_rows": data.dropped, "last_metrics": {}, "eval_loss": None}
-    t0 = time.perf_counter()
+
+    def checkpoint(done: int) -> None:
+        save_sft_state(run_dir, done, cfg, model, optimizer, scheduler, time.perf_counter() - t0, world)
+
     # whatever stops the steps: keep what was learnt, say why it stopped
     with kept_on_stop(run_dir, summary, lambda: save_outputs(cfg, run_dir, model, tokenizer)):
-        train_loop(cfg, run_dir, model, params, optimizer, scheduler, data, tok.pad_id, steps, summary, world)
+        train_loop(cfg, run_dir, model, params, optimizer, scheduler, data, tok.pad_id, steps, summary, world,
+                   first_step, checkpoint)
     save_outputs(cfg, run_dir, model, tokenizer)
     summary["train_s"] = time.perf_counter() - t0
     run_dir.write_json("summary.json", summary)
@@ -218,7 +231,8 @@ def _run_sft(cfg: SFTConfig, world: World) -> dict:
 
 
 def train_loop(cfg: SFTConfig, run_dir: RunDir, model, params, optimizer, scheduler, data: SFTData, pad_id: int,
-               steps: int, summary: dict, world: World = World()) -> None:
+               steps: int, summary: dict, world: World = World(), first_step: int = 0,
+               checkpoint: Callable[[int], None] | None = None) -> None:
     train = cfg.train
     order = LengthGroupedOrder([len(r.ids) for r in data.train], train.batch_size, train.group_window, train.seed)
 
@@ -240,12 +254,14 @@ def train_loop(cfg: SFTConfig, run_dir: RunDir, model, params, optimizer, schedu
         return f"loss {m['loss']:.4f}{eval_text}  {m['tokens']} tokens"
 
     optimizer_steps("sft", steps, params, optimizer, scheduler, train.max_grad_norm, one_batch,
-                    held_out if data.eval else None, train.eval_every, run_dir, summary, describe)
+                    held_out if data.eval else None, train.eval_every, run_dir, summary, describe, first_step,
+                    train.checkpoint_every, checkpoint)
 
 
 def _print_final(run_dir: RunDir, summary: dict) -> None:
-    rows = [("output", str(run_dir.path)), ("steps", str(summary["steps"])),
-            ("train time", f"{summary['train_s']:.1f} s"), ("last loss", f"{summary['last_metrics']['loss']:.4f}")]
+    rows = [("output", str(run_dir.path)), ("steps", str(summary["steps"])), ("train time", f"{summary['train_s']:.1f} s")]
+    if "loss" in summary["last_metrics"]:  # a resume at the run's last step trains no step
+        rows.append(("last loss", f"{summary['last_metrics']['loss']:.4f}"))
     if summary["eval_loss"] is not None:
         rows.append(("eval loss", f"{summary['eval_loss']:.4f}"))
     print_summary("rlora sft: done", rows)

@@ -202,6 +202,16 @@ def test_bad_resume_is_one_line_exit_2(case, tiny_model_dir, prompts_file, tmp_p
     assert not marker.exists(), "the pickled payload must never run"
 
 
+def test_resume_auto_without_an_output_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    """train.resume=auto continues the run in train.output_dir; without one a new timestamped folder would be chosen
+    and the run would start afresh without a word: refused, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "train.resume=auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "set train.output_dir to that run's folder" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 class _Evil:
     """Unpickling this calls open(marker, 'w'): a stand-in for arbitrary code in a malicious checkpoint."""
 

@@ -69,21 +69,36 @@ def test_a_resumed_sft_run_ends_where_the_straight_run_ends(kind, tiny_model_dir
     assert summary["steps"] == 5 and summary["status"] == "completed"
 
 
-def test_bad_sft_resumes_are_one_line(tiny_model_dir, tmp_path, capsys):
+def test_bad_sft_resumes_are_one_line(tiny_model_dir, prompts_file, tmp_path, capsys):
+    from conftest import tiny_overrides
+
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     config = sft_config(tmp_path, tiny_model_dir, data, steps=2, checkpoint_every=1)
     out = tmp_path / "run"
-    assert main(["sft", config]) == 0
+    assert main(["sft", config, "data.eval_size=2"]) == 0
     capsys.readouterr()
-    err = _error(["sft", config, "train.resume=auto", "train.batch_size=2"], capsys)
+    err = _error(["sft", config, "data.eval_size=2", "train.resume=auto", "train.batch_size=2"], capsys)
     assert "different train.batch_size (4 there, 2 now)" in err and "except seed, batch_size, group_window" in err
-    assert "different lora.rank" in _error(["sft", config, "train.resume=auto", "lora.rank=8"], capsys)
-    assert "beyond the run's 1 steps" in _error(["sft", config, "train.resume=auto", "train.steps=1"], capsys)
+    assert "different lora.rank" in _error(["sft", config, "data.eval_size=2", "train.resume=auto", "lora.rank=8"],
+                                           capsys)
+    # held-out rows come out of data.path: another eval_size trains other rows
+    assert "different data.eval_size (2 there, 0 now)" in _error(["sft", config, "train.resume=auto"], capsys)
+    assert "beyond the run's 1 steps (give it more: train.steps, or train.epochs)" in _error(
+        ["sft", config, "data.eval_size=2", "train.resume=auto", "train.steps=1"], capsys)
     assert "no checkpoint folder" in _error(["sft", config, f"train.resume={tmp_path / 'nope'}"], capsys)
-    shutil.rmtree(out / "checkpoints")
-    assert "holds a run but no checkpoint" in _error(["sft", config, "train.resume=auto"], capsys)
-    # a resume at the last step trains nothing and keeps the run as it was
-    assert main(["sft", config, "train.checkpoint_every=1", "train.overwrite=true"]) == 0
+    assert "set train.output_dir to that run's folder" in _error(
+        ["sft", config, "train.resume=auto", "train.output_dir=null"], capsys)
+    rl = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "rl"),
+                        **{"train.resume": str(out / "checkpoints" / "step-0000002")})
+    assert "was written by rlora sft, not rlora train: resume it with rlora sft" in _error(["train", *rl], capsys)
+    # a resume at the last step trains nothing and keeps the run as it was, its summary too
+    summary = json.loads((out / "summary.json").read_text())
     before = _metrics(out)
-    assert main(["sft", config, "train.resume=auto"]) == 0
+    assert main(["sft", config, "data.eval_size=2", "train.resume=auto"]) == 0
     assert _metrics(out) == before
+    after = json.loads((out / "summary.json").read_text())
+    assert after["eval_loss"] == summary["eval_loss"] is not None and after["last_metrics"] == summary["last_metrics"]
+    assert after["steps"] == 2
+    shutil.rmtree(out / "checkpoints")
+    capsys.readouterr()
+    assert "holds a run but no checkpoint" in _error(["sft", config, "train.resume=auto"], capsys)

@@ -131,7 +131,8 @@ def save_training_state(run_path: Path, step: int, cfg, adapter: PolicyAdapter, 
         if critic is not None:
             (folder / "value_model").mkdir()
             critic.save(folder / "value_model")
-        state = {"step": step, "train_s": train_s, "eval_before": eval_before, "config": to_yaml(cfg)}
+        state = {"command": "train", "step": step, "train_s": train_s, "eval_before": eval_before,
+                 "config": to_yaml(cfg)}
         (folder / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
 
     return write_checkpoint(run_path / CHECKPOINTS, step, fill, cfg.train.keep_checkpoints)
@@ -160,11 +161,24 @@ def find_checkpoint(cfg) -> Path | None:
     return folder
 
 
-def check_same_run(cfg, folder: Path, must_match: tuple[str, ...] = MUST_MATCH, steps: int | None = None) -> dict:
-    """-> the checkpoint's state; refuses a checkpoint made with other settings in `must_match` (the sections and
-    train keys that decide what the run computes; `rlora sft` passes its own) or past the run's `steps` (default
-    train.steps)."""
+def check_resume_target(cfg) -> None:
+    """train.resume=auto continues the run in train.output_dir: without one, a new timestamped folder would be
+    chosen, which holds no checkpoint, and the run would silently start afresh."""
+    if cfg.train.resume == "auto" and cfg.train.output_dir is None:
+        raise UserError("train.resume=auto continues the run in train.output_dir: set train.output_dir to that run's "
+                        "folder (or give train.resume a checkpoints/step-N folder)")
+
+
+def check_same_run(cfg, folder: Path, must_match: tuple[str, ...] = MUST_MATCH, steps: int | None = None,
+                   command: str = "train") -> dict:
+    """-> the checkpoint's state; refuses a checkpoint of another command, one made with other settings in
+    `must_match` (the sections and train keys that decide what the run computes; `rlora sft` passes its own) or one
+    past the run's `steps` (default train.steps)."""
     state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    written_by = state.get("command", "train")  # checkpoints from before the key: rlora train's
+    if written_by != command:
+        raise UserError(f"train.resume: checkpoint {folder} was written by rlora {written_by}, not rlora {command}: "
+                        f"resume it with rlora {written_by}")
     saved = _with_current_defaults(yaml.safe_load(state["config"]), type(cfg))
     current = yaml.safe_load(to_yaml(cfg))
     for section, _, field in (key.partition(".") for key in MAY_CHANGE):
@@ -177,7 +191,7 @@ def check_same_run(cfg, folder: Path, must_match: tuple[str, ...] = MUST_MATCH, 
         then, now = saved.get(section), current.get(section)
         if field:
             then, now = (then or {}).get(field), (now or {}).get(field)
-        if section == "data" and not field:
+        if section == "data" and not field and command == "train":  # rlora sft's eval_size takes rows from data.path
             then, now = _used_data_settings(then), _used_data_settings(now)
         if then != now:
             where = _first_difference(then, now, key)
@@ -187,7 +201,7 @@ def check_same_run(cfg, folder: Path, must_match: tuple[str, ...] = MUST_MATCH, 
     steps = cfg.train.steps if steps is None else steps
     if state["step"] > steps:
         raise UserError(f"train.resume: checkpoint is at step {state['step']}, beyond the run's {steps} steps "
-                        "(set train.steps to more)")
+                        f"(give it more: train.steps{', or train.epochs' if command == 'sft' else ''})")
     return state
 
 

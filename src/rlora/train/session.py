@@ -48,7 +48,9 @@ from rlora.train import policies as pol
 from rlora.train.distributed import World, gather_objects, on_rank_zero
 from rlora.train.fsdp import ShardedBase, ShardedSampler, shard_base
 from rlora.train.outputs import RunDir, default_output_dir
-from rlora.train.resume import check_fresh_folder, check_replay_ranks, check_same_run, find_checkpoint, saved_setting
+from rlora.train.resume import (
+    check_fresh_folder, check_replay_ranks, check_resume_target, check_same_run, find_checkpoint, saved_setting,
+)
 from rlora.types import Example
 
 
@@ -104,6 +106,7 @@ def check_inputs(cfg: RLConfig, world: World = World()) -> CheckedInputs:
     apply_presets(cfg)
     check_config(cfg)
     check_launch(cfg, world.size)  # the refusal table's rows that read the number of ranks
+    check_resume_target(cfg)  # before a default folder is chosen
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir("train")
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)

@@ -35,7 +35,9 @@ from rlora.train.optim import build_optimizer
 from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir
 from rlora.train.session import seed_everything
-from rlora.train.sft_checkpoints import check_sft_resume, restore_sft_state, save_sft_state, trained_seconds
+from rlora.train.sft_checkpoints import (
+    check_sft_resume, logged_so_far, restore_sft_state, save_sft_state, trained_seconds,
+)
 from rlora.train.supervised import check_inputs, micro_batches, optimizer_steps
 
 FULL_FINETUNE_MAX_PARAMS = 1_000_000_000
@@ -215,6 +217,8 @@ def _run_sft(cfg: SFTConfig, world: World) -> dict:
     summary = {"status": "completed", "steps": first_step, "trainable_params": sum(p.numel() for p in params),
                "train_rows": len(data.train), "eval_rows": len(data.eval), "truncated_rows": data.truncated,
                "dropped_rows": data.dropped, "last_metrics": {}, "eval_loss": None}
+    if first_step:  # a resume that trains no further step (already at the end) keeps what the run had logged
+        summary |= logged_so_far(run_dir)
 
     def checkpoint(done: int) -> None:
         save_sft_state(run_dir, done, cfg, model, optimizer, scheduler, time.perf_counter() - t0, world)

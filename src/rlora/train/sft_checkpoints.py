@@ -36,7 +36,7 @@ FULL_MODEL_FILE = "model.safetensors"
 
 def check_sft_resume(cfg, folder: Path, steps: int) -> dict:
     """Before the model loads: the checkpoint is of this run's settings and not past its `steps` -> its state."""
-    return check_same_run(cfg, folder, SFT_MUST_MATCH, steps)
+    return check_same_run(cfg, folder, SFT_MUST_MATCH, steps, command="sft")
 
 
 def save_sft_state(run_dir: RunDir, step: int, cfg, model, optimizer, scheduler, train_s: float,
@@ -50,7 +50,7 @@ def save_sft_state(run_dir: RunDir, step: int, cfg, model, optimizer, scheduler,
             adapter_of(model).save(folder / "adapter")
         torch.save({"optimizers": [optimizer.state_dict()], "schedulers": [scheduler.state_dict()], "rng": rngs[0],
                     "rng_ranks": rngs}, folder / "trainer.pt")
-        state = {"step": step, "train_s": train_s, "config": to_yaml(cfg)}
+        state = {"command": "sft", "step": step, "train_s": train_s, "config": to_yaml(cfg)}
         (folder / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
 
     rngs = gather_objects(world, rng_state())  # every rank's own: their dropout masks differ
@@ -86,6 +86,20 @@ def restore_sft_state(folder: Path, run_dir: RunDir, cfg, model, optimizer, sche
             info(f"checkpoint step-{moved.name.rpartition('step-')[2]} is after the resumed step: kept as {moved}")
     info(f"resuming from {folder} after step {state['step']}")
     return state["step"]
+
+
+def logged_so_far(run_dir: RunDir) -> dict:
+    """What summary.json says of the steps before a resume, from the run's metrics.jsonl (kept up to the checkpoint's
+    step): the last step's metrics and the last held-out loss. Empty where the resume starts a new folder."""
+    path = run_dir.path / "metrics.jsonl"
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line of a killed run
+            continue
+    held = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    return {"last_metrics": rows[-1], "eval_loss": held[-1] if held else None} if rows else {}
 
 
 def trained_seconds(folder: Path) -> float:

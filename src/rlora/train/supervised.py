@@ -14,7 +14,7 @@ from rlora.models.loading import check_adapter_folder, quantization_config, reso
 from rlora.train.distributed import World, on_rank_zero
 from rlora.train.optim import optimizer_step
 from rlora.train.outputs import RunDir, default_output_dir
-from rlora.train.resume import check_fresh_folder, find_checkpoint
+from rlora.train.resume import check_fresh_folder, check_resume_target, find_checkpoint
 
 
 def check_inputs(cfg, command: str = "sft", world: World = World()) -> tuple[RunDir, Path | None]:
@@ -22,6 +22,8 @@ def check_inputs(cfg, command: str = "sft", world: World = World()) -> tuple[Run
     folder and the checkpoint train.resume names (None: a fresh run; `rlora rm` has no checkpoints)."""
     check_config(cfg)  # load_config did it; a config built in Python gets it here
     check_launch(cfg, world.size)  # the refusal table's rows that read the number of ranks
+    if hasattr(cfg.train, "resume"):
+        check_resume_target(cfg)  # before a default folder is chosen
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir(command)
     run_dir = RunDir(cfg.train.output_dir, cfg.train.overwrite, writer=world.is_main)

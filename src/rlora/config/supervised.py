@@ -80,7 +80,7 @@ class RMDataConfig(Section):
     seed: int = Field(0, description="Seed of the held-out draw")
 
 
-class RMTrainConfig(OptimizerConfig):
+class RMTrainConfig(ResumableConfig):
     batch_size: int = Field(8, gt=0, description="Preference pairs per optimizer step")
     micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward pass (divides batch_size)")
     max_length: int = Field(

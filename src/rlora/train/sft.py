@@ -35,13 +35,19 @@ from rlora.train.optim import build_optimizer
 from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir
 from rlora.train.session import seed_everything
-from rlora.train.sft_checkpoints import (
-    check_sft_resume, logged_so_far, restore_sft_state, save_sft_state, trained_seconds,
+from rlora.train.supervised_checkpoints import (
+    Resumable, check_supervised_resume, logged_so_far, restore_supervised_state, save_supervised_state,
+    trained_seconds,
 )
 from rlora.train.supervised import check_inputs, micro_batches, optimizer_steps
 
 FULL_FINETUNE_MAX_PARAMS = 1_000_000_000
 DEFAULT_STEPS = 20  # neither train.steps nor train.epochs set
+# what decides the batches and what a step computes; other train.* keys (steps, epochs, lr, eval_every, ...) may change
+# on resume. data.eval_size counts too: without data.eval_path its rows come out of data.path
+SFT_MUST_MATCH = ("model", "lora", "molora", "data", "train.seed", "train.batch_size", "train.group_window",
+                  "train.max_length", "train.full_finetune")
+FULL_MODEL_FILE = "model.safetensors"  # a full fine-tuning checkpoint's weights (the run's output is OUTPUT/model)
 
 
 # ---- pure math -----------------------------------------------------------------------------------------
@@ -180,6 +186,18 @@ def save_outputs(cfg: SFTConfig, run_dir: RunDir, model, tokenizer) -> None:
     run_dir.write_folder("model", fill)
 
 
+def checkpointed_weights(cfg: SFTConfig, model=None) -> Resumable:
+    """What an sft checkpoint holds of the model: the adapter (PEFT or MoLoRA, through the adapter protocol) or, with
+    full_finetune, every parameter (safetensors' save_model/load_model: tied embeddings are one shared tensor)."""
+    from safetensors.torch import load_model, save_model
+
+    if cfg.train.full_finetune:
+        return Resumable("sft", SFT_MUST_MATCH, lambda folder: save_model(model, str(folder / FULL_MODEL_FILE)),
+                         lambda folder: load_model(model, str(folder / FULL_MODEL_FILE)))
+    return Resumable("sft", SFT_MUST_MATCH, lambda folder: adapter_of(model).save(folder / "adapter"),
+                     lambda folder: adapter_of(model).load(folder / "adapter"))
+
+
 def run_sft(cfg: SFTConfig) -> dict:
     """Train; under torchrun every rank runs this, rank 0 alone writes and prints."""
     return on_every_rank(lambda world: _run_sft(cfg, world))
@@ -194,8 +212,8 @@ def _run_sft(cfg: SFTConfig, world: World) -> dict:
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     data = load_sft_data(cfg.data, tokenizer, tok.eos_ids[0], cfg.train.max_length)  # bad rows fail before the model
     steps = resolve_steps(cfg, len(data.train))
-    if resume_from is not None:
-        check_sft_resume(cfg, resume_from, steps)  # other settings: refused before the model loads
+    if resume_from is not None:  # other settings: refused before the model loads
+        check_supervised_resume(cfg, resume_from, steps, checkpointed_weights(cfg))
     model = load_model(cfg, model_path)
     model.train()
     params = trainable_parameters(model)
@@ -210,18 +228,18 @@ def _run_sft(cfg: SFTConfig, world: World) -> dict:
     if resume_from is None or not run_dir.holds_checkpoint(resume_from):
         run_dir.create()
     run_dir.write_text("config.yaml", to_yaml(cfg))
-    first_step, t0 = 0, time.perf_counter()
+    first_step, t0, weights = 0, time.perf_counter(), checkpointed_weights(cfg, model)
     if resume_from is not None:
-        first_step = restore_sft_state(resume_from, run_dir, cfg, model, optimizer, scheduler, world)
+        first_step = restore_supervised_state(resume_from, run_dir, weights, optimizer, scheduler, world)
         t0 -= trained_seconds(resume_from)
     summary = {"status": "completed", "steps": first_step, "trainable_params": sum(p.numel() for p in params),
                "train_rows": len(data.train), "eval_rows": len(data.eval), "truncated_rows": data.truncated,
                "dropped_rows": data.dropped, "last_metrics": {}, "eval_loss": None}
     if first_step:  # a resume that trains no further step (already at the end) keeps what the run had logged
-        summary |= logged_so_far(run_dir)
+        summary |= logged_so_far(run_dir, ("eval_loss",))
 
     def checkpoint(done: int) -> None:
-        save_sft_state(run_dir, done, cfg, model, optimizer, scheduler, time.perf_counter() - t0, world)
+        save_supervised_state(run_dir, done, cfg, weights, optimizer, scheduler, time.perf_counter() - t0, world)
 
     # whatever stops the steps: keep what was learnt, say why it stopped
     with kept_on_stop(run_dir, summary, lambda: save_outputs(cfg, run_dir, model, tokenizer)):

@@ -1,11 +1,11 @@
-"""Checkpoints of `rlora sft`: the atomic folders of train/checkpoint.py, holding what a supervised run needs to go on
-exactly where it stopped:
+"""Checkpoints of `rlora sft` and `rlora rm`: the atomic folders of train/checkpoint.py, holding what a supervised run
+needs to go on exactly where it stopped:
 
-    adapter/        the LoRA (PEFT) or MoLoRA folder, through the adapter protocol (models/adapters.py)
-    model.safetensors   with train.full_finetune: every parameter instead (a checkpoint is read back into the live
-                    model, so it needs no transformers folder; the run's output is still OUTPUT/model)
+    weights         what the recipe trains, written and read back by its Resumable: sft's adapter/ (PEFT or MoLoRA,
+                    through the adapter protocol) or, with train.full_finetune, model.safetensors; rm's reward_model/
+                    (its adapter and score head)
     trainer.pt      AdamW and schedule state, every rank's RNG states (LoRA dropout draws from them; weights_only)
-    state.json      step, training time so far, the run's config
+    state.json      the command, step, training time so far, the run's config
 
 The batches are a function of (seed, step) (data/sft_data.py LengthGroupedOrder), so the step is the data position.
 """
@@ -13,47 +13,51 @@ The batches are a function of (seed, step) (data/sft_data.py LengthGroupedOrder)
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
 
 from rlora.config import to_yaml
 from rlora.errors import UserError
 from rlora.logging.console import info
-from rlora.models.adapters import adapter_of
 from rlora.train.checkpoint import set_aside_after, write_checkpoint
 from rlora.train.distributed import World, all_reduce_sums, gather_objects
 from rlora.train.optim import load_optimizer_state
 from rlora.train.outputs import RunDir
 from rlora.train.resume import CHECKPOINTS, check_same_run, restore_rng, rng_state, safe_load
 
-# what decides the batches and what a step computes; other train.* keys (steps, epochs, lr, eval_every, ...) may change
-SFT_MUST_MATCH = ("model", "lora", "molora", "data", "train.seed", "train.batch_size", "train.group_window",
-                  "train.max_length", "train.full_finetune")
-FULL_MODEL_FILE = "model.safetensors"
+
+@dataclass(frozen=True)
+class Resumable:
+    """What a supervised recipe checkpoints besides its optimizer: which command it is, the settings a resume must
+    keep (the sections and train keys that decide the batches and what a step computes), and its trained weights."""
+
+    command: str  # "sft" or "rm": a checkpoint of one is refused by the other
+    must_match: tuple[str, ...]
+    save: Callable[[Path], None]  # the trained weights into a checkpoint folder
+    load: Callable[[Path], None]  # ... and back into the live model (a one-line UserError where they do not fit)
 
 
-def check_sft_resume(cfg, folder: Path, steps: int) -> dict:
-    """Before the model loads: the checkpoint is of this run's settings and not past its `steps` -> its state."""
-    return check_same_run(cfg, folder, SFT_MUST_MATCH, steps, command="sft")
+def check_supervised_resume(cfg, folder: Path, steps: int, weights: Resumable) -> dict:
+    """Before the model loads: the checkpoint is this command's, of this run's settings, not past its `steps`."""
+    return check_same_run(cfg, folder, weights.must_match, steps, command=weights.command)
 
 
-def save_sft_state(run_dir: RunDir, step: int, cfg, model, optimizer, scheduler, train_s: float,
-                   world: World = World()) -> None:
-    """The state after `step` steps (rank 0 writes it); a write that fails stops every rank with one line, the
-    previous checkpoint untouched."""
+def save_supervised_state(run_dir: RunDir, step: int, cfg, weights: Resumable, optimizer, scheduler, train_s: float,
+                          world: World = World()) -> None:
+    """The state after `step` steps (rank 0 writes it, with every rank's RNG states); a write that fails stops every
+    rank with one line, the previous checkpoint untouched."""
+    rngs = gather_objects(world, rng_state())  # every rank's own: their dropout masks differ
+
     def fill(folder: Path) -> None:
-        if cfg.train.full_finetune:
-            save_model(model, str(folder / FULL_MODEL_FILE))  # handles tied embeddings (shared tensors)
-        else:
-            adapter_of(model).save(folder / "adapter")
+        weights.save(folder)
         torch.save({"optimizers": [optimizer.state_dict()], "schedulers": [scheduler.state_dict()], "rng": rngs[0],
                     "rng_ranks": rngs}, folder / "trainer.pt")
-        state = {"command": "sft", "step": step, "train_s": train_s, "config": to_yaml(cfg)}
+        state = {"command": weights.command, "step": step, "train_s": train_s, "config": to_yaml(cfg)}
         (folder / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
 
-    rngs = gather_objects(world, rng_state())  # every rank's own: their dropout masks differ
     cause = None
     if world.is_main:
         try:
@@ -65,15 +69,13 @@ def save_sft_state(run_dir: RunDir, step: int, cfg, model, optimizer, scheduler,
                         "checkpoint stays valid: fix the cause and continue with train.resume=auto")
 
 
-def restore_sft_state(folder: Path, run_dir: RunDir, cfg, model, optimizer, scheduler, world: World = World()) -> int:
+def restore_supervised_state(folder: Path, run_dir: RunDir, weights: Resumable, optimizer, scheduler,
+                             world: World = World()) -> int:
     """Put the checkpoint's weights, optimizer, schedule and RNG states back; drop log lines of later steps; set later
     checkpoints of this folder aside -> the step to go on from."""
     state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     try:
-        if cfg.train.full_finetune:
-            load_model(model, str(folder / FULL_MODEL_FILE))
-        else:
-            adapter_of(model).load(folder / "adapter")
+        weights.load(folder)
     except UserError as err:
         raise UserError(f"train.resume: {err}") from None
     trainer = safe_load(folder / "trainer.pt")
@@ -88,9 +90,10 @@ def restore_sft_state(folder: Path, run_dir: RunDir, cfg, model, optimizer, sche
     return state["step"]
 
 
-def logged_so_far(run_dir: RunDir) -> dict:
+def logged_so_far(run_dir: RunDir, held_out: tuple[str, ...]) -> dict:
     """What summary.json says of the steps before a resume, from the run's metrics.jsonl (kept up to the checkpoint's
-    step): the last step's metrics and the last held-out loss. Empty where the resume starts a new folder."""
+    step): the last step's metrics and the last value of each held-out metric. Empty where the resume starts a new
+    folder."""
     path = run_dir.path / "metrics.jsonl"
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
@@ -98,8 +101,10 @@ def logged_so_far(run_dir: RunDir) -> dict:
             rows.append(json.loads(line))
         except json.JSONDecodeError:  # a torn last line of a killed run
             continue
-    held = [row["eval_loss"] for row in rows if "eval_loss" in row]
-    return {"last_metrics": rows[-1], "eval_loss": held[-1] if held else None} if rows else {}
+    if not rows:
+        return {}
+    last_held = next((row for row in reversed(rows) if held_out[0] in row), {})
+    return {"last_metrics": rows[-1], **{key: last_held.get(key) for key in held_out}}
 
 
 def trained_seconds(folder: Path) -> float:

@@ -1,6 +1,7 @@
-"""`rlora sft` checkpoints: a run killed after its last checkpoint and resumed ends where the run straight through
-ends (LoRA with dropout, so the RNG states matter; MoLoRA; every parameter with train.full_finetune), and a resume
-with other settings, or into a folder without a checkpoint, is one line with exit code 2 before the model loads."""
+"""`rlora sft` and `rlora rm` checkpoints: a run killed after its last checkpoint and resumed ends where the run
+straight through ends (sft: LoRA with dropout, so the RNG states matter, MoLoRA, every parameter with
+train.full_finetune; rm: the reward adapter and score head), and a resume with other settings, of the other command or
+into a folder without a checkpoint is one line with exit code 2 before the model loads."""
 
 import json
 import shutil
@@ -8,6 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_rm import PAIRS, rm_config
 from test_sft import REPETITIVE, _error, sft_config, write_jsonl
 
 from rlora.cli import main
@@ -102,3 +104,44 @@ def test_bad_sft_resumes_are_one_line(tiny_model_dir, prompts_file, tmp_path, ca
     shutil.rmtree(out / "checkpoints")
     capsys.readouterr()
     assert "holds a run but no checkpoint" in _error(["sft", config, "train.resume=auto"], capsys)
+
+
+def test_a_resumed_rm_run_ends_where_the_straight_run_ends(tiny_model_dir, tmp_path, capsys):
+    """rlora rm: 5 steps straight == 4 steps (checkpoints at 2 and 4), the step-4 checkpoint lost, resume from 2: the
+    same reward adapter and score head, the same losses, accuracies and held-out metrics; an sft checkpoint and
+    another margin are refused."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    common = ["lora.dropout=0.2", "data.eval_size=2", "train.eval_every=2", "train.checkpoint_every=2",
+              "train.head_init_std=0.1"]
+
+    def run(out, steps, *extra):
+        return main(["rm", rm_config(tmp_path, tiny_model_dir, data, steps=steps, output_dir=str(out)), *common, *extra])
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run(straight, 5) == 0 and run(resumed, 4) == 0, capsys.readouterr().err
+    assert {"adapter_config.json", "adapter_model.safetensors", "reward_model.json", "score_head.safetensors"} <= {
+        p.name for p in (resumed / "checkpoints" / "step-0000002" / "reward_model").iterdir()}
+    shutil.rmtree(resumed / "checkpoints" / "step-0000004")
+    capsys.readouterr()
+    assert "different train.margin (0.0 there, 0.5 now)" in _error(
+        ["rm", rm_config(tmp_path, tiny_model_dir, data, steps=5, output_dir=str(resumed)), *common,
+         "train.resume=auto", "train.margin=0.5"], capsys)
+    assert run(resumed, 5, "train.resume=auto") == 0
+    assert "resuming from" in capsys.readouterr().err
+    for name in ("adapter_model.safetensors", "score_head.safetensors"):
+        a, b = (load_file(str(out / "reward_model" / name)) for out in (straight, resumed))
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6, name
+    rows = {out: _metrics(out) for out in (straight, resumed)}
+    assert [r["step"] for r in rows[resumed]] == [1, 2, 3, 4, 5]
+    for x, y in zip(rows[straight], rows[resumed], strict=True):
+        assert x.keys() == y.keys()
+        for key in x.keys() - {"step_s"}:
+            assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-9), (x["step"], key)
+    sft_data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    sft_run = tmp_path / "sft"
+    assert main(["sft", sft_config(tmp_path, tiny_model_dir, sft_data, steps=1, checkpoint_every=1,
+                                   output_dir=str(sft_run))]) == 0
+    capsys.readouterr()
+    assert "was written by rlora sft, not rlora rm" in _error(
+        ["rm", rm_config(tmp_path, tiny_model_dir, data, steps=2, output_dir=str(tmp_path / "rm2")),
+         f"train.resume={sft_run / 'checkpoints' / 'step-0000001'}"], capsys)

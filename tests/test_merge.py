@@ -54,3 +54,35 @@ def test_merge_bad_input_is_one_line(adapter_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert (out / "keep.txt").read_text() == "mine" and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`", "ignore:Setting `save_embedding_layers`")
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["embed_tokens", "v_proj"]])
+def test_an_adapter_on_a_tied_embedding_is_merged_into_that_side_only(targets, tiny_model_dir, tmp_path, capsys):
+    """The tiny model ties its input embeddings and output layer (one tensor, as SmolLM2 does). A LoRA on the output
+    layer (rlora serve's train_unembed) or on the embeddings, folded into the shared tensor, would move the other side
+    too: the merged folder unties them, so its logits are base + adapter and the untouched side keeps the base's."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    embeddings = base.get_input_embeddings().weight.detach().clone()
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for name, param in policy.named_parameters():
+            if "lora_" in name:  # both factors random: peft starts B (or an embedding's A) at 0
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    folder, out = tmp_path / "adapter", tmp_path / "merged"
+    policy.save_pretrained(folder)
+    assert main(["merge", str(folder), "-o", str(out), "--base", tiny_model_dir]) == 0, capsys.readouterr().err
+    merged = AutoModelForCausalLM.from_pretrained(str(out))
+    ids = torch.tensor([[5, 17, 33, 8, 41, 12, 7]])
+    policy.eval()
+    with torch.no_grad():
+        want, got = policy(input_ids=ids).logits, merged(input_ids=ids).logits
+        with policy.disable_adapter():
+            assert (policy(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapter matters
+    assert (got - want).abs().max() < 1e-5
+    untouched = merged.get_input_embeddings() if "lm_head" in targets else merged.get_output_embeddings()
+    assert torch.equal(untouched.weight, embeddings)

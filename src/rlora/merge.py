@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from peft import PeftModel
 
 from rlora.config import ModelConfig
@@ -39,6 +40,31 @@ def refuse_molora(adapter: str) -> None:
                         f"{unit}, so it is not one fixed weight to fold into the base; use it with rlora eval / chat")
 
 
+def _untie_embeddings(model) -> bool:
+    """Give a tied output layer its own copy of the embeddings (and say so in the config) -> whether they were tied.
+    A LoRA on either side (rlora serve's train_unembed puts one on the output layer) is then folded into that side
+    only; folded into the shared tensor it would move the other side too."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is None or outputs.weight is not inputs.weight:
+        return False
+    outputs.weight = torch.nn.Parameter(inputs.weight.detach().clone())
+    _set_tied(model, False)
+    return True
+
+
+def _retie_if_equal(model) -> None:
+    """Tie the two sides again where the adapter changed neither (the saved folder then holds one copy, as before)."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if torch.equal(inputs.weight, outputs.weight):
+        outputs.weight = inputs.weight
+        _set_tied(model, True)
+
+
+def _set_tied(model, tied: bool) -> None:
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = tied
+
+
 def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str = "float32",
                   overwrite: bool = False) -> Path:
     refuse_molora(adapter)
@@ -48,10 +74,13 @@ def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str
     base_path = adapter_base(adapter, base)
     tokenizer, _ = load_tokenizer(base_path)
     model = load_base_model(ModelConfig(path=base_path, dtype=dtype), base_path)
+    tied = _untie_embeddings(model)
     try:
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     except Exception as err:  # noqa: BLE001 - an adapter for another base, broken weights ...
         raise UserError(f"adapter '{adapter}' does not fit model '{base_path}': {first_line(err)}") from None
+    if tied:
+        _retie_if_equal(merged)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

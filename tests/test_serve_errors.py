@@ -102,8 +102,8 @@ def chunked(size: int):
 
 def test_losses_this_server_does_not_run_are_refused_with_a_message(trainee):
     _, training, datum = trainee
-    with pytest.raises(tinker.BadRequestError, match="loss_fn 'gspo' is not served by rlora serve"):
-        training.forward_backward([datum], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'stable_reinforce' is not served by rlora serve"):
+        training.forward_backward([datum], "stable_reinforce").result()
     rl = types.Datum(model_input=datum.model_input, loss_fn_inputs={
         "target_tokens": [6, 7, 8, 9], "logprobs": [-1.0] * 4, "advantages": [1.0, -1.0, 0.5, 0.0]})
     with pytest.raises(tinker.BadRequestError, match="loss_fn 'dro' needs loss_fn_config beta .it has no default"):
@@ -112,6 +112,15 @@ def test_losses_this_server_does_not_run_are_refused_with_a_message(trainee):
         training.forward_backward([rl], "dro", {"beta": -0.1}).result()
     with pytest.raises(tinker.BadRequestError, match="cispo: loss_fn_config needs clip_low_threshold <= 1"):
         training.forward_backward([rl], "cispo", {"clip_low_threshold": 1.1}).result()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'gspo' needs loss_fn_inputs sequence_ratio_mask"):
+        training.forward_backward([rl], "gspo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
+    gspo = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+        **rl.loss_fn_inputs, "sequence_ratio_mask": np.zeros(4, dtype=np.float32)})
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'gspo' needs loss_fn_config clip_low_threshold, "
+                                                     "clip_high_threshold .it has no default"):
+        training.forward_backward([gspo], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="datum 0: loss_fn_inputs\\['sequence_ratio_mask'\\] marks no token"):
+        training.forward_backward([gspo], "gspo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
     with pytest.raises(tinker.BadRequestError, match="needs loss_fn_inputs logprobs, advantages"):
         training.forward_backward([datum], "importance_sampling").result()
     with pytest.raises(tinker.BadRequestError, match="unknown loss_fn_config beta"):

@@ -1,6 +1,6 @@
 """`rlora serve`'s training and sampling, checked against what they must equal, through the official tinker SDK on a
 tiny random model: ppo's and importance_sampling's gradients are cross_entropy's weighted by ratio * advantage where
-ppo does not clip (0 where it does), cispo's and dro's by their coefficients; a forward_backward split into micro-batches gives what one micro-batch gives; a
+ppo does not clip (0 where it does), cispo's and dro's by their coefficients, gspo's by its sequence ratio; a forward_backward split into micro-batches gives what one micro-batch gives; a
 forward_backward that fails part-way leaves the client exactly as if it had never been sent; the sampler's kept
 decoder samples what a fresh one samples."""
 
@@ -104,6 +104,40 @@ def test_cispo_and_dro_are_cross_entropy_weighted_by_their_coefficients(server):
         for rl_grad, ce_grad in zip(rl_grads, ce_grads):
             scale = float(ce_grad.abs().max())
             np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
+
+
+def test_gspo_is_cross_entropy_weighted_by_the_sequence_ratio_where_it_does_not_clip(server):
+    """Tinker's GSPO-token: s = exp(mean(logp - q)) over the tokens sequence_ratio_mask marks, every token carrying s's
+    value with its own log-prob's gradient, so the gradient is cross_entropy's weighted by s * A where min(s A,
+    clip(s) A) takes the unclipped term and 0 elsewhere; loss:sum by hand. Here s is ~1.1 and the thresholds
+    (0.9, 1.05): the tokens with A > 0 clip, those with A < 0 do not."""
+    client = trained_client(server, seed=3)
+    ids = SEQUENCES[2]
+    logp = client.forward([ce_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    logp = logp.astype(np.float64)
+    n = len(logp)
+    marked = (np.arange(n) >= n // 2).astype(np.float32)  # the "sampled" second half forms the sequence ratio
+    rng = np.random.default_rng(2)
+    sampler_logp = (logp - 0.1 + rng.uniform(-0.05, 0.05, n)).astype(np.float32)
+    advantages = np.where(np.arange(n) % 2 == 0, 1.0, -0.5).astype(np.float32)
+    rl = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+        "target_tokens": ids[1:], "logprobs": sampler_logp, "advantages": advantages, "sequence_ratio_mask": marked})
+    s = float(np.exp(((logp - sampler_logp) * marked).sum() / marked.sum()))
+    low, high = 0.9, 1.05
+    assert high < s < 1.2
+    clipped = np.clip(s, low, high)
+    takes_clipped = clipped * advantages < s * advantages
+    assert takes_clipped.any() and not takes_clipped.all()
+    weights = np.where(takes_clipped, 0.0, s * advantages)
+    loss_sum = -np.minimum(s * advantages, clipped * advantages).sum()
+    config = {"clip_low_threshold": low, "clip_high_threshold": high}
+    out, rl_grads = gradients(server, client, [rl], "gspo", config)
+    assert out.metrics["loss:sum"] == pytest.approx(loss_sum, rel=1e-5, abs=1e-5)
+    _, ce_grads = gradients(server, client, [ce_datum(ids, weights)], "cross_entropy")
+    assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
+    for rl_grad, ce_grad in zip(rl_grads, ce_grads):
+        scale = float(ce_grad.abs().max())
+        np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
 
 
 def test_micro_batches_give_what_one_batch_gives(server, monkeypatch):

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from rlora.serve import proto, wire
 from rlora.serve.jobs import LONG_POLL, MAX_BATCH_TOKENS, RETRIEVED_GRACE, UNRETRIEVED_TTL, Batchable, Jobs
 from rlora.serve.limits import Limits
-from rlora.serve.losses import check_loss
+from rlora.serve.losses import check_datum, check_loss
 from rlora.serve.sampling import sampling_settings
 from rlora.serve.state import ServeError, StateDir, check_name, parse_path
 from rlora.serve.worker import CPU_MICRO_BATCH_TOKENS, ModelWorker
@@ -246,6 +246,7 @@ def build_app(served: Served) -> FastAPI:
             for name, values in datum.inputs.items():
                 if values.dtype.kind == "f" and not np.isfinite(values).all():
                     raise ServeError(400, f"datum {i}: loss_fn_inputs['{name}'] holds a NaN or an infinity")
+            check_datum(fb.loss_fn, i, datum.inputs)
         # other clients' forward_backward queued right behind it run in the same pass (serve/batched.py)
         batch = Batchable(("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,
                           tokens=sum(len(d.tokens) for d in fb.data), max_tokens=fb_batch_tokens)

@@ -11,10 +11,14 @@ with logp the training model's log-prob of target_tokens[i] and, for the RL loss
     cispo                -sum(sg(clip(r, clip_low_threshold, clip_high_threshold)) * logp * A)   (the same thresholds)
     dro                  -sum(logp * A - beta / 2 * (logp - q)^2)   (loss_fn_config beta: required, Tinker documents
                          no default)
+    gspo                 -sum(min(s_t * A, clip(s_t, clip_low_threshold, clip_high_threshold) * A)), GSPO-token:
+                         s = exp(mean(logp - q)) over the tokens sequence_ratio_mask marks, one per datum; each token
+                         carries s's value and its own log-prob's gradient, s_t = sg(s) * exp(logp - sg(logp))
+                         (thresholds required: Tinker documents no default for gspo)
 
 ppo and importance_sampling are rlora's PPO-clip surrogate (algos/losses.py grpo_token_loss), importance_sampling
 with the clip range open on both sides; cispo is rlora's CISPO loss (cispo_token_loss). Any other loss name
-(gspo, stable_reinforce) is refused when the request arrives.
+(stable_reinforce) is refused when the request arrives.
 """
 
 from __future__ import annotations
@@ -74,6 +78,17 @@ def _dro(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
     return -(logp_BT * inputs["advantages"]) + 0.5 * config["beta"] * (logp_BT - inputs["logprobs"]) ** 2
 
 
+def _gspo(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
+    in_ratio_BT = (inputs["sequence_ratio_mask"] != 0) & (mask_BT > 0)
+    log_ratio_B = torch.where(in_ratio_BT, logp_BT.detach() - inputs["logprobs"], 0.0).sum(-1) \
+        / in_ratio_BT.sum(-1).clamp(min=1)  # a datum without marked tokens is refused on arrival (check_datum)
+    # the sequence ratio's value with each token's own gradient: d s_t = s * d logp_t
+    ratio_BT = torch.exp(log_ratio_B[:, None] + logp_BT - logp_BT.detach())
+    advantages_BT = inputs["advantages"]
+    clipped_BT = torch.clamp(ratio_BT, config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio_BT * advantages_BT, clipped_BT * advantages_BT)
+
+
 _CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # Tinker's defaults for ppo and cispo
 
 LOSSES = {
@@ -82,7 +97,17 @@ LOSSES = {
     "ppo": TokenLoss(("logprobs", "advantages"), {}, _CLIPS, _ppo),
     "cispo": TokenLoss(("logprobs", "advantages"), {}, _CLIPS, _cispo),
     "dro": TokenLoss(("logprobs", "advantages"), {}, {"beta": None}, _dro),
+    "gspo": TokenLoss(("logprobs", "advantages", "sequence_ratio_mask"), {},
+                      {"clip_low_threshold": None, "clip_high_threshold": None}, _gspo),
 }
+
+
+def check_datum(name: str, index: int, inputs: dict) -> None:
+    """What one datum's loss inputs must hold beyond their names (ServeError 400): gspo's sequence ratio needs at least
+    one marked token (its mean over none is undefined)."""
+    if name == "gspo" and not (inputs["sequence_ratio_mask"] != 0).any():
+        raise ServeError(400, f"datum {index}: loss_fn_inputs['sequence_ratio_mask'] marks no token: gspo's sequence "
+                              "ratio is the mean over the marked (sampled) tokens")
 
 
 def check_loss(name: str, input_names: set[str], config: dict[str, float | str],
@@ -113,8 +138,9 @@ def check_loss(name: str, input_names: set[str], config: dict[str, float | str],
         resolved[key] = float(value)
     unset = [key for key, value in resolved.items() if value is None]
     if unset:
+        example = {"beta": 0.05, "clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
         raise ServeError(400, f"loss_fn '{name}' needs loss_fn_config {', '.join(unset)} (it has no default: e.g. "
-                              f"loss_fn_config={{{', '.join(repr(k) + ': 0.05' for k in unset)}}})")
+                              f"loss_fn_config={{{', '.join(f'{k!r}: {example[k]}' for k in unset)}}})")
     if "clip_low_threshold" in resolved and not resolved["clip_low_threshold"] <= 1.0 <= resolved["clip_high_threshold"]:
         raise ServeError(400, f"{name}: loss_fn_config needs clip_low_threshold <= 1 <= clip_high_threshold")
     if resolved.get("beta", 0.0) < 0:

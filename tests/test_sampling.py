@@ -1,6 +1,8 @@
 """Sampling math: truncation equals Hugging Face's warpers, draws follow the truncated distribution, the
 returned log-prob is that of the untruncated temperature-scaled distribution."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -166,6 +168,21 @@ def test_a_plan_decided_once_draws_what_a_plan_decided_per_call():
     assert sampling.DrawPlan.of(rows) == sampling.DrawPlan(truncate=True, greedy=True, banned=True)
     for got, want in zip(planned, sample_tokens(logits_AV, rows, u_A, banned_A, [4])):
         assert torch.equal(got, want)
+
+
+def test_rows_all_at_temperature_1_skip_the_division_and_draw_the_same():
+    """x / 1 is x exactly: a plan whose rows are all at temperature 1 (greedy rows count as 1) skips the
+    vocabulary-wide division, with bit-equal tokens and log-probs; one row at another temperature keeps it."""
+    logits_AV = torch.randn(6, 3000, generator=torch.Generator().manual_seed(5)) * 3
+    rows = RowParams.per_row([SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=3, greedy=True)], 3)
+    plan = sampling.DrawPlan.of(rows)
+    assert plan.unit_temperature
+    u_A = sampling.counter_uniform(4, torch.arange(6), 0)
+    divided = dataclasses.replace(plan, unit_temperature=False)
+    for got, want in zip(sample_tokens(logits_AV, rows, u_A, plan=plan), sample_tokens(logits_AV, rows, u_A, plan=divided)):
+        assert torch.equal(got, want)
+    warm = RowParams.per_row([SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=3, temperature=0.7)], 3)
+    assert not sampling.DrawPlan.of(warm).unit_temperature
 
 
 def test_a_rows_draw_and_log_prob_do_not_depend_on_its_neighbours_settings():

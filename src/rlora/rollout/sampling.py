@@ -151,16 +151,19 @@ class DrawPlan:
     """Which optional parts of a draw a batch of rows needs, decided once for a chunk of rows so that a draw
     makes no device-to-host sync (a CUDA graph records it; the host does not wait on each token).
     truncate: some row has top-k, top-p or min-p; greedy: some row is greedy; banned: some row has
-    min_new_tokens (its EOS is banned until then)."""
+    min_new_tokens (its EOS is banned until then); unit_temperature: every row's temperature is 1 (the logits are
+    then the scaled logits: x / 1 is x exactly, and a vocabulary-wide division and its [A, V] buffer are saved)."""
 
     truncate: bool
     greedy: bool
     banned: bool
+    unit_temperature: bool = False
 
     @classmethod
     def of(cls, rows: RowParams) -> "DrawPlan":
         return cls(truncate=bool(((rows.top_k_A > 0) | (rows.top_p_A < 1) | (rows.min_p_A > 0)).any()),
-                   greedy=bool(rows.greedy_A.any()), banned=bool((rows.min_new_A > 0).any()))
+                   greedy=bool(rows.greedy_A.any()), banned=bool((rows.min_new_A > 0).any()),
+                   unit_temperature=bool((rows.temperature_A == 1).all()))
 
 
 CDF_BLOCK = 1024  # tokens per block of the two-level inverse-CDF draw
@@ -178,7 +181,12 @@ def inverse_cdf_draw(allowed_AV: torch.Tensor, u_A: torch.Tensor) -> tuple[torch
     A, V = allowed_AV.shape
     blocks = -(-V // CDF_BLOCK)
     peak_A1 = allowed_AV.amax(-1, keepdim=True)
-    weights_ANB = F.pad((allowed_AV - peak_A1).exp(), (0, blocks * CDF_BLOCK - V)).view(A, blocks, CDF_BLOCK)
+    # one [A, V] buffer, exponentiated in place (the same values as (x - peak).exp()), padded only where V is not a
+    # multiple of the block: every fresh vocabulary-wide buffer costs page faults when the allocator maps it anew
+    weights_AV = torch.sub(allowed_AV, peak_A1).exp_()
+    if blocks * CDF_BLOCK != V:
+        weights_AV = F.pad(weights_AV, (0, blocks * CDF_BLOCK - V))
+    weights_ANB = weights_AV.view(A, blocks, CDF_BLOCK)
     cum_blocks_AN = weights_ANB.sum(-1, dtype=torch.float64).cumsum(-1)
     target_A1 = u_A.to(cum_blocks_AN)[:, None] * cum_blocks_AN[:, -1:]
     block_A1 = torch.searchsorted(cum_blocks_AN, target_A1, right=True).clamp(max=blocks - 1)
@@ -199,11 +207,12 @@ def sample_tokens(logits_AV: torch.Tensor, rows: RowParams, randomness: torch.Ge
     [V] on the logits' device; min_new_tokens blocks EOS this way); the log-prob stays that of the
     untruncated distribution. plan: what the rows need (DrawPlan.of(rows)); given, with banned_ids a mask, the
     draw makes no device-to-host sync or host-to-device copy. None: decided here from the rows."""
-    scaled_AV = logits_AV.float() / rows.temperature_A[:, None]
     if plan is None:
         plan = DrawPlan(truncate=bool(((rows.top_k_A > 0) | (rows.top_p_A < 1) | (rows.min_p_A > 0)).any()),
                         greedy=bool(rows.greedy_A.any()),
-                        banned=banned_rows_A is not None and bool(banned_rows_A.any()))
+                        banned=banned_rows_A is not None and bool(banned_rows_A.any()),
+                        unit_temperature=bool((rows.temperature_A == 1).all()))
+    scaled_AV = logits_AV.float() if plan.unit_temperature else logits_AV.float() / rows.temperature_A[:, None]
     candidates_AV = scaled_AV
     if plan.banned and banned_rows_A is not None:
         # Banned tokens leave before truncation (as in generate), so top-k/top-p/min-p pick among the rest.

@@ -120,7 +120,7 @@ def main() -> None:
                   "eval_every": 0},
     })
     torch.set_num_threads(args.threads)
-    run_dir = sft.check_inputs(cfg)
+    run_dir, _ = sft.check_inputs(cfg)  # (the folder, a checkpoint to resume: none here)
     seed_everything(cfg.train.seed)
     tokenizer, tok = load_tokenizer(cfg.model.path)
     data = load_sft_data(cfg.data, tokenizer, tok.eos_ids[0], cfg.train.max_length)

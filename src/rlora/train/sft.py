@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import torch as safetensors_torch
 
 from rlora.config import SFTConfig, to_yaml
 from rlora.data.sft_data import IGNORE, LengthGroupedOrder, SFTData, TokenizedRow, load_sft_data, num_targets
@@ -189,11 +190,10 @@ def save_outputs(cfg: SFTConfig, run_dir: RunDir, model, tokenizer) -> None:
 def checkpointed_weights(cfg: SFTConfig, model=None) -> Resumable:
     """What an sft checkpoint holds of the model: the adapter (PEFT or MoLoRA, through the adapter protocol) or, with
     full_finetune, every parameter (safetensors' save_model/load_model: tied embeddings are one shared tensor)."""
-    from safetensors.torch import load_model, save_model
-
     if cfg.train.full_finetune:
-        return Resumable("sft", SFT_MUST_MATCH, lambda folder: save_model(model, str(folder / FULL_MODEL_FILE)),
-                         lambda folder: load_model(model, str(folder / FULL_MODEL_FILE)))
+        return Resumable("sft", SFT_MUST_MATCH,
+                         lambda folder: safetensors_torch.save_model(model, str(folder / FULL_MODEL_FILE)),
+                         lambda folder: safetensors_torch.load_model(model, str(folder / FULL_MODEL_FILE)))
     return Resumable("sft", SFT_MUST_MATCH, lambda folder: adapter_of(model).save(folder / "adapter"),
                      lambda folder: adapter_of(model).load(folder / "adapter"))
 

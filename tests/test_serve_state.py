@@ -2,10 +2,12 @@
 (safetensors, no pickle); a client made from it, with the optimizer, continues exactly as the original does, also
 on a server started afresh on the same --state-dir; without the optimizer it starts Adam over. A state saved before
 any gradient loads; a checkpoint not of the client's exact shape is refused and changes nothing. Saved folders are
-swapped in whole (a crash half-way leaves the old one), and names and ids cannot leave the state folder."""
+swapped in whole (a crash half-way leaves the old one), and names and ids cannot leave the state folder. A checkpoint
+saved with ttl_seconds expires."""
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -174,3 +176,43 @@ def test_saved_folders_are_swapped_whole_and_names_stay_inside(tmp_path):
     for bad in ["tinker://../weights/x", "tinker://./weights/x"]:
         with pytest.raises(ServeError, match="not usable in a path"):
             state.snapshot(parse_path(bad), "weights")
+
+
+def test_a_checkpoint_saved_with_a_ttl_expires(tmp_path):
+    """ttl_seconds (Tinker's range: 1 hour to 10 years) writes an expiry beside the adapter: before it the checkpoint
+    loads, at it a load is a 404 that says it expired and the folder is deleted; a server started after the expiry
+    deletes it on start; a checkpoint saved without one stays; a ttl outside the range is a 400."""
+    now = [1_000_000.0]
+    state = StateDir(tmp_path / "state", clock=lambda: now[0])
+    config = LoraConfig(r=1, target_modules=["q_proj"])
+    expiring, kept, other = (TinkerPath("s:train:0", "weights", n) for n in ("expiring", "kept", "other"))
+    state.save_adapter(expiring, config, {"w": torch.ones(2)}, "base", ({}, {"stepped": False}), ttl_seconds=3600)
+    state.save_adapter(other, config, {"w": torch.ones(2)}, "base", ttl_seconds=7200)
+    state.save_adapter(kept, config, {"w": torch.ones(2)}, "base")
+    now[0] += 3599
+    assert state.exists(expiring) and state.snapshot(expiring, "weights").weights()["w"].tolist() == [1.0, 1.0]
+    now[0] += 1
+    with pytest.raises(ServeError, match=r"tinker://s:train:0/weights/expiring expired at 1970-01-12 .* UTC"):
+        state.snapshot(expiring, "weights")
+    assert not state.folder(expiring).exists() and not state.exists(expiring)
+    with pytest.raises(ServeError, match="no saved weights"):
+        state.snapshot(expiring, "weights")
+    restarted = StateDir(tmp_path / "state", clock=lambda: now[0] + 3600)  # past `other`'s expiry too
+    assert not restarted.folder(other).exists() and restarted.snapshot(kept, "weights").config.r == 1
+    model_dir = str(build_random_model(tmp_path / "model", seed=0))
+    with running_server(model_dir, tmp_path / "sdk-state") as (url, served):
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        training = service.create_lora_training_client(base_model=model_dir, rank=4, seed=0).result()
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds=60 is outside 3600 .1 hour."):
+            training.save_state("short", ttl_seconds=60).result()
+        path = training.save_state("hour", ttl_seconds=3600).result().path
+        sampler_path = training.save_weights_for_sampler("hour-sampler", ttl_seconds=3600).result().path
+        assert len(list((tmp_path / "sdk-state").glob("models/*/*/*/expires.json"))) == 2
+        service.create_training_client_from_state(path).result()  # within the hour: loads
+        served.state.clock = lambda: time.time() + 3601
+        with pytest.raises(tinker.NotFoundError, match="expired at"):
+            service.create_training_client_from_state(path).result()
+        with pytest.raises(tinker.NotFoundError, match="hour-sampler expired at"):  # the SDK opens the session
+            sampler = service.create_sampling_client(model_path=sampler_path)  # with its first request
+            sampler.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)).result()
+        assert list((tmp_path / "sdk-state").glob("models/*/*/*/expires.json")) == []

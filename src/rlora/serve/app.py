@@ -30,7 +30,7 @@ from rlora.serve.jobs import LONG_POLL, MAX_BATCH_TOKENS, RETRIEVED_GRACE, UNRET
 from rlora.serve.limits import Limits
 from rlora.serve.losses import check_datum, check_loss
 from rlora.serve.sampling import sampling_settings
-from rlora.serve.state import ServeError, StateDir, check_name, parse_path
+from rlora.serve.state import ServeError, StateDir, check_name, check_ttl, parse_path
 from rlora.serve.worker import CPU_MICRO_BATCH_TOKENS, ModelWorker
 
 API = "/api/v1"
@@ -270,13 +270,14 @@ def build_app(served: Served) -> FastAPI:
         if body.kind != "snapshot":
             raise ServeError(400, f"save_weights_for_sampler: kind '{body.kind}' is not served (snapshot only)")
         name = session_id = None
+        check_ttl(body.ttl_seconds, "save_weights_for_sampler")
         if body.path is not None:
             name = check_name(body.path, "save_weights_for_sampler name")
         elif body.sampling_session_seq_id is None:
             raise ServeError(400, "save_weights_for_sampler: give a path (a name) or a sampling_session_seq_id")
         else:
             session_id = f"{body.model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"
-        job = jobs.submit(lambda: worker.save_for_sampler(body.model_id, name, session_id),
+        job = jobs.submit(lambda: worker.save_for_sampler(body.model_id, name, session_id, body.ttl_seconds),
                           key=resent(body.model_id, body.seq_id, "save_sampler"))
         return wire.untyped_future(job, body.model_id)
 
@@ -286,7 +287,8 @@ def build_app(served: Served) -> FastAPI:
         if body.path is None:
             raise ServeError(400, "save_weights: give the checkpoint a name (path)")
         name = check_name(body.path, "save_weights name")
-        job = jobs.submit(lambda: worker.save_state(body.model_id, name, body.overwrite),
+        check_ttl(body.ttl_seconds, "save_weights")
+        job = jobs.submit(lambda: worker.save_state(body.model_id, name, body.overwrite, body.ttl_seconds),
                           key=resent(body.model_id, body.seq_id, "save"))
         return wire.untyped_future(job, body.model_id)
 

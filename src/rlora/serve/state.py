@@ -9,6 +9,9 @@ PEFT folder (adapter_config.json + adapter_model.safetensors, safetensors only: 
                                                                state in optimizer.safetensors + optimizer.json
     tinker://<model id>/<sampler_weights|weights>/<name>       the path the SDK gets back
 
+A save with `ttl_seconds` (Tinker's bounds: 1 hour to 10 years) writes expires.json beside the adapter: once that time
+has passed the folder is deleted where it is next used (a 404 that says it expired) and at the server's start.
+
 A snapshot without a name (save_weights_and_get_sampling_client) stays in memory (Snapshot.tensors): an RL loop
 takes one per step and never names it, so writing each to disk would fill it.
 """
@@ -22,7 +25,10 @@ import os
 import re
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -37,6 +43,15 @@ SCHEME = "tinker://"
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # one path segment: no '/', no '..'
 KINDS = ("sampler_weights", "weights")  # a sampler's adapter; a training client's adapter and optimizer state
 OPTIMIZER_FORMAT = "rlora-serve-adamw"
+EXPIRY_FILE = "expires.json"
+TTL_RANGE_S = (3600, 10 * 365 * 24 * 3600)  # Tinker's: one hour to ten years
+
+
+def check_ttl(ttl_seconds: int | None, what: str) -> None:
+    """A save's ttl_seconds: None (never expires) or Tinker's range, else a 400."""
+    if ttl_seconds is not None and not TTL_RANGE_S[0] <= ttl_seconds <= TTL_RANGE_S[1]:
+        raise ServeError(400, f"{what}: ttl_seconds={ttl_seconds} is outside {TTL_RANGE_S[0]} (1 hour) .. "
+                              f"{TTL_RANGE_S[1]} (10 years); leave it unset for a checkpoint that never expires")
 
 
 class ServeError(Exception):
@@ -112,23 +127,54 @@ class Snapshot:
 class StateDir:
     """The --state-dir folder: created on start, checked writable."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, clock: Callable[[], float] = time.time):
         self.root = Path(root).expanduser().resolve()
+        self.clock = clock  # seconds since the epoch: what expiry times are compared with
         try:
             (self.root / "models").mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.root):
                 pass
         except OSError as err:
             raise UserError(f"--state-dir '{root}' is not a writable folder: {err.strerror or err}") from None
+        self.remove_expired()
+
+    def remove_expired(self) -> list[Path]:
+        """Delete every saved folder whose ttl has passed -> their folders."""
+        gone = [folder for folder in self.root.glob(f"models/*/*/*/{EXPIRY_FILE}") if self._expired(folder.parent)]
+        for expiry in gone:
+            shutil.rmtree(expiry.parent, ignore_errors=True)
+        return [expiry.parent for expiry in gone]
+
+    def _expired(self, folder: Path) -> float | None:
+        """The expiry time of a folder whose ttl has passed (None: it has none, or it has not passed)."""
+        try:
+            expires_at = float(json.loads((folder / EXPIRY_FILE).read_text())["expires_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return expires_at if expires_at <= self.clock() else None
+
+    def _live(self, path: TinkerPath) -> Path:
+        """The folder of `path`, recovered after a crash; one whose ttl has passed is deleted and answered with 404."""
+        folder = _recovered(self.folder(path))
+        expired_at = self._expired(folder)
+        if expired_at is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            when = datetime.fromtimestamp(expired_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            raise ServeError(404, f"{path} expired at {when} (the ttl_seconds it was saved with)")
+        return folder
 
     def folder(self, path: TinkerPath) -> Path:
         return self.root / "models" / model_key(path.model_id) / path.kind / path.name
 
     def exists(self, path: TinkerPath) -> bool:
-        return _recovered(self.folder(path)).exists()
+        try:
+            return self._live(path).exists()
+        except ServeError:  # expired: deleted, so no longer there
+            return False
 
     def save_adapter(self, path: TinkerPath, config: LoraConfig, tensors: dict[str, torch.Tensor],
-                     base_model: str, optimizer: tuple[dict[str, torch.Tensor], dict] | None = None) -> Path:
+                     base_model: str, optimizer: tuple[dict[str, torch.Tensor], dict] | None = None,
+                     ttl_seconds: int | None = None) -> Path:
         """A plain PEFT folder (with the optimizer's tensors and description beside it, if given), swapped in
         whole, as rlora's training checkpoints are (train/checkpoint.py): written to a temporary folder beside
         it and fsynced; an older folder of that name is set aside (`.old-NAME`), the new one renamed into
@@ -146,6 +192,8 @@ class StateDir:
             if optimizer is not None:
                 save_file(_cpu(optimizer[0]), str(temp / "optimizer.safetensors"))
                 (temp / "optimizer.json").write_text(json.dumps({"format": OPTIMIZER_FORMAT, **optimizer[1]}, indent=1))
+            if ttl_seconds is not None:
+                (temp / EXPIRY_FILE).write_text(json.dumps({"expires_at": self.clock() + ttl_seconds}))
             for file in temp.iterdir():
                 fsync_path(file)
             fsync_path(temp)
@@ -167,7 +215,7 @@ class StateDir:
             use = ("a sampler takes sampler_weights (save_weights_for_sampler writes them)" if kind == "sampler_weights"
                    else "load_weights takes weights (save_state writes them)")
             raise ServeError(400, f"{path} is a {path.kind} checkpoint: {use}")
-        folder = _recovered(self.folder(path))
+        folder = self._live(path)
         if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
             raise ServeError(404, f"no saved weights at {path}")
         try:
@@ -178,7 +226,7 @@ class StateDir:
 
     def optimizer_state(self, path: TinkerPath) -> tuple[dict[str, torch.Tensor], dict]:
         """The AdamW state saved beside a training client's adapter: its tensors and its description."""
-        folder = self.folder(path)
+        folder = self._live(path)
         try:
             meta = json.loads((folder / "optimizer.json").read_text())
             tensors = load_file(str(folder / "optimizer.safetensors")) if meta.get("stepped") else {}

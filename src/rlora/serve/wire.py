@@ -91,6 +91,7 @@ class SaveWeightsForSampler(Request):
     sampling_session_seq_id: int | None = None
     kind: str = "snapshot"
     seq_id: int | None = None
+    ttl_seconds: int | None = None  # a named one expires after this (None: never)
 
 
 class SaveWeights(Request):
@@ -98,6 +99,7 @@ class SaveWeights(Request):
     path: str | None = None  # the checkpoint's name
     seq_id: int | None = None
     overwrite: bool = False
+    ttl_seconds: int | None = None  # the checkpoint expires after this (None: never)
 
 
 class LoadWeights(Request):

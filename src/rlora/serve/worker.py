@@ -265,15 +265,15 @@ class ModelWorker:
         weights = get_peft_model_state_dict(self.model, adapter_name=trainee.peft_name, save_embedding_layers=False)
         return {k: v.detach().cpu().clone() for k, v in weights.items()}
 
-    def save_state(self, model_id: str, name: str, overwrite: bool) -> dict:
+    def save_state(self, model_id: str, name: str, overwrite: bool, ttl_seconds: int | None = None) -> dict:
         """save_weights (the SDK's save_state): the adapter and its AdamW state under STATE_DIR/.../weights/NAME
-        (serve/trainstate.py)."""
+        (serve/trainstate.py), expiring after ttl_seconds if given."""
         trainee = self.trainee(model_id)
         path = TinkerPath(model_id, "weights", name)
         if self.state.exists(path) and not overwrite:
             raise ServeError(400, f"{path} exists: save_state(..., overwrite=True) replaces it")
         adam = adam_state(trainee, param_names(self.model, trainee))
-        self.state.save_adapter(path, trainee.config, self._adapter_tensors(trainee), self.model_path, adam)
+        self.state.save_adapter(path, trainee.config, self._adapter_tensors(trainee), self.model_path, adam, ttl_seconds)
         return {"path": str(path), "type": "save_weights"}
 
     def load_state(self, model_id: str, path: TinkerPath, optimizer: bool, new_client: bool) -> dict:
@@ -304,14 +304,15 @@ class ModelWorker:
 
     # ------------------------------------------------------------------------------------------ snapshots
 
-    def save_for_sampler(self, model_id: str, name: str | None, session_id: str | None) -> dict:
-        """A snapshot of the training client's adapter: a PEFT folder (named) or tensors in memory (unnamed,
-        answered with a new sampling session's id)."""
+    def save_for_sampler(self, model_id: str, name: str | None, session_id: str | None,
+                         ttl_seconds: int | None = None) -> dict:
+        """A snapshot of the training client's adapter: a PEFT folder (named; expiring after ttl_seconds if given)
+        or tensors in memory (unnamed, answered with a new sampling session's id; gone with its session)."""
         trainee = self.trainee(model_id)
         tensors = self._adapter_tensors(trainee)
         if name is not None:
             path = TinkerPath(model_id, "sampler_weights", name)
-            self.state.save_adapter(path, trainee.config, tensors, self.model_path)
+            self.state.save_adapter(path, trainee.config, tensors, self.model_path, ttl_seconds=ttl_seconds)
             return {"path": sampler_path(model_id, name), "type": "save_weights_for_sampler"}
         self.samplers[session_id] = Sampler(Snapshot(trainee.config, tensors=tensors), None)
         self.unnamed[session_id] = None

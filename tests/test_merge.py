@@ -57,21 +57,23 @@ def test_merge_bad_input_is_one_line(adapter_dir, tmp_path, capsys):
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`", "ignore:Setting `save_embedding_layers`")
-@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["embed_tokens", "v_proj"]])
-def test_an_adapter_on_a_tied_embedding_is_merged_into_that_side_only(targets, tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("lora", [{"target_modules": ["q_proj", "lm_head"]}, {"target_modules": ["embed_tokens", "v_proj"]},
+                                  {"target_modules": ["q_proj"], "trainable_token_indices": [5, 17, 33]}])
+def test_an_adapter_on_a_tied_embedding_is_merged_into_that_side_only(lora, tiny_model_dir, tmp_path, capsys):
     """The tiny model ties its input embeddings and output layer (one tensor, as SmolLM2 does). A LoRA on the output
     layer (rlora serve's train_unembed) or on the embeddings, folded into the shared tensor, would move the other side
-    too: the merged folder unties them, so its logits are base + adapter and the untouched side keeps the base's."""
+    too: the merged folder unties them, so its logits are base + adapter and the untouched side keeps the base's.
+    Trainable token rows (peft ties them on both sides of a tied base) move both sides, once each."""
     from peft import LoraConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
     embeddings = base.get_input_embeddings().weight.detach().clone()
-    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, **lora))
     with torch.no_grad():
         generator = torch.Generator().manual_seed(0)
         for name, param in policy.named_parameters():
-            if "lora_" in name:  # both factors random: peft starts B (or an embedding's A) at 0
+            if "lora_" in name or "trainable_tokens" in name:  # random: peft starts B, an embedding's A, deltas at 0
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     folder, out = tmp_path / "adapter", tmp_path / "merged"
     policy.save_pretrained(folder)
@@ -84,5 +86,9 @@ def test_an_adapter_on_a_tied_embedding_is_merged_into_that_side_only(targets, t
         with policy.disable_adapter():
             assert (policy(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapter matters
     assert (got - want).abs().max() < 1e-5
-    untouched = merged.get_input_embeddings() if "lm_head" in targets else merged.get_output_embeddings()
-    assert torch.equal(untouched.weight, embeddings)
+    if "trainable_token_indices" in lora:  # both sides moved by the same rows
+        assert torch.equal(merged.get_input_embeddings().weight, merged.get_output_embeddings().weight)
+        assert not torch.equal(merged.get_input_embeddings().weight, embeddings)
+    else:
+        untouched = merged.get_input_embeddings() if "lm_head" in lora["target_modules"] else merged.get_output_embeddings()
+        assert torch.equal(untouched.weight, embeddings)

@@ -196,6 +196,19 @@ def test_sequences_are_tokenized_as_rm_pairs(tiny_model_dir, rm_folder):
     assert [p.chosen_ids for p in pairs.train] == [chat_ids, plain_ids]
 
 
+def test_a_checkpoints_reward_model_reads_its_format_from_the_checkpoint(rm_folder, tmp_path):
+    """A checkpoint's reward_model/ (rlora rm with train.checkpoint_every) has no config.yaml beside it: the format
+    comes from the checkpoint's state.json, which holds the run's config."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000002"
+    shutil.copytree(rm_folder, checkpoint / "reward_model")
+    config = yaml.safe_dump({"data": {"path": "p.jsonl", "chosen_column": "chosen", "use_chat_template": False,
+                                      "system_prompt": "Judge."}})
+    (checkpoint / "state.json").write_text(json.dumps({"command": "rm", "step": 2, "train_s": 1.0, "config": config}))
+    [spec] = [RewardSpec(fn="reward_model", args={"path": str(checkpoint / "reward_model")})]
+    assert RewardAdapter.from_spec(spec, "reward_model", 0).trained_format() == {"use_chat_template": False,
+                                                                                  "system_prompt": "Judge."}
+
+
 def test_the_reward_models_own_prompt_format_is_used(tiny_model_dir, rm_folder, tmp_path):
     """The `rlora rm` run's config.yaml beside the folder says how its pairs were rendered; args override it."""
     run = tmp_path / "rm_run"

@@ -218,7 +218,7 @@ def test_a_job_that_fails_inside_the_worker_fails_its_future_only(server, traine
     sampler = service.create_sampling_client(model_path=saved.path).result()
     [folder] = list(served.state.root.glob("models/*/sampler_weights/to-be-removed"))
     shutil.rmtree(folder)  # the adapter is read when first sampled: gone by then
-    with pytest.raises(tinker.RequestFailedError, match="rlora serve failed: FileNotFoundError"):
+    with pytest.raises(tinker.RequestFailedError, match="to-be-removed is gone .its ttl_seconds passed, or it was removed"):
         sampler.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=3)).result()
     still_serves(training, datum)
     base = service.create_sampling_client(base_model=served.names[0]).result()

@@ -191,10 +191,13 @@ def test_a_checkpoint_saved_with_a_ttl_expires(tmp_path):
     state.save_adapter(kept, config, {"w": torch.ones(2)}, "base")
     now[0] += 3599
     assert state.exists(expiring) and state.snapshot(expiring, "weights").weights()["w"].tolist() == [1.0, 1.0]
+    opened = state.snapshot(expiring, "weights")  # a sampling session opened before the expiry reads it lazily
     now[0] += 1
     with pytest.raises(ServeError, match=r"tinker://s:train:0/weights/expiring expired at 1970-01-12 .* UTC"):
         state.snapshot(expiring, "weights")
     assert not state.folder(expiring).exists() and not state.exists(expiring)
+    with pytest.raises(ServeError, match="is gone .its ttl_seconds passed, or it was removed."):
+        opened.weights()
     with pytest.raises(ServeError, match="no saved weights"):
         state.snapshot(expiring, "weights")
     restarted = StateDir(tmp_path / "state", clock=lambda: now[0] + 3600)  # past `other`'s expiry too

@@ -41,13 +41,19 @@ def refuse_molora(adapter: str) -> None:
 
 
 def _untie_embeddings(model) -> bool:
-    """Give a tied output layer its own copy of the embeddings (and say so in the config) -> whether they were tied.
-    A LoRA on either side (rlora serve's train_unembed puts one on the output layer) is then folded into that side
-    only; folded into the shared tensor it would move the other side too."""
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if outputs is None or outputs.weight is not inputs.weight:
+    """Give a tied output layer's base weight its own copy of the embeddings (and say so in the config) -> whether
+    they were tied. Done on the loaded peft model, just before the merge: peft reads the tie when it loads the adapter
+    (trainable tokens on a tied base are tied on both sides), and the merge then folds each side's delta into that
+    side's own tensor; folded into one shared tensor, a LoRA on either side (rlora serve's train_unembed puts one
+    on the output layer) would move the other side too."""
+    outputs = model.get_output_embeddings()  # first: some remote-code models have no input embeddings to ask for
+    if outputs is None:
         return False
-    outputs.weight = torch.nn.Parameter(inputs.weight.detach().clone())
+    inputs = model.get_input_embeddings()
+    out_base, in_base = getattr(outputs, "base_layer", outputs), getattr(inputs, "base_layer", inputs)
+    if out_base.weight is not in_base.weight:
+        return False
+    out_base.weight = torch.nn.Parameter(in_base.weight.detach().clone())
     _set_tied(model, False)
     return True
 
@@ -74,9 +80,10 @@ def merge_adapter(adapter: str, output: str, base: str | None = None, dtype: str
     base_path = adapter_base(adapter, base)
     tokenizer, _ = load_tokenizer(base_path)
     model = load_base_model(ModelConfig(path=base_path, dtype=dtype), base_path)
-    tied = _untie_embeddings(model)
     try:
-        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        peft_model = PeftModel.from_pretrained(model, adapter)
+        tied = _untie_embeddings(peft_model.get_base_model())
+        merged = peft_model.merge_and_unload()
     except Exception as err:  # noqa: BLE001 - an adapter for another base, broken weights ...
         raise UserError(f"adapter '{adapter}' does not fit model '{base_path}': {first_line(err)}") from None
     if tied:

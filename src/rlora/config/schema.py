@@ -276,7 +276,7 @@ class PPOConfig(Section):
 
 
 class OptimizerConfig(Section):
-    """The keys `rlora train` and `rlora sft` share: optimizer, schedule, seed, output folder."""
+    """The keys `rlora train`, `rlora sft` and `rlora rm` share: optimizer, schedule, seed, output folder."""
 
     steps: int = Field(20, gt=0)
     lr: float = Field(1e-4, gt=0)
@@ -293,7 +293,7 @@ class OptimizerConfig(Section):
 
 
 class ResumableConfig(OptimizerConfig):
-    """The checkpoint keys `rlora train` and `rlora sft` share (docs/checkpoints.md)."""
+    """The checkpoint keys `rlora train`, `rlora sft` and `rlora rm` share (docs/checkpoints.md)."""
 
     checkpoint_every: int = Field(
         0, ge=0, description="Write a resumable checkpoint (adapter, optimizer, scheduler, RNG, step) every N steps "

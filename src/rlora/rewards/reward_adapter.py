@@ -19,6 +19,7 @@ given as messages) through the run's prompt sets, so the reward model sees the c
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,11 +108,16 @@ class RewardAdapter:
                         f"{Path(self.folder) / META_FILE})")
 
     def trained_format(self) -> dict:
-        """use_chat_template / system_prompt of the `rlora rm` run that wrote the folder ({}: unknown)."""
-        config = Path(self.folder).parent / "config.yaml"
+        """use_chat_template / system_prompt of the `rlora rm` run that wrote the folder ({}: unknown): its run's
+        config.yaml, or for a checkpoint's reward_model/ the config in the checkpoint's state.json."""
+        parent = Path(self.folder).parent
         try:
-            data = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("data")
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            if (parent / "config.yaml").is_file():
+                text = (parent / "config.yaml").read_text(encoding="utf-8")
+            else:
+                text = json.loads((parent / "state.json").read_text(encoding="utf-8"))["config"]
+            data = (yaml.safe_load(text) or {}).get("data")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, yaml.YAMLError, AttributeError):
             return {}
         if not isinstance(data, dict) or "chosen_column" not in data:  # not an `rlora rm` config
             return {}

@@ -138,7 +138,9 @@ def check_loss(name: str, input_names: set[str], config: dict[str, float | str],
         resolved[key] = float(value)
     unset = [key for key, value in resolved.items() if value is None]
     if unset:
-        example = {"beta": 0.05, "clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+        # gspo's ratio is a per-token geometric mean: its paper clips at 1 -/+ ~4e-4, not PPO's 0.2
+        example = {"beta": 0.05, "clip_low_threshold": 0.9997 if name == "gspo" else 0.8,
+                   "clip_high_threshold": 1.0004 if name == "gspo" else 1.2}
         raise ServeError(400, f"loss_fn '{name}' needs loss_fn_config {', '.join(unset)} (it has no default: e.g. "
                               f"loss_fn_config={{{', '.join(f'{k!r}: {example[k]}' for k in unset)}}})")
     if "clip_low_threshold" in resolved and not resolved["clip_low_threshold"] <= 1.0 <= resolved["clip_high_threshold"]:

@@ -121,7 +121,11 @@ class Snapshot:
     def weights(self) -> dict[str, torch.Tensor]:
         if self.tensors is not None:
             return self.tensors
-        return load_file(str(self.folder / "adapter_model.safetensors"))
+        file = self.folder / "adapter_model.safetensors"
+        if not file.is_file():  # a sampling session outlived its checkpoint (its ttl passed, or it was removed)
+            raise ServeError(404, f"{self.folder} is gone (its ttl_seconds passed, or it was removed): save the "
+                                  "weights again and open a new sampling session")
+        return load_file(str(file))
 
 
 class StateDir:
@@ -140,7 +144,8 @@ class StateDir:
 
     def remove_expired(self) -> list[Path]:
         """Delete every saved folder whose ttl has passed -> their folders."""
-        gone = [folder for folder in self.root.glob(f"models/*/*/*/{EXPIRY_FILE}") if self._expired(folder.parent)]
+        gone = [expiry for expiry in self.root.glob(f"models/*/*/*/{EXPIRY_FILE}")
+                if self._expired(expiry.parent) is not None]
         for expiry in gone:
             shutil.rmtree(expiry.parent, ignore_errors=True)
         return [expiry.parent for expiry in gone]

@@ -19,7 +19,7 @@ from rlora.train.resume import check_fresh_folder, check_resume_target, find_che
 
 def check_inputs(cfg, command: str = "sft", world: World = World()) -> tuple[RunDir, Path | None]:
     """What can be checked before the tokenizer and model load (`rlora sft` and `rlora rm` configs) -> the run
-    folder and the checkpoint train.resume names (None: a fresh run; `rlora rm` has no checkpoints)."""
+    folder and the checkpoint train.resume names (None: a fresh run)."""
     check_config(cfg)  # load_config did it; a config built in Python gets it here
     check_launch(cfg, world.size)  # the refusal table's rows that read the number of ranks
     if hasattr(cfg.train, "resume"):

@@ -48,6 +48,14 @@ def gradients(server, client, data, loss_fn, config=None) -> list[torch.Tensor]:
     return out, grads
 
 
+def assert_same_gradients(rl_grads: list[torch.Tensor], ce_grads: list[torch.Tensor]) -> None:
+    """An RL loss's gradients equal the weighted cross_entropy's (relative to each tensor's scale), and are not 0."""
+    assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
+    for rl_grad, ce_grad in zip(rl_grads, ce_grads, strict=True):
+        scale = float(ce_grad.abs().max())
+        np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
+
+
 def test_ppo_and_importance_sampling_gradients_are_ratio_weighted_cross_entropy(server):
     client = trained_client(server, seed=1)
     ids = SEQUENCES[2]
@@ -67,10 +75,7 @@ def test_ppo_and_importance_sampling_gradients_are_ratio_weighted_cross_entropy(
         weights = np.where(clipped, 0.0, ratio * advantages)
         _, rl_grads = gradients(server, client, [rl], loss_fn, config)
         _, ce_grads = gradients(server, client, [ce_datum(ids, weights)], "cross_entropy")
-        assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
-        for rl_grad, ce_grad in zip(rl_grads, ce_grads):
-            scale = float(ce_grad.abs().max())
-            np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
+        assert_same_gradients(rl_grads, ce_grads)
 
 
 def test_cispo_and_dro_are_cross_entropy_weighted_by_their_coefficients(server):
@@ -100,10 +105,7 @@ def test_cispo_and_dro_are_cross_entropy_weighted_by_their_coefficients(server):
         assert out.metrics["loss:sum"] == pytest.approx(loss_sum, rel=1e-5, abs=1e-5), loss_fn
         np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), logp, rtol=0, atol=1e-6)
         _, ce_grads = gradients(server, client, [ce_datum(ids, weights)], "cross_entropy")
-        assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
-        for rl_grad, ce_grad in zip(rl_grads, ce_grads):
-            scale = float(ce_grad.abs().max())
-            np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
+        assert_same_gradients(rl_grads, ce_grads)
 
 
 def test_gspo_is_cross_entropy_weighted_by_the_sequence_ratio_where_it_does_not_clip(server):
@@ -134,10 +136,7 @@ def test_gspo_is_cross_entropy_weighted_by_the_sequence_ratio_where_it_does_not_
     out, rl_grads = gradients(server, client, [rl], "gspo", config)
     assert out.metrics["loss:sum"] == pytest.approx(loss_sum, rel=1e-5, abs=1e-5)
     _, ce_grads = gradients(server, client, [ce_datum(ids, weights)], "cross_entropy")
-    assert any(float(g.abs().max()) > 1e-3 for g in rl_grads)
-    for rl_grad, ce_grad in zip(rl_grads, ce_grads):
-        scale = float(ce_grad.abs().max())
-        np.testing.assert_allclose(rl_grad.numpy(), ce_grad.numpy(), rtol=1e-4, atol=1e-5 * scale + 1e-9)
+    assert_same_gradients(rl_grads, ce_grads)
 
 
 def test_micro_batches_give_what_one_batch_gives(server, monkeypatch):

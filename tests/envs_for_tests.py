@@ -1,5 +1,6 @@
 """Scripted environments and tools for the environment tests (importable by dotted path: tests/ is on sys.path)."""
 
+import re
 import time
 
 import torch
@@ -44,6 +45,23 @@ class Scripted:
 
 def scripted(turns: int = 3):
     return Scripted(turns)
+
+
+class TurnsByNumber(Scripted):
+    """As Scripted, with 1 + (the prompt's first number % most) turns: prompts 'What is i + i?' take 1, 2, ..., most
+    turns by i, so ranks given different prompts play different numbers of turns."""
+
+    def __init__(self, most: int):
+        super().__init__()
+        self.most = most
+
+    def reset(self, row):
+        self.turns = 1 + int(re.search(r"\d+", row["prompt"]).group()) % self.most
+        return super().reset(row)
+
+
+def turns_by_number(most: int = 3):
+    return TurnsByNumber(most)
 
 
 class SingleTurn:

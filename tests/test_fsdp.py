@@ -56,6 +56,20 @@ def test_sharded_base_trains_and_samples_like_data_parallel(tiny_model_dir, prom
     assert evals[plain] == evals[sharded] == evals[layered]
 
 
+def _whole_and_sharded(model_dir, prompts_file, tmp_path, common: dict, gather: str) -> dict:
+    """The same 2-rank run with the base whole on each rank and sharded (train.fsdp_gather=gather) -> {label: folder};
+    both drew the same completions."""
+    outs = {}
+    for label, extra in (("whole", {}), ("sharded", {"train.fsdp": "true", "train.fsdp_gather": gather})):
+        outs[label] = tmp_path / label
+        done = _run(2, tiny_overrides(model_dir, prompts_file, str(outs[label]), **common, **extra))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("decoder layers sharded" in done.stderr) == (label == "sharded")
+    samples = {label: (out / "samples.jsonl").read_text() for label, out in outs.items()}
+    assert samples["whole"] == samples["sharded"]
+    return outs
+
+
 def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
     """3 policies on 2 ranks, the base streamed layer by layer through the batched multi-policy sampler, against
     the same run with the base whole on each rank. Prompt 0's groups are flat (flat_for_zero) and only policy c
@@ -70,14 +84,7 @@ def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_d
               "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
               "rollout.weight_packs": "false",  # the sharded base's merged copies for the whole one too
               "policies": "[{name: a, seed: 1}, {name: b, lr: 0.01, seed: 2}, {name: c, seed: 3, beta: 0.04}]"}
-    outs = {}
-    for label, extra in (("whole", {}), ("sharded", {"train.fsdp": "true", "train.fsdp_gather": "layer"})):
-        outs[label] = tmp_path / label
-        done = _run(2, tiny_overrides(tiny_model_dir, prompts_file, str(outs[label]), **common, **extra))
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert ("decoder layers sharded" in done.stderr) == (label == "sharded")
-    samples = {label: (out / "samples.jsonl").read_text() for label, out in outs.items()}
-    assert samples["whole"] == samples["sharded"]
+    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
     rows = [json.loads(line) for line in (outs["sharded"] / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["a/trained_frac"] == 0.5 and rows[0]["c/trained_frac"] == 1.0  # a's flat group is skipped
     for name in ("a", "b", "c"):
@@ -86,6 +93,31 @@ def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_d
         assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6, name
         evals = [json.loads((out / POLICIES_FOLDER / name / "eval.json").read_text()) for out in outs.values()]
         assert evals[0] == evals[1]
+
+
+# ~30 s each on a 2-core CPU: streaming (a collective per pass over the layers) by default, whole-base gathering slow
+@pytest.mark.parametrize("gather", ["layer", pytest.param("model", marks=pytest.mark.slow)])
+def test_episodes_on_a_sharded_base_train_as_on_a_whole_one(gather, tiny_model_dir, prompts_file, tmp_path):
+    """Episodes of up to 1-3 turns by prompt (envs_for_tests.turns_by_number): with data.shuffle=false rank 0 plays
+    prompt 0 (1 turn) and rank 1 prompt 1 (up to 2) in step 1, then prompts 2 (up to 3) and 3 (1), so the ranks call
+    the sampler a different number of times, and rank 0 evaluates alone. On a sharded base the same
+    episodes, adapters within 1e-6 and evaluations as with the base whole on each rank."""
+    # replies end at a space (a stop string) rather than at the token limit, which would truncate the episode
+    common = {"env": "{fn: envs_for_tests.turns_by_number, args: {most: 3}}", "rollout.stop": "[' ']",
+              "data.shuffle": "false", "train.lr": 0.05, "train.micro_batch_size": 2, "train.threads": 1,
+              "eval.before": "false", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
+              "rollout.weight_packs": "false"}  # the sharded base's merged copies for the whole one too
+    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, gather)
+    turns = {label: [json.loads(line)["episode/turns_mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+             for label, out in outs.items()}
+    # step 1: rank 0's 4 episodes take 1 turn; above 1 on average, some of rank 1's took 2 (a reply may end at the
+    # token limit instead, which ends its episode): rank 1 called the sampler twice, rank 0 once
+    assert turns["sharded"] == turns["whole"] and turns["sharded"][0] > 1
+    one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in outs.values())
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
+    assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
+    evals = [json.loads((out / "eval.json").read_text()) for out in outs.values()]
+    assert evals[0] == evals[1]
 
 
 def test_layer_streaming_for_a_model_the_builtin_sampler_cannot_run_is_refused(tmp_path, prompts_file):

@@ -354,9 +354,6 @@ REFUSALS: tuple[Refusal, ...] = (
     _fsdp("fsdp-reward-model", _reward_model,
           "train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores through the sharded "
           "base a different number of times per rank): set train.fsdp=false", ("rewards=[{fn: reward_model}]",)),
-    _fsdp("fsdp-env", lambda cfg: cfg.env is not None,
-          "train.fsdp does not support env yet (each rank's episodes need their own number of turns, and every sampler "
-          "call through the sharded base is collective): set train.fsdp=false (plain data parallel)", ENV),
     # ---- the launch: how many data-parallel ranks torchrun started
     Refusal("fsdp-one-process", ("train",), lambda cfg, ranks: cfg.train.fsdp and ranks == 1,
             "train.fsdp shards the base across data-parallel ranks: launch with torchrun --nproc_per_node N (N >= 2), "

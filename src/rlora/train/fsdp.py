@@ -10,7 +10,9 @@ the CPU and goes to the device one layer at a time as it is sharded (models/shar
 
 Sampling: the built-in sampler reads the weights directly (rollout/decoder.py), not through the layers'
 forward; train.fsdp_gather picks whether a sampling call gathers the whole base or streams it layer by layer
-(models/sharded_base.py). Evaluation (rank 0 alone) runs inside the same sampling scope, entered by every rank.
+(models/sharded_base.py). Evaluation (rank 0 alone) runs inside the same sampling scope, entered by every rank,
+and so does a step's sampling (ShardedSource), whose episodes (env) call the sampler a different number of times
+on each rank.
 
 FSDP's all-gathers are collectives: every rank must run the same sequence of layer passes. The step's
 log-prob passes over a rank's rollout are the same on every rank when every rank has the same number of
@@ -61,6 +63,26 @@ class ShardedSampler:
         """Generator.sample's arguments, passed on as they come."""
         with self.sharded.sampling():
             return self.generator.sample(model, *args, **kwargs)
+
+
+class ShardedSource:
+    """A RolloutSource whose every sample() call runs in one sampling scope of the sharded base, entered by every
+    rank. An episode (env) calls the sampler once per turn, and each rank's episodes take their own number of turns;
+    inside one scope those calls nest, so they gather nothing again (train.fsdp_gather=model), or their passes over
+    the layers pair with the other ranks' in any order, and a rank whose episodes are over pairs the rest with empty
+    passes when it leaves the scope (layer: models/sharded_base.py)."""
+
+    def __init__(self, source, sharded: ShardedBase):
+        self.source, self.sharded = source, sharded
+        self.correct_by = source.correct_by
+
+    def sample(self, model, *args, **kwargs):
+        """RolloutSource.sample's arguments, passed on as they come."""
+        with self.sharded.sampling():
+            return self.source.sample(model, *args, **kwargs)
+
+    def take_metrics(self) -> dict[int, dict]:
+        return self.source.take_metrics()
 
 
 def passes_to_add(world: World, model, passes: int) -> int:

@@ -46,7 +46,7 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.train import policies as pol
 from rlora.train.distributed import World, gather_objects, on_rank_zero
-from rlora.train.fsdp import ShardedBase, ShardedSampler, shard_base
+from rlora.train.fsdp import ShardedBase, ShardedSampler, ShardedSource, shard_base
 from rlora.train.outputs import RunDir, default_output_dir
 from rlora.train.resume import (
     check_fresh_folder, check_replay_ranks, check_resume_target, check_same_run, find_checkpoint, saved_setting,
@@ -325,7 +325,9 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     critic_group = None if critic is None else {"params": critic.parameters(), "lr": cfg.ppo.value_lr or cfg.train.lr}
     policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
     source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
-    eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)
+    if sharded is not None:  # a step's sampler calls in one scope: each rank's episodes take their own turns
+        source = ShardedSource(source, sharded)
+    eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)  # main_eval holds the scope
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
                    eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded)
 

@@ -53,14 +53,14 @@ class Recording:
         if continued:
             self.sample_continued = self._continued
 
-    def sample(self, model, prompts, n, params, seed, keys=None, policies=None):
-        rollout = self.engine.sample(model, prompts, n, params, seed, keys=keys, policies=policies)
+    def sample(self, model, prompts, n, params, seed, keys=None, policies=None, route_by=None):
+        rollout = self.engine.sample(model, prompts, n, params, seed, keys=keys, policies=policies, route_by=route_by)
         self.calls.append((prompts, n, rollout))
         return rollout
 
-    def _continued(self, model, prompts, n, params, seed, keys=None, policies=None, past=None):
+    def _continued(self, model, prompts, n, params, seed, keys=None, policies=None, past=None, route_by=None):
         rollout, caches = self.engine.sample_continued(model, prompts, n, params, seed, keys=keys, policies=policies,
-                                                       past=past)
+                                                       past=past, route_by=route_by)
         self.calls.append((prompts, n, rollout))
         return rollout, caches
 

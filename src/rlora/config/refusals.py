@@ -221,10 +221,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: "no reward functions: add e.g. `rewards: [{fn: %s}]` to the config"
                         % ("gym" if cfg.data.task is not None else "math"), ("rewards=[]",)),
     # ---- environments (multi-turn episodes)
-    Refusal("env-molora-sequence-router", ("train",),
-            lambda cfg: cfg.env is not None and cfg.molora is not None and cfg.molora.router == "sequence",
-            "molora.router=sequence routes by the prompt, which an episode extends turn by turn: set "
-            "molora.router=token (each token routes itself) or train a LoRA policy with env", ENV + MOLORA),
     Refusal("env-think", ("train",), lambda cfg: cfg.env is not None and cfg.rollout.think is not None,
             "rollout.think (phase-aware sampling) is not supported with env yet: unset rollout.think",
             ENV + ("rollout.think={}",)),

@@ -149,7 +149,9 @@ class EpisodeRunner:
         tokens after an episode's cache; another runs each episode's whole history again."""
         firsts = episodes[::n]
         seed = seeds[0] if len(set(seeds)) == 1 else list(seeds)  # one seed: what every backend takes
-        common = dict(keys=list(keys), policies=None if policies is None else list(policies))
+        # a MoLoRA sequence router routes every turn by the episode's first prompt, as the trainer routes its row
+        common = dict(keys=list(keys), policies=None if policies is None else list(policies),
+                      route_by=[ep.prompt_ids for ep in firsts])
         continued = getattr(self.generator, "sample_continued", None)
         if continued is None:
             rollout = self.generator.sample(model, [ep.prompt_ids + ep.tokens for ep in firsts], n, list(params), seed,

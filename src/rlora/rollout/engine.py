@@ -109,29 +109,34 @@ class BuiltinGenerator:
     def sample(self, model, prompts: list[list[int]], n: int,
                params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
                keys: Sequence[int] | None = None, policies: Sequence[int] | None = None,
-               on_token: Callable[[int, int], None] | None = None) -> Rollout:
+               on_token: Callable[[int, int], None] | None = None,
+               route_by: Sequence[list[int]] | None = None) -> Rollout:
         """keys: an integer per prompt (default its position) that, with the seed, alone decides the random
         draws of its rows: the same (seed, key) samples the same completions in any batch, on any rank.
         seed: one for all prompts, or one per prompt. policies: on a model with several policy adapters
         (models/multi_lora.py), the policy that samples each prompt; all of them decode in one batch.
         on_token(row, token): called with every token as it is drawn (row: prompt-major, as in the rollout;
-        a row's ending EOS included), e.g. to print a reply while it is generated."""
-        rollout, _ = self._sample(model, prompts, n, params, seed, keys, policies, on_token, None, keep_caches=False)
+        a row's ending EOS included), e.g. to print a reply while it is generated. route_by: the prompts a MoLoRA
+        sequence router routes each prompt's rows by (default the prompts themselves; an episode's turn: its first
+        prompt, which the trainer routes its row by)."""
+        rollout, _ = self._sample(model, prompts, n, params, seed, keys, policies, on_token, None, route_by,
+                                  keep_caches=False)
         return rollout
 
     @torch.no_grad()
     def sample_continued(self, model, prompts: list[list[int]], n: int,
                          params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
                          keys: Sequence[int] | None = None, policies: Sequence[int] | None = None,
-                         past: Sequence[RowCache] | None = None) -> tuple[Rollout, list[RowCache]]:
+                         past: Sequence[RowCache] | None = None,
+                         route_by: Sequence[list[int]] | None = None) -> tuple[Rollout, list[RowCache]]:
         """sample(), where prompt i continues the row whose keys and values past[i] holds (its tokens follow
         past[i]'s), and -> each sampled row's cache too (RowCache: its prompt, past and samples but the last
         token), for a later call to continue from: a new turn runs only its new tokens."""
         if past is not None and len(past) != len(prompts):
             raise ValueError(f"{len(past)} caches for {len(prompts)} prompts")
-        return self._sample(model, prompts, n, params, seed, keys, policies, None, past, keep_caches=True)
+        return self._sample(model, prompts, n, params, seed, keys, policies, None, past, route_by, keep_caches=True)
 
-    def _sample(self, model, prompts, n, params, seed, keys, policies, on_token, past, keep_caches: bool):
+    def _sample(self, model, prompts, n, params, seed, keys, policies, on_token, past, route_by, keep_caches: bool):
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         keys = list(range(len(prompts))) if keys is None else list(keys)
         seeds = [seed] * len(prompts) if isinstance(seed, int) else list(seed)
@@ -139,12 +144,14 @@ class BuiltinGenerator:
             raise ValueError(f"{len(per_prompt)} sampling settings and {len(seeds)} seeds for {len(prompts)} prompts")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
+        if route_by is not None and len(route_by) != len(prompts):
+            raise ValueError(f"{len(route_by)} routing prompts for {len(prompts)} prompts")
         was_training = model.training
         model.eval()
         try:
             view = self.decoder_view(model)
             # MoLoRA layers are called routed by their rows' prompts, several policies by their rows' policies
-            with (sampler_routing(model, prompts, n) as routing,
+            with (sampler_routing(model, prompts if route_by is None else list(route_by), n) as routing,
                   SamplerPolicies(model, None if policies is None else list(policies), n, view.device) as rows):
                 return self._decode_call(view, _Call(prompts, n, per_prompt, seeds, keys, past), _RowContexts(routing, rows),
                                          on_token, keep_caches)

@@ -24,12 +24,13 @@ class Generator(Protocol):
     def sample(
         self, model: torch.nn.Module, prompts: list[list[int]], n: int,
         params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int], keys: Sequence[int] | None = None,
-        policies: Sequence[int] | None = None,
+        policies: Sequence[int] | None = None, route_by: Sequence[list[int]] | None = None,
     ) -> Rollout:
         """-> Rollout with n completions per prompt (prompt-major), their masks, finish reasons, the
         temperature of each row and, where the backend has them, the per-token sampling log-probs. seed: one,
         or one per prompt; policies: the policy adapter of each prompt on a model with several (built-in
-        engine only)."""
+        engine only); route_by: the prompts a MoLoRA sequence router routes each prompt's rows by (default the
+        prompts; an episode's later turn passes its first prompt)."""
         ...
 
 
@@ -70,7 +71,7 @@ class HFGenerator:
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams | Sequence[SamplingParams],
                seed: int | Sequence[int], keys: Sequence[int] | None = None,
-               policies: Sequence[int] | None = None) -> Rollout:
+               policies: Sequence[int] | None = None, route_by: Sequence[list[int]] | None = None) -> Rollout:
         # keys are ignored: generate draws from one stream, so samples depend on the batch composition
         if policies is not None or not isinstance(seed, int):
             raise ValueError("several policies, or a seed per prompt, need rollout.engine=builtin")
@@ -78,6 +79,7 @@ class HFGenerator:
         if any(p.think is not None for p in per_prompt):  # generate takes one temperature per call
             raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")
         repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
+        routed = repeated if route_by is None else [p for p in route_by for _ in range(n)]
         row_params = [p for p in per_prompt for _ in range(n)]
         prompt_ids_BTp, prompt_mask_BTp = left_padded(repeated, self.pad_id)
         torch.manual_seed(seed)  # seeds the GPUs too
@@ -90,7 +92,7 @@ class HFGenerator:
                 # generate takes one setting per call: split the batch where the settings change
                 for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
                     ids, mask = (t[lo:hi].to(device) for t in (prompt_ids_BTp, prompt_mask_BTp))
-                    with prompt_list_routing(model, repeated[lo:hi]):  # MoLoRA: rows routed by their prompts
+                    with prompt_list_routing(model, routed[lo:hi]):  # MoLoRA: rows routed by their prompts
                         out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
                                              generation_config=self._generation_config(row_params[lo]))
                     chunks.append(_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids,

@@ -152,6 +152,44 @@ def test_sampler_logprobs_equal_the_trainers(think_rollout):
     assert (wrong[mask] - rollout.sampling_logp_BTc[mask]).abs().max() > 0.1
 
 
+def test_episodes_carry_each_turns_token_temperatures(think_model_dir):
+    """Three-turn episodes (envs_for_tests.Scripted) sampled with a thinking phase: the episode's rollout carries
+    every policy token's temperature, turn after turn (the environment's tokens take the row's), so the trainer's
+    log-probs equal the sampler's over all turns; with the row temperatures only they would be far off."""
+    from envs_for_tests import Scripted
+
+    from rlora.envs.episodes import EpisodeLimits, EpisodeRunner
+    from rlora.envs.render import EpisodeRenderer
+    from rlora.envs.tools import CallFormat
+
+    tokenizer, tok, model = think_policy(think_model_dir)
+    runner = EpisodeRunner(BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id), EpisodeRenderer(tokenizer, [], CallFormat()),
+                           tok.eos_ids, tok.pad_id, EpisodeLimits(3, 96, 5.0))
+    envs = iter([Scripted(turns=3) for _ in range(8)])
+    turn = SamplingParams(max_new_tokens=12, temperature=1.3, top_p=0.95, stop=(" ",), think=THINK)
+    batch = runner.run(model, lambda: next(envs), [{"prompt": TEXTS[1]}, {"prompt": TEXTS[2]}], 4, [turn] * 2,
+                       [5] * 2, [0, 1])
+    rollout = batch.rollout
+    trained = rollout.trained_mask_BTc.bool()
+    later = [b for b, ep in enumerate(batch.episodes) if ep.turns >= 2]
+    assert later, "no episode got a second turn: the test would prove little"
+    after_first = torch.zeros_like(trained)  # policy tokens of turns after the first
+    for b in later:
+        mask = batch.episodes[b].policy_mask
+        after_first[b, mask.index(0):len(mask)] = True
+    drawn_at = rollout.temperature_BTc[trained & after_first]
+    assert (drawn_at == THINK.temperature).any() and (drawn_at == 1.3).any()  # spans opened in later turns too
+    model.eval()
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, rollout.select(slice(None)))
+        gap = (trainer[trained] - rollout.sampling_logp_BTc[trained]).abs()
+        assert gap.mean() < 1e-4 and gap.max() < 1e-3, (gap.mean(), gap.max())
+        rows_only = rollout.select(slice(None))
+        rows_only.temperature_BTc = None
+        wrong, _ = completion_logprobs(model, rows_only)
+    assert (wrong[trained] - rollout.sampling_logp_BTc[trained]).abs().max() > 0.1
+
+
 def test_without_think_the_rollout_carries_no_token_temperatures(think_model_dir):
     tokenizer, tok, model = think_policy(think_model_dir)
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS[:2]]

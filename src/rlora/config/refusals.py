@@ -221,9 +221,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: "no reward functions: add e.g. `rewards: [{fn: %s}]` to the config"
                         % ("gym" if cfg.data.task is not None else "math"), ("rewards=[]",)),
     # ---- environments (multi-turn episodes)
-    Refusal("env-think", ("train",), lambda cfg: cfg.env is not None and cfg.rollout.think is not None,
-            "rollout.think (phase-aware sampling) is not supported with env yet: unset rollout.think",
-            ENV + ("rollout.think={}",)),
     Refusal("env-system-prompt", ("train",), lambda cfg: cfg.env is not None and cfg.data.system_prompt is not None,
             "with env the environment writes the first messages: set env.args.system_prompt (calculator, tools, "
             "textarena take one) instead of data.system_prompt", ENV + ("data.system_prompt=Be brief.",)),

@@ -46,6 +46,8 @@ class Episode:
     tokens: list[int] = field(default_factory=list)  # after the prompt: the policy's turns and the environment's
     policy_mask: list[int] = field(default_factory=list)  # 1 where the policy sampled the token
     logp: list[float] = field(default_factory=list)  # the sampler's log-prob (0 on the environment's tokens)
+    # the temperature each policy token was drawn at (phase-aware sampling: its span's); None on the environment's
+    temperatures: list[float | None] = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
     status: str = "running"  # running | done | truncated | failed
@@ -175,6 +177,7 @@ class EpisodeRunner:
         tokens = rollout.completion_ids_BTc.tolist()
         self.with_logp &= rollout.sampling_logp_BTc is not None
         logps = rollout.sampling_logp_BTc.tolist() if self.with_logp else None
+        temperatures = rollout.temperature_BTc.tolist() if rollout.temperature_BTc is not None else None
         for r, ep in enumerate(episodes):
             length = lengths[r]
             turn = tokens[r][:length]
@@ -182,6 +185,7 @@ class EpisodeRunner:
             ep.tokens += turn
             ep.policy_mask += [1] * length
             ep.logp += logp
+            ep.temperatures += temperatures[r][:length] if temperatures is not None else [None] * length
             ep.turns += 1
             ep.final_text = rollout.completions[r]
             ep.messages.append({"role": "assistant", "content": ep.final_text})
@@ -218,12 +222,14 @@ class EpisodeRunner:
         ep.tokens += follow
         ep.policy_mask += [0] * len(follow)
         ep.logp += [0.0] * len(follow)
+        ep.temperatures += [None] * len(follow)
         ep.messages += result.messages
 
     def _batch(self, episodes: list[Episode], G: int, params: Sequence[SamplingParams]) -> EpisodeBatch:
         for ep in episodes:
             if not ep.prompt_ids:  # failed at reset: one padding token of prompt and of completion, trained on nothing
                 ep.prompt_ids, ep.tokens, ep.policy_mask, ep.logp = [self.pad_id], [self.pad_id], [0], [0.0]
+                ep.temperatures = [None]
         prompt_ids_BTp, prompt_mask_BTp = left_padded([ep.prompt_ids for ep in episodes], self.pad_id)
         completion_ids_BTc, completion_mask_BTc = right_padded([ep.tokens for ep in episodes], self.pad_id)
         policy_mask_BTc, _ = right_padded([ep.policy_mask for ep in episodes], 0)
@@ -234,11 +240,18 @@ class EpisodeRunner:
         rewards_B = torch.tensor([math.nan if ep.status == "failed" else ep.reward for ep in episodes], dtype=torch.float64)
         temperature_B = torch.tensor([1.0 if params[b // G].greedy else params[b // G].temperature
                                       for b in range(len(episodes))])
+        temperature_BTc = None
+        if any(p.think is not None for p in params):  # phase-aware sampling: each policy token at its span's
+            # the environment's tokens take the row's temperature: they are read, never trained on
+            temperature_BTc = torch.zeros(completion_ids_BTc.shape)
+            for b, ep in enumerate(episodes):
+                temperature_BTc[b, :len(ep.temperatures)] = torch.tensor(
+                    [float(temperature_B[b]) if t is None else t for t in ep.temperatures])
         rollout = Rollout(
             prompt_ids_BTp=prompt_ids_BTp, prompt_mask_BTp=prompt_mask_BTp, completion_ids_BTc=completion_ids_BTc,
             completion_mask_BTc=completion_mask_BTc, completions=[ep.final_text for ep in episodes],
             finish_reasons=["length" if ep.status == "truncated" else "stop" for ep in episodes],
-            temperature_B=temperature_B,
+            temperature_B=temperature_B, temperature_BTc=temperature_BTc,
             sampling_logp_BTc=logp_BTc if self.with_logp else None, policy_mask_BTc=policy_mask_BTc,
         )
         errors = [f"episode {b}: {ep.error}" for b, ep in enumerate(episodes) if ep.error]

@@ -198,6 +198,30 @@ def test_hf_generate_routes_by_the_prompt_and_samples_what_the_engine_samples(ti
     assert base_differs, "the mixture must change some greedy completion, or this test proves nothing"
 
 
+def test_route_by_routes_rows_by_other_prompts_in_both_samplers(tiny_model_dir):
+    """route_by (an episode's later turn: its first prompt): each prompt's rows are routed by route_by's prompt.
+    The engine (fresh and continuing no cache) and transformers generate sample the same greedy tokens, and
+    routing by the prompts reversed changes some of them."""
+    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    model = molora_model(tiny_model_dir, "sequence").eval()
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
+    others = prompts[::-1]
+    greedy = SamplingParams(max_new_tokens=10, greedy=True)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+
+    def tokens(rollout):
+        return [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids_BTc, rollout.completion_mask_BTc)]
+
+    routed = tokens(engine.sample(model, prompts, 1, greedy, seed=0, route_by=others))
+    continued, _ = engine.sample_continued(model, prompts, 1, greedy, seed=0, route_by=others)
+    assert tokens(continued) == routed
+    assert tokens(hf.sample(model, prompts, 1, greedy, seed=0, route_by=others)) == routed
+    assert routed != tokens(engine.sample(model, prompts, 1, greedy, seed=0)), "routing by other prompts changed nothing"
+    with pytest.raises(ValueError, match="3 routing prompts for 4 prompts"):
+        hf.sample(model, prompts, 1, greedy, seed=0, route_by=others[:3])
+
+
 @pytest.fixture()
 def molora_folder(tiny_model_dir, tmp_path):
     folder = tmp_path / "molora"

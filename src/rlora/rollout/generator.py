@@ -79,6 +79,8 @@ class HFGenerator:
         if any(p.think is not None for p in per_prompt):  # generate takes one temperature per call
             raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")
         repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
+        if route_by is not None and len(route_by) != len(prompts):
+            raise ValueError(f"{len(route_by)} routing prompts for {len(prompts)} prompts")
         routed = repeated if route_by is None else [p for p in route_by for _ in range(n)]
         row_params = [p for p in per_prompt for _ in range(n)]
         prompt_ids_BTp, prompt_mask_BTp = left_padded(repeated, self.pad_id)

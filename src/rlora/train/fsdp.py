@@ -53,24 +53,35 @@ def shard_base(model, world: World, device: torch.device, gather: str) -> Sharde
 
 
 class ShardedSampler:
-    """A Generator whose every sample() call runs in the sharded base's sampling scope (every rank calls it)."""
+    """A Generator whose every sample() call runs in the sharded base's sampling scope (every rank calls it). It
+    continues rows from their caches (sample_continued, an episode's later turns) where the generator does."""
 
     def __init__(self, generator, sharded: ShardedBase):
         self.generator, self.sharded = generator, sharded
         self.name = generator.name
+        if hasattr(generator, "sample_continued"):  # the episode runner looks for it: only where it exists
+            self.sample_continued = self._continued
 
     def sample(self, model, *args, **kwargs) -> Rollout:
         """Generator.sample's arguments, passed on as they come."""
         with self.sharded.sampling():
             return self.generator.sample(model, *args, **kwargs)
 
+    def _continued(self, model, *args, **kwargs):
+        """The generator's sample_continued, its arguments passed on as they come."""
+        with self.sharded.sampling():
+            return self.generator.sample_continued(model, *args, **kwargs)
+
 
 class ShardedSource:
-    """A RolloutSource whose every sample() call runs in one sampling scope of the sharded base, entered by every
-    rank. An episode (env) calls the sampler once per turn, and each rank's episodes take their own number of turns;
-    inside one scope those calls nest, so they gather nothing again (train.fsdp_gather=model), or their passes over
-    the layers pair with the other ranks' in any order, and a rank whose episodes are over pairs the rest with empty
-    passes when it leaves the scope (layer: models/sharded_base.py)."""
+    """A RolloutSource of episodes whose every sample() call runs in one sampling scope of the sharded base, entered
+    by every rank. An episode (env) calls the sampler once per turn, and each rank's episodes take their own number
+    of turns; inside one scope those calls nest, so they gather nothing again (train.fsdp_gather=model), or their
+    passes over the layers pair with the other ranks' in any order, and a rank whose episodes are over pairs the rest
+    with empty passes when it leaves the scope (layer: models/sharded_base.py). The environments answer inside the
+    scope too: with `layer` a rank's environment time between turns holds up the other ranks' next pass, with
+    `model` the gathered base stays held through it. (Completions need no such scope: one sampler call a step, and
+    their rewards are scored outside it.)"""
 
     def __init__(self, source, sharded: ShardedBase):
         self.source, self.sharded = source, sharded

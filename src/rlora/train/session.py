@@ -325,7 +325,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     critic_group = None if critic is None else {"params": critic.parameters(), "lr": cfg.ppo.value_lr or cfg.train.lr}
     policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
     source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
-    if sharded is not None:  # a step's sampler calls in one scope: each rank's episodes take their own turns
+    if sharded is not None and make_env is not None:  # a step's turns in one scope: each rank's episodes take their own
         source = ShardedSource(source, sharded)
     eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)  # main_eval holds the scope
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,

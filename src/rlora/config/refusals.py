@@ -334,9 +334,9 @@ REFUSALS: tuple[Refusal, ...] = (
     _fsdp("fsdp-quantized", lambda cfg: cfg.model.quantization != "none",
           "train.fsdp does not shard a quantized base: set model.quantization=none or train.fsdp=false",
           ("model.quantization=4bit",)),
-    _fsdp("fsdp-resampling", lambda cfg: cfg.algo.dynamic_sampling or cfg.algo.adaptive.enabled,
-          "train.fsdp needs every rank to sample and train the same number of rows each step; algo.dynamic_sampling "
-          "and algo.adaptive resample per rank: disable them or train.fsdp", ("algo.dynamic_sampling=true",)),
+    _fsdp("fsdp-dynamic-sampling", lambda cfg: cfg.algo.dynamic_sampling,
+          "train.fsdp needs every rank to train the same number of rows each step; algo.dynamic_sampling keeps a "
+          "different number of groups on each rank: disable it or train.fsdp", ("algo.dynamic_sampling=true",)),
     _fsdp("fsdp-molora", lambda cfg: cfg.molora is not None,
           "train.fsdp does not support a molora policy yet: set train.fsdp=false (plain data parallel)", MOLORA),
     _fsdp("fsdp-replay", lambda cfg: cfg.algo.replay.enabled,

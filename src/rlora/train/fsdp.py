@@ -11,8 +11,8 @@ the CPU and goes to the device one layer at a time as it is sharded (models/shar
 Sampling: the built-in sampler reads the weights directly (rollout/decoder.py), not through the layers'
 forward; train.fsdp_gather picks whether a sampling call gathers the whole base or streams it layer by layer
 (models/sharded_base.py). Evaluation (rank 0 alone) runs inside the same sampling scope, entered by every rank,
-and so does a step's sampling (ShardedSource), whose episodes (env) call the sampler a different number of times
-on each rank.
+and so does a step's sampling where ranks call the sampler a different number of times (step_sampling_scope:
+episodes, adaptive resampling).
 
 FSDP's all-gathers are collectives: every rank must run the same sequence of layer passes. The step's
 log-prob passes over a rank's rollout are the same on every rank when every rank has the same number of
@@ -22,6 +22,9 @@ micro-batches add passes that change no gradient (`passes_to_add`, `zero_pass`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -73,27 +76,18 @@ class ShardedSampler:
             return self.generator.sample_continued(model, *args, **kwargs)
 
 
-class ShardedSource:
-    """A RolloutSource of episodes whose every sample() call runs in one sampling scope of the sharded base, entered
-    by every rank. An episode (env) calls the sampler once per turn, and each rank's episodes take their own number
-    of turns; inside one scope those calls nest, so they gather nothing again (train.fsdp_gather=model), or their
-    passes over the layers pair with the other ranks' in any order, and a rank whose episodes are over pairs the rest
-    with empty passes when it leaves the scope (layer: models/sharded_base.py). The environments answer inside the
-    scope too: with `layer` a rank's environment time between turns holds up the other ranks' next pass, with
-    `model` the gathered base stays held through it. (Completions need no such scope: one sampler call a step, and
-    their rewards are scored outside it.)"""
-
-    def __init__(self, source, sharded: ShardedBase):
-        self.source, self.sharded = source, sharded
-        self.correct_by = source.correct_by
-
-    def sample(self, model, *args, **kwargs):
-        """RolloutSource.sample's arguments, passed on as they come."""
-        with self.sharded.sampling():
-            return self.source.sample(model, *args, **kwargs)
-
-    def take_metrics(self) -> dict[int, dict]:
-        return self.source.take_metrics()
+def step_sampling_scope(sharded: ShardedBase | None, rank_dependent: bool) -> Callable[[], AbstractContextManager]:
+    """The scope a step's sampling (all its sampler calls and their scoring) runs in. Where ranks call the sampler a
+    different number of times in a step (rank_dependent: an episode's turns, adaptive resampling of the groups that
+    fail), every rank enters one sampling scope of the sharded base around all of them: inside it the calls nest, so
+    they gather nothing again (train.fsdp_gather=model), or their passes over the layers pair with the other ranks'
+    in any order, and a rank that is done pairs the rest with empty passes when it leaves the scope (layer:
+    models/sharded_base.py). Environments and rewards then run inside the scope: with `layer` a rank's time there
+    holds up the other ranks' next pass, with `model` the gathered base stays held through it. Otherwise (one
+    sampler call a step, or no sharded base) nothing: each call holds its own scope (ShardedSampler)."""
+    if sharded is None or not rank_dependent:
+        return nullcontext
+    return sharded.sampling
 
 
 def passes_to_add(world: World, model, passes: int) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import random
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 from pathlib import Path
@@ -46,7 +48,7 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.train import policies as pol
 from rlora.train.distributed import World, gather_objects, on_rank_zero
-from rlora.train.fsdp import ShardedBase, ShardedSampler, ShardedSource, shard_base
+from rlora.train.fsdp import ShardedBase, ShardedSampler, shard_base, step_sampling_scope
 from rlora.train.outputs import RunDir, default_output_dir
 from rlora.train.resume import (
     check_fresh_folder, check_replay_ranks, check_resume_target, check_same_run, find_checkpoint, saved_setting,
@@ -79,6 +81,7 @@ class Session:
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
     critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
     sharded: ShardedBase | None = None  # train.fsdp: the base's decoder layers split across the ranks
+    sampling_scope: Callable[[], AbstractContextManager] = nullcontext  # around a step's sampling (train/fsdp.py)
 
     @property
     def device(self) -> torch.device:
@@ -325,11 +328,12 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     critic_group = None if critic is None else {"params": critic.parameters(), "lr": cfg.ppo.value_lr or cfg.train.lr}
     policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
     source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
-    if sharded is not None and make_env is not None:  # a step's turns in one scope: each rank's episodes take their own
-        source = ShardedSource(source, sharded)
     eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)  # main_eval holds the scope
+    # episodes take their own turns on each rank, adaptive resamples each rank's failing groups
+    scope = step_sampling_scope(sharded, make_env is not None or cfg.algo.adaptive.enabled)
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
-                   eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded)
+                   eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded,
+                   scope)
 
 
 def frozen_layers_to_share(cfg: RLConfig, model) -> int:

@@ -125,7 +125,8 @@ def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: T
 
     collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
                           step_seed(cfg, step))
-    groups = collector.collect(my_slots, more_slots)
+    with s.sampling_scope():  # train.fsdp: one scope where ranks call the sampler a different number of times
+        groups = collector.collect(my_slots, more_slots)
     if not groups:
         return None, collector.stats
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)

@@ -59,6 +59,13 @@ def flat_for_zero(prompts, completions, answer, **columns):
     return [1.0 if str(a) == "0" else c.count("a") / max(len(c), 1) for c, a in zip(completions, answer)]
 
 
+def flat_for_answers(prompts, completions, answer, flat=(), **columns):
+    """The same reward for every completion of a problem whose answer is in `flat` (a zero-variance group); for the
+    others a number of the completion's characters, equal for two completions only by chance (a tiny random model's
+    completions may well hold no 'a': count_a would leave their groups flat too)."""
+    return [1.0 if str(a) in flat else sum(map(ord, c)) % 97 / 97 for c, a in zip(completions, answer)]
+
+
 def char_count(prompts, completions, **columns):
     """The completion's length in characters: a reward the test can recompute from the logged completion text."""
     return [float(len(c)) for c in completions]

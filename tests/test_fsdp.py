@@ -139,6 +139,60 @@ def test_adaptive_resampling_on_a_sharded_base_trains_as_on_a_whole_one(tiny_mod
     assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
 
 
+def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
+    """Ranks with different numbers of rows, and a rank with none, pair their passes through the sharded layers.
+    Prompts 0, 1, 4, 6 and 7 give flat groups; 4 prompts a step, one extra round (its prompts drawn as
+    step.ExtraPrompts draws them with data seed 0: [6, 4, 5, 7] in step 1, [1, 2, 0, 3] in step 2, [7, 6, 5, 4] in
+    step 3, half to each rank). Steps 1 and 3: rank 0 drops its prompts 0 and 1, draws 6 and 4 (or 7 and 6), drops
+    them too and keeps nothing, while rank 1 keeps 2 and 3 from its one draw. Step 2: rank 0 keeps 5 and 2 (8 rows),
+    rank 1 only 3 (4 rows). Every phase runs: the frozen layer 0 (lora.top_layers=1), the reference (beta), the old
+    log-probs (2 iterations); replay adds each rank's own number of stored groups. The same completions, metrics and
+    adapter (within 1e-5) as with the base whole on each rank."""
+    common = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 1, "algo.replay.enabled": "true",
+              "algo.replay.ratio": 1.0, "rewards": "[{fn: rewards_for_tests.flat_for_answers, args: {flat: ['0', '2', "
+              "'8', '12', '14']}}]", "data.shuffle": "false", "data.seed": 0, "train.prompts_per_step": 4,
+              "train.steps": 3, "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2,
+              "train.lr": 0.05, "train.micro_batch_size": 2, "train.threads": 1, "eval.before": "false",
+              "eval.after": "false", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
+              "rollout.weight_packs": "false"}  # the sharded base's merged copies for the whole one too
+    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
+    rows = {label: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for label, out in outs.items()}
+    # groups kept over both ranks, and dropped: rank 0's 4 draws in steps 1 and 3; 3 + 2 in step 2
+    assert [r["groups"] for r in rows["sharded"]] == [2, 3, 2]
+    assert [r["groups_dropped"] for r in rows["sharded"]] == [4, 5, 4]
+    assert rows["sharded"][1]["replay_groups"] > 0
+    for whole, sharded in zip(rows["whole"], rows["sharded"]):
+        for key in ("groups", "rows", "replay_groups", "reward_mean", "trained_frac"):
+            assert whole[key] == sharded[key], key
+        assert sharded["loss"] == pytest.approx(whole["loss"], abs=1e-5)
+    one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in outs.values())
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
+
+
+def test_ppo_on_a_sharded_base_trains_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
+    """PPO: the value adapter stays whole beside the sharded layers (frozen outside the critic's passes), and its
+    passes pair with the other rank's. Rank 0's prompt 0 fails its reward (fails_on_even_prompts) in step 1, so
+    rank 0 has no row to train either the policy or the critic on while rank 1 trains 4 rows: both updates pad
+    with zero passes. Also on: the frozen layer 0 (lora.top_layers=1, shared by the reference, values and policy
+    passes), the reference (beta), 2 iterations. The same completions, policy adapter, value adapter and head
+    (within 1e-5) as with the base whole on each rank."""
+    common = {"algo.name": "ppo", "rewards": "[{fn: rewards_for_tests.fails_on_even_prompts}, {fn: "
+              "rewards_for_tests.char_count}]", "train.max_reward_failure_frac": 1.0, "data.shuffle": "false",
+              "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2, "train.lr": 0.05,
+              "train.micro_batch_size": 2, "train.threads": 1, "eval.before": "false", "eval.after": "false",
+              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.weight_packs": "false"}
+    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
+    rows = [json.loads(line) for line in (outs["sharded"] / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["reward_failures"] == 4 and rows[1]["reward_failures"] == 4  # prompts 0 and 2: rank 0's
+    for folder, name in (("adapter", "adapter_model.safetensors"), ("value_model", "adapter_model.safetensors"),
+                         ("value_model", "value_head.safetensors")):
+        one, two = (load_file(str(out / folder / name)) for out in outs.values())
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5, (folder, name)
+        assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_A" not in k), (folder, name)
+
+
 def test_layer_streaming_for_a_model_the_builtin_sampler_cannot_run_is_refused(tmp_path, prompts_file):
     """A Gemma 3 with attention logit soft-capping samples with transformers generate, whose FSDP all-gathers the
     ranks could not pair up: refused with one line (gather=model runs it)."""
@@ -162,9 +216,7 @@ def test_fsdp_in_one_process_is_one_line(tiny_model_dir, prompts_file, tmp_path,
 
 @pytest.mark.parametrize("override, message", [
     ("model.quantization=4bit", "does not shard a quantized base"),
-    ("algo.dynamic_sampling=true", "algo.dynamic_sampling keeps a different number of groups on each rank"),
     ("rewards=[{fn: reward_model, args: {path: rm}}]", "does not support rewards fn: reward_model"),
-    ("algo.replay.enabled=true", "does not support algo.replay yet"),
 ])
 def test_unsupported_combinations_are_refused(override, message):
     with pytest.raises(UserError, match=message):  # refused when the ranks start, before the model loads

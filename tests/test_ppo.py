@@ -402,7 +402,8 @@ def test_ppo_two_ranks_equal_one_rank(tiny_model_dir, prompts_file, tmp_path):
     """torchrun: 2 ranks x 1 prompt == 1 rank x 2 prompts for PPO with whitened GAE advantages: the value loss's
     token count, the critic's gradients and the whitening statistics are summed over ranks. One micro-batch per
     group (see test_distributed.py). Policy adapter, value adapter and value head within 1e-5; without the
-    batch-wide whitening each rank would scale its advantages by its own std. train.fsdp with ppo is refused."""
+    batch-wide whitening each rank would scale its advantages by its own std. PPO on a sharded base:
+    tests/test_fsdp.py."""
     from safetensors.torch import load_file
 
     from test_distributed import _run
@@ -424,12 +425,6 @@ def test_ppo_two_ranks_equal_one_rank(tiny_model_dir, prompts_file, tmp_path):
         for key in ("loss", "value_loss", "grad_norm", "value_grad_norm", "explained_variance"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     assert all(r["adapter_rank_divergence"] == 0.0 for r in rows[2])
-
-    from rlora.config import check_launch, load_config
-    from rlora.errors import UserError
-
-    with pytest.raises(UserError, match="train.fsdp does not support algo.name=ppo yet"):
-        check_launch(load_config(None, ["algo.name=ppo", "train.fsdp=true"]), 2)
 
 
 def test_not_a_value_model_is_one_line(tiny_model_dir, tmp_path):

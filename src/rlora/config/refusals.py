@@ -334,17 +334,8 @@ REFUSALS: tuple[Refusal, ...] = (
     _fsdp("fsdp-quantized", lambda cfg: cfg.model.quantization != "none",
           "train.fsdp does not shard a quantized base: set model.quantization=none or train.fsdp=false",
           ("model.quantization=4bit",)),
-    _fsdp("fsdp-dynamic-sampling", lambda cfg: cfg.algo.dynamic_sampling,
-          "train.fsdp needs every rank to train the same number of rows each step; algo.dynamic_sampling keeps a "
-          "different number of groups on each rank: disable it or train.fsdp", ("algo.dynamic_sampling=true",)),
     _fsdp("fsdp-molora", lambda cfg: cfg.molora is not None,
           "train.fsdp does not support a molora policy yet: set train.fsdp=false (plain data parallel)", MOLORA),
-    _fsdp("fsdp-replay", lambda cfg: cfg.algo.replay.enabled,
-          "train.fsdp does not support algo.replay yet (each rank replays its own number of groups through the base): "
-          "set train.fsdp=false (plain data parallel) or disable algo.replay", ("algo.replay.enabled=true",)),
-    _fsdp("fsdp-ppo", lambda cfg: _traits(cfg).critic,
-          "train.fsdp does not support algo.name=ppo yet (the critic's passes through the base differ per rank): set "
-          "train.fsdp=false (plain data parallel)", ("algo.name=ppo",)),
     _fsdp("fsdp-reward-model", _reward_model,
           "train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores through the sharded "
           "base a different number of times per rank): set train.fsdp=false", ("rewards=[{fn: reward_model}]",)),

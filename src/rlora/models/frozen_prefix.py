@@ -137,14 +137,18 @@ def suffix_hidden(model, batch: RolloutSlice, hidden_BTH: torch.Tensor, num_froz
 
 
 def frozen_prefix(model, rollout: Rollout, num_frozen: int, micro_batch_size: int) -> "FrozenPrefix | None":
-    """The rollout's FrozenPrefix, or None where its rows would not compute what full passes compute: a rotary
-    scaling chosen by each call's length (Phi-3.5/4-mini's longrope, dynamic scaling) whose switch point the
-    rollout's rows reach. The prefix's micro-batches and the passes' would then pick their frequencies from
-    different longest rows (a Phi-3 whose short rows were prefixed beside long ones: log-probs 0.01 off)."""
+    """The rollout's FrozenPrefix, or None where its rows would not compute what full passes compute
+    (prefix_fits)."""
+    return FrozenPrefix(model, rollout, num_frozen, micro_batch_size) if prefix_fits(model, rollout) else None
+
+
+def prefix_fits(model, rollout: Rollout) -> bool:
+    """False where a rotary scaling chosen by each call's length (Phi-3.5/4-mini's longrope, dynamic scaling) has a
+    switch point the rollout's rows reach. The prefix's micro-batches and the passes' would then pick their
+    frequencies from different longest rows (a Phi-3 whose short rows were prefixed beside long ones: log-probs
+    0.01 off)."""
     limit = rope_switch_length(causal_lm(model).config)
-    if limit is not None and rollout.prompt_ids_BTp.shape[1] + rollout.completion_ids_BTc.shape[1] >= limit:
-        return None
-    return FrozenPrefix(model, rollout, num_frozen, micro_batch_size)
+    return limit is None or rollout.prompt_ids_BTp.shape[1] + rollout.completion_ids_BTc.shape[1] < limit
 
 
 class FrozenPrefix:

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.distributed.tensor import DTensor
 
 from rlora.models.loading import causal_lm
@@ -119,13 +120,26 @@ def shard_layers(model: nn.Module, device: torch.device, gather: str,
     units = []
     for layer in causal_lm(model).model.layers:
         layer.to(device)
-        trainable = {p for p in layer.parameters() if p.requires_grad}
+        # what trains stays whole, and so does every adapter frozen for now (PPO's value adapter outside its
+        # passes, a reward adapter): its weights switch to training or are read without the layer's forward
+        whole = {p for p in layer.parameters() if p.requires_grad} | adapter_parameters(layer)
         # explicit True: a layer that is its own FSDP root would otherwise keep its weights after forward
-        units.append(fully_shard(layer, reshard_after_forward=True, ignored_params=trainable))
+        units.append(fully_shard(layer, reshard_after_forward=True, ignored_params=whole))
     _move_unsharded(model, device)
     sharded = ShardedBase(units, gather, any_rank)
     causal_lm(model).rlora_sharded_base = sharded
     return sharded
+
+
+def adapter_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """Every LoRA adapter's parameters inside `module`, trainable or frozen (peft's adapter layers: lora_A/B, the
+    embeddings' A/B, DoRA's magnitudes)."""
+    params = set()
+    for tuner in module.modules():
+        if isinstance(tuner, BaseTunerLayer):
+            for name in tuner.adapter_layer_names:
+                params.update(getattr(tuner, name).parameters())
+    return params
 
 
 def _move_unsharded(model: nn.Module, device: torch.device) -> None:
@@ -144,7 +158,8 @@ def sharded_base(model: nn.Module) -> ShardedBase | None:
 
 
 def held_parameters(model: nn.Module) -> tuple[int, int]:
-    """(frozen parameters this rank holds, frozen parameters of the whole base)."""
-    frozen = [p for p in model.parameters() if not p.requires_grad]
+    """(frozen parameters this rank holds, frozen parameters of the whole base: adapters left out)."""
+    adapters = adapter_parameters(model)
+    frozen = [p for p in model.parameters() if not p.requires_grad and p not in adapters]
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in frozen)
     return held, sum(p.numel() for p in frozen)

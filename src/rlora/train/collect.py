@@ -87,6 +87,9 @@ class Collector:
     def __init__(self, sample: SampleFn, base: SamplingParams, G: int, algo: AlgoConfig, seed: int):
         self.sample, self.base, self.G, self.algo, self.seed = sample, base, G, algo, seed
         self.stats = CollectStats()
+        # the first row of the first group dropped: a rank that keeps no group makes its passes through a sharded base
+        # (train/fsdp.py PassPadding) with it
+        self.dropped_row: Rollout | None = None
         self.budget = algo.adaptive.step_budget if algo.adaptive.step_budget is not None else math.inf
 
     def _seed(self, round_index: int, retry: int) -> int:
@@ -152,6 +155,8 @@ class Collector:
     def _keep_informative(self, groups: list[Group]) -> list[Group]:
         kept = [g for g in groups if not is_flat(g.scores.total_B)]
         self.stats.groups_dropped += len(groups) - len(kept)
+        if self.dropped_row is None and len(kept) < len(groups):
+            self.dropped_row = select_rows(next(g for g in groups if g not in kept).rollout, [0])
         return kept
 
 

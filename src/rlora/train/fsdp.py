@@ -12,32 +12,35 @@ Sampling: the built-in sampler reads the weights directly (rollout/decoder.py), 
 forward; train.fsdp_gather picks whether a sampling call gathers the whole base or streams it layer by layer
 (models/sharded_base.py). Evaluation (rank 0 alone) runs inside the same sampling scope, entered by every rank,
 and so does a step's sampling where ranks call the sampler a different number of times (step_sampling_scope:
-episodes, adaptive resampling).
+episodes, adaptive resampling, dynamic sampling's extra prompts).
 
-FSDP's all-gathers are collectives: every rank must run the same sequence of layer passes. The step's
-log-prob passes over a rank's rollout are the same on every rank when every rank has the same number of
-rows (the refusal table, config/refusals.py, refuses what changes that: dynamic sampling, adaptive
-resampling, reward adapters); the policy update skips rows that cannot contribute, a different number per rank, so ranks with fewer
-micro-batches add passes that change no gradient (`passes_to_add`, `zero_pass`).
+FSDP's all-gathers are collectives: every rank must run the same sequence of layer passes. A rank's rollout
+may hold fewer rows than another's (dynamic sampling keeps each rank's informative groups, replay draws each
+rank's own number of stored groups) or none (dynamic sampling kept none of its groups): each log-prob phase of
+the step (frozen prefix, reference, old) then adds passes of one row whose results are dropped (`PassPadding`),
+and a rank without rows makes them with a row of a group it dropped. The policy update skips rows that cannot
+contribute, a different number per rank, so ranks with fewer micro-batches add passes that change no gradient
+(`passes_to_add`, `zero_pass`). What would make the passes themselves differ is refused (config/refusals.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from rlora.logging.console import info
-from rlora.models.frozen_prefix import FrozenPrefix
+from rlora.models.frozen_prefix import FrozenPrefix, prefix_hidden
 from rlora.models.loading import model_device
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.multi_lora import policy_rows
 from rlora.models.sharded_base import ShardedBase, held_parameters, shard_layers
 from rlora.batching import trim
 from rlora.train.distributed import World, all_reduce_max
-from rlora.types import Rollout
+from rlora.types import Rollout, RolloutSlice
 
 
 def is_sharded(model) -> bool:
@@ -79,7 +82,7 @@ class ShardedSampler:
 def step_sampling_scope(sharded: ShardedBase | None, rank_dependent: bool) -> Callable[[], AbstractContextManager]:
     """The scope a step's sampling (all its sampler calls and their scoring) runs in. Where ranks call the sampler a
     different number of times in a step (rank_dependent: an episode's turns, adaptive resampling of the groups that
-    fail), every rank enters one sampling scope of the sharded base around all of them: inside it the calls nest, so
+    fail, dynamic sampling's extra prompts), every rank enters one sampling scope of the sharded base around all of them: inside it the calls nest, so
     they gather nothing again (train.fsdp_gather=model), or their passes over the layers pair with the other ranks'
     in any order, and a rank that is done pairs the rest with empty passes when it leaves the scope (layer:
     models/sharded_base.py). Environments and rewards then run inside the scope: with `layer` a rank's time there
@@ -115,3 +118,66 @@ def zero_pass(model, rollout: Rollout, chunk_tokens: int, prefix: FrozenPrefix |
         (logp_BT.sum() * 0.0).backward()
     for param in without_grad:
         param.grad = None
+
+
+def ranks_agree(world: World, model, flag: bool) -> bool:
+    """Sharded base: whether `flag` holds on every rank (a collective: every rank calls it), so that all ranks take
+    the same passes. This rank's own flag without FSDP."""
+    if not world.active or not is_sharded(model):
+        return flag
+    return all_reduce_max(world, float(not flag)) == 0
+
+
+@dataclass(frozen=True)
+class PassPadding:
+    """The passes a rank adds after each log-prob phase of a step (frozen prefix, reference, old) so that it makes
+    as many passes through the sharded base as the busiest rank: `count` passes of `row`, their results dropped."""
+
+    count: int = 0
+    row: RolloutSlice | None = None  # one row: the rank's first, or a dropped group's on a rank without rows
+
+    def prefix_passes(self, model, num_frozen: int) -> None:
+        """The frozen lower layers' passes (FrozenPrefix's, one micro-batch each)."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(self.count):
+                    prefix_hidden(model, self.row, num_frozen)
+        finally:
+            model.train(was_training)
+
+    def logprob_passes(self, model, chunk_tokens: int, prefix: FrozenPrefix | None) -> None:
+        """Log-prob passes (batched_logprobs' micro-batches), above the frozen prefix where the phase has one. A
+        padding pass's layers are what a real one's are, whatever adapter is on: the adapters are not sharded."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(self.count):
+                    completion_logprobs(model, self.row, chunk_tokens=chunk_tokens,
+                                        prefix=None if prefix is None else prefix.rows(slice(0, 1), self.row))
+        finally:
+            model.train(was_training)
+
+
+def pass_padding(world: World, model, rollout: Rollout, micro_batch_size: int) -> PassPadding:
+    """This rank's PassPadding for log-prob phases over `rollout` in micro-batches of `micro_batch_size` rows (a
+    collective on a sharded base; no padding without one)."""
+    passes = -(-rollout.num_completions // micro_batch_size)
+    count = passes_to_add(world, model, passes)
+    return PassPadding(count, trim(rollout.select(slice(0, 1))) if count else None)
+
+
+@dataclass(frozen=True)
+class ZeroPasses:
+    """The update's passes of a rank without rows on a sharded base: zero_pass of `row` (a dropped group's), above
+    the frozen prefix it computed for the step's log-prob phases (None: the step has none)."""
+
+    row: Rollout
+    chunk_tokens: int
+    prefix: FrozenPrefix | None
+
+    def run(self, model, count: int) -> None:
+        for _ in range(count):
+            zero_pass(model, self.row, self.chunk_tokens, self.prefix)

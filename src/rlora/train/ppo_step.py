@@ -21,7 +21,7 @@ import torch
 
 from rlora.algos.gae import clipped_value_loss, explained_variance, ppo_advantages
 from rlora.algos.losses import aggregate
-from rlora.models.frozen_prefix import FrozenPrefix, frozen_prefix
+from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.precision import trainer_precision
 from rlora.models.value_model import Critic
 from rlora.batching import trim
@@ -30,10 +30,12 @@ from rlora.train.step import (
     step_params,
 )
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
+from rlora.train.fsdp import passes_to_add
 from rlora.train.optim import optimizer_step
+from rlora.train.passes import logprob_passes
 from rlora.train.session import Session
 from rlora.train.update import (
-    ScoredRollout, on_device, accumulate_policy_gradient, batch_totals, batched_logprobs, global_totals,
+    ScoredRollout, on_device, accumulate_policy_gradient, batch_totals, global_totals,
 )
 from rlora.tensors import pad_right
 from rlora.types import Rollout
@@ -65,6 +67,8 @@ def accumulate_value_gradient(critic: Critic, rollout: Rollout, returns_BT: torc
     -> value_loss, value_clip_frac."""
     totals = global_totals(world, batch_totals(mask_BT, constant_len=1))
     rows = (mask_BT.sum(-1) > 0).nonzero().squeeze(-1)
+    # train.fsdp: as many passes as the busiest rank (rows without a real token differ per rank)
+    padding = passes_to_add(world, critic.model, -(-len(rows) // micro_batch_size))
     loss_sum, clipped, tokens = 0.0, 0.0, 0.0
     with critic.active(trainable=True):  # backward inside: checkpointed layers recompute with this adapter
         for start in range(0, len(rows), micro_batch_size):
@@ -81,9 +85,25 @@ def accumulate_value_gradient(critic: Critic, rollout: Rollout, returns_BT: torc
             loss_sum += loss.item()
             clipped += float((out.clipped_BT * mask).sum())
             tokens += float(mask.sum())
+        for _ in range(padding):
+            _zero_value_pass(critic, rollout, prefix)
     all_reduce_gradients(world, critic.parameters())
     loss_sum, clipped, tokens = all_reduce_sums(world, [loss_sum, clipped, tokens])
     return {"value_loss": loss_sum, "value_clip_frac": clipped / tokens if tokens else None}
+
+
+def _zero_value_pass(critic: Critic, rollout: Rollout, prefix: FrozenPrefix | None) -> None:
+    """The value passes' counterpart of train/fsdp.py zero_pass: the forward and backward of the rollout's first
+    row, times 0, so that a sharded base's all-gathers pair with the busiest rank's; a parameter without a gradient
+    keeps none, and the random state is put back."""
+    micro = trim(rollout.select(slice(0, 1)))
+    without_grad = [p for p in critic.parameters() if p.grad is None]
+    device = critic.head.weight.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        values = critic.values(micro, None if prefix is None else prefix.rows(slice(0, 1), micro))
+        (values.sum() * 0.0).backward()
+    for param in without_grad:
+        param.grad = None
 
 
 def _masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float | None:
@@ -98,7 +118,7 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
     [policy] = s.policies
     optimizer, scheduler = policy.optimizer, policy.scheduler
     t_start, timings = time.perf_counter(), Timings()
-    batch, stats = collect_batch(s, step, None, timings)
+    batch, stats, _ = collect_batch(s, step, None, timings)
     sampled = s.source.take_metrics().get(policy.index, {})  # episodes: turns, tool calls, ... of this step
     if batch is None:  # only dynamic sampling drops groups, and the config refuses it with ppo
         raise RuntimeError("ppo collected no samples")
@@ -110,12 +130,10 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
     # every log-prob and value pass and its backward under one precision; the optimizer steps outside it
     precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
     with precision():
-        prefix = frozen_prefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen else None  # >= 2 passes: values, policy
-        ref_logp = None
-        if beta > 0:
-            with s.adapter.disabled():
-                ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
-        old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix) if need_old else None
+        # the values' and the policy's passes share the prefix; every rank holds as many rows (the config refuses
+        # dynamic sampling and replay with ppo), so no phase adds padding passes on a sharded base
+        passes = logprob_passes(s, rollout, None, beta > 0, need_old, update_shares_prefix=True)
+        prefix, ref_logp, old_logp = passes.prefix, passes.ref_logp_BTc, passes.old_logp_BTc
         old_values_BT = batched_values(critic, rollout, mb, prefix) * mask_BT
         t_values = time.perf_counter()
 

@@ -329,8 +329,9 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
     source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
     eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)  # main_eval holds the scope
-    # episodes take their own turns on each rank, adaptive resamples each rank's failing groups
-    scope = step_sampling_scope(sharded, make_env is not None or cfg.algo.adaptive.enabled)
+    # episodes take their own turns on each rank, adaptive resamples each rank's failing groups, dynamic sampling
+    # draws more prompts where a rank has too few informative groups
+    scope = step_sampling_scope(sharded, make_env is not None or cfg.algo.adaptive.enabled or cfg.algo.dynamic_sampling)
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
                    eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded,
                    scope)

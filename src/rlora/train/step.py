@@ -15,7 +15,6 @@ from rlora.algos.registry import AdvantageInputs
 from rlora.data.prompts import PromptOrder, prompt_text
 from rlora.errors import UserError
 from rlora.rewards.scoring import Scores
-from rlora.models.frozen_prefix import frozen_prefix
 from rlora.models.precision import trainer_precision
 from rlora.batching import concat_rollouts, select_rows
 from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
@@ -25,7 +24,9 @@ from rlora.train.slots import Slot, extra_round, first_round
 from rlora.train.distributed import all_reduce_sums
 from rlora.train.policies import row_policies
 from rlora.train.optim import optimizer_step
-from rlora.train.update import ScoredRollout, accumulate_gradient_per_policy, batched_logprobs, contribute_nothing
+from rlora.train.fsdp import ZeroPasses
+from rlora.train.passes import logprob_passes
+from rlora.train.update import ScoredRollout, accumulate_gradient_per_policy, contribute_nothing
 from rlora.train.session import Session
 from rlora.types import Example, Rollout, SamplingParams
 
@@ -112,7 +113,10 @@ def _sampler(s: Session, step: int, timings: Timings):
     return sample
 
 
-def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: Timings) -> tuple[Batch | None, CollectStats]:
+def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: Timings
+                  ) -> tuple[Batch | None, CollectStats, Rollout | None]:
+    """The step's batch (None: dynamic sampling kept no group on this rank), the sampling statistics and a row of a
+    dropped group, on the model's device (None: none was dropped)."""
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     copies = len(s.policies)  # each policy samples every prompt of the step
@@ -127,15 +131,16 @@ def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: T
                           step_seed(cfg, step))
     with s.sampling_scope():  # train.fsdp: one scope where ranks call the sampler a different number of times
         groups = collector.collect(my_slots, more_slots)
+    dropped_row = None if collector.dropped_row is None else collector.dropped_row.to(s.device)
     if not groups:
-        return None, collector.stats
+        return None, collector.stats, dropped_row
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
     expected = cfg.algo.replay.ratio * len(groups)
     replayed = replay.draw(replay_count(expected, cfg.train.seed, step, s.world.rank), step) if replay else []
     # from here to the update the rollout stays on the model's device (the built-in sampler's is there already;
     # transformers generate's, an episode's and the replay buffer's groups are built or kept on the host)
     rollout = concat_rollouts([r.to(s.device) for r in [rollout] + [g.rollout for g in replayed]], s.tok.pad_id)
-    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats
+    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats, dropped_row
 
 
 class ExtraPrompts:
@@ -227,12 +232,12 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     'policies' (train/policies.py split_metrics); the sampled rows, for samples.jsonl)."""
     cfg = s.cfg
     t_start, timings = time.perf_counter(), Timings()
-    batch, stats = collect_batch(s, step, replay, timings)
+    batch, stats, dropped_row = collect_batch(s, step, replay, timings)
     sampled = s.source.take_metrics()  # episodes: each policy's turns, tool calls, ... of this step
     t_collected = time.perf_counter()
     ranks_with_groups = all_reduce_sums(s.world, [float(batch is not None)])[0]
     if batch is None and ranks_with_groups:  # data parallel: other ranks train, this one adds zeros
-        return _empty_rank_update(s, step, stats, timings, t_start, sampled), []
+        return _empty_rank_update(s, step, stats, timings, t_start, sampled, dropped_row), []
     if batch is None:  # dynamic sampling kept no group: nothing to learn from this step (replay waits too)
         return {"step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
                 "step_s": t_collected - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
@@ -243,23 +248,15 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
 
     mb, chunk = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens
     betas = [p.beta for p in s.policies]  # each policy's own
-    need_ref = max(betas) > 0
-    need_old = cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and cfg.algo.beta > 0)
+    need_ref, need_old = _phases(s)
     # every log-prob pass and its backward under one precision; the optimizer steps outside it (float32 adapters)
     precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
     with precision():
-        # the frozen lower layers pay off once two passes share them (a lone policy pass skips zero-advantage rows)
-        prefix = frozen_prefix(s.model, rollout, s.num_frozen, mb) if s.num_frozen and (need_ref or need_old) else None
-        t_prefix = time.perf_counter()
-        ref_logp = None
-        if need_ref:
-            with s.adapter.disabled():
-                ref_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix)
-        t_ref = time.perf_counter()
         # each row's policy; replayed rows are the run's only policy's (the config refuses replay with several)
         policy_B = torch.cat([row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations),
                               torch.zeros(rollout.num_completions - batch.num_fresh, dtype=torch.long)]).to(s.device)
-        old_logp = batched_logprobs(s.model, rollout, mb, chunk, prefix, policy_B) if need_old else None
+        passes = logprob_passes(s, rollout, policy_B, need_ref, need_old)
+        prefix, ref_logp, old_logp = passes.prefix, passes.ref_logp_BTc, passes.old_logp_BTc
         t_old = time.perf_counter()
 
         advantages = advantages_of(s, batch, mask_BT, old_logp, ref_logp)
@@ -289,7 +286,8 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     metrics = {
         "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-        "prefix_s": t_prefix - t_collected, "ref_s": t_ref - t_prefix, "old_s": t_old - t_ref, "train_s": t_end - t_old - optim_s, "optim_s": optim_s,
+        "prefix_s": passes.prefix_s, "ref_s": passes.ref_s, "old_s": passes.old_s, "train_s": t_end - t_old - optim_s,
+        "optim_s": optim_s,
         "gen_tokens": int(rollout.trained_mask_BTc[:batch.num_fresh].sum()),
         "policies": {p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(draw, cfg),
                               **sampled.get(p.index, {})}
@@ -303,6 +301,13 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     if batch.scores.errors:
         metrics["reward_errors"] = batch.scores.errors[:5]
     return metrics, sample_rows(s, batch, advantages, step)
+
+
+def _phases(s: Session) -> tuple[bool, bool]:
+    """(need_ref, need_old): whether the step computes the reference log-probs (a policy has a KL term) and the
+    old policy's (several updates per batch, or a KL penalty in the reward)."""
+    need_old = s.cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and s.cfg.algo.beta > 0)
+    return max(p.beta for p in s.policies) > 0, need_old
 
 
 def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
@@ -330,12 +335,21 @@ def _first_draws(part: Batch) -> CollectStats:
 
 
 def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timings, t_start: float,
-                       sampled: dict[int, dict]) -> dict:
-    """A rank without groups this step takes part in every policy's update, adding nothing."""
+                       sampled: dict[int, dict], dropped_row: Rollout) -> dict:
+    """A rank without groups this step takes part in every policy's update, adding nothing. On a sharded base it
+    also makes the other ranks' passes through the layers, with a row it dropped (dynamic sampling dropped every
+    group it drew), whose results it drops in turn."""
+    padding = None
+    if s.sharded is not None:
+        with trainer_precision(s.model, s.cfg.train.autocast):
+            passes = logprob_passes(s, dropped_row, None, *_phases(s))
+        padding = ZeroPasses(dropped_row, s.cfg.train.logprob_chunk_tokens, passes.prefix)
     updates = [{} for _ in s.policies]
     for _ in range(s.cfg.algo.num_iterations):
         lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]
-        updates = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo, s.adapter, [p.beta for p in s.policies])
+        with trainer_precision(s.model, s.cfg.train.autocast):
+            updates = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo, s.adapter, [p.beta for p in s.policies],
+                                         padding)
         for update, p, lr in zip(updates, s.policies, lrs):  # the whole batch's metrics
             update |= optimizer_step(p.params, p.optimizer, p.scheduler, s.cfg.train.max_grad_norm, update["loss"])
             update["lr"] = lr

@@ -17,7 +17,7 @@ from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.multi_lora import policy_rows
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums, all_reduce_tensor
 from rlora.train.metrics import reduction_of
-from rlora.train.fsdp import passes_to_add, zero_pass
+from rlora.train.fsdp import ZeroPasses, passes_to_add, zero_pass
 from rlora.batching import trim
 from rlora.tensors import pad_right
 from rlora.types import Rollout
@@ -123,17 +123,23 @@ def global_totals(world: World, totals: BatchTotals) -> BatchTotals:
 
 
 def contribute_nothing(world: World, model, algo: Algorithm, cfg: AlgoConfig, adapter: PolicyAdapter | None = None,
-                       betas: list[float] | None = None) -> list[dict[str, float]]:
+                       betas: list[float] | None = None, padding: ZeroPasses | None = None) -> list[dict[str, float]]:
     """A data-parallel rank without completions this step still takes part in the update's collectives
     (normalisers, gradients, metric sums: those of accumulate_gradient_per_policy), adding zeros. -> each
     policy's update metrics over all ranks. adapter: the model's policy adapter (None: models/adapters.py
-    adapter_of the model); betas: each policy's KL coefficient (None: cfg.beta for each)."""
+    adapter_of the model); betas: each policy's KL coefficient (None: cfg.beta for each); padding: on a sharded
+    base, the passes that pair with the other ranks' (required there)."""
     adapter = adapter or adapter_of(model)
     betas = [cfg.beta] * len(adapter.names) if betas is None else betas
     for _ in adapter.names:
         global_totals(world, BatchTotals(0.0, 0, 1, 0))
+    passes = passes_to_add(world, model, 0)  # train.fsdp: as many layer passes as the busiest rank
+    if passes and padding is None:
+        raise ValueError("a rank without rows on a sharded base needs padding passes (ZeroPasses)")
     # the auxiliary loss's sums (a MoLoRA router's), as the ranks that train compute them
     routing = adapter.aux_loss([], None, sum_over_ranks=lambda t: all_reduce_tensor(world, t))
+    if passes:
+        padding.run(model, passes)
     for params in adapter.parameters_per_policy():
         all_reduce_gradients(world, params)
     with_ref = max(betas) > 0  # the step passes the reference log-probs where any policy has a KL term

@@ -139,6 +139,12 @@ def test_adaptive_resampling_on_a_sharded_base_trains_as_on_a_whole_one(tiny_mod
     assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
 
 
+# prompts 0, 1, 4, 6 and 7 flat; 4 prompts a step, one extra round: see the test below
+UNEVEN_RANKS = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 1, "rewards": "[{fn: "
+                "rewards_for_tests.flat_for_answers, args: {flat: ['0', '2', '8', '12', '14']}}]", "data.shuffle": "false",
+                "data.seed": 0, "train.prompts_per_step": 4, "train.steps": 3, "train.micro_batch_size": 2}
+
+
 def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
     """Ranks with different numbers of rows, and a rank with none, pair their passes through the sharded layers.
     Prompts 0, 1, 4, 6 and 7 give flat groups; 4 prompts a step, one extra round (its prompts drawn as
@@ -148,11 +154,8 @@ def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(t
     rank 1 only 3 (4 rows). Every phase runs: the frozen layer 0 (lora.top_layers=1), the reference (beta), the old
     log-probs (2 iterations); replay adds each rank's own number of stored groups. The same completions, metrics and
     adapter (within 1e-5) as with the base whole on each rank."""
-    common = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 1, "algo.replay.enabled": "true",
-              "algo.replay.ratio": 1.0, "rewards": "[{fn: rewards_for_tests.flat_for_answers, args: {flat: ['0', '2', "
-              "'8', '12', '14']}}]", "data.shuffle": "false", "data.seed": 0, "train.prompts_per_step": 4,
-              "train.steps": 3, "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2,
-              "train.lr": 0.05, "train.micro_batch_size": 2, "train.threads": 1, "eval.before": "false",
+    common = {**UNEVEN_RANKS, "algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "lora.top_layers": 1,
+              "algo.beta": 0.04, "algo.num_iterations": 2, "train.lr": 0.05, "train.threads": 1, "eval.before": "false",
               "eval.after": "false", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
               "rollout.weight_packs": "false"}  # the sharded base's merged copies for the whole one too
     outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
@@ -169,6 +172,33 @@ def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(t
     one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in outs.values())
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
+
+
+# ~30 s each on a 2-core CPU: the token router (a routing pass of forwards) by default, the sequence router slow
+@pytest.mark.parametrize("router", ["token", pytest.param("sequence", marks=pytest.mark.slow)])
+def test_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(router, tiny_model_dir, prompts_file, tmp_path):
+    """A MoLoRA policy over the uneven ranks of the dynamic-sampling test above (rank 0 keeps no group in steps 1
+    and 3, fewer rows than rank 1 in step 2): a token router's routing pass forwards each rank's micro-batches
+    before the update, and a rank with fewer adds forwards of its row 0 (or of a dropped row). The same
+    completions, mixture (experts and routers, within 1e-5) and router metrics as with the base whole on each
+    rank; evaluations on rank 0 too."""
+    from test_molora_grpo import MOLORA
+
+    common = {**UNEVEN_RANKS, "lora.rank": 16, "molora": json.dumps({**MOLORA, "router": router}),
+              "algo.beta": 0.04, "train.lr": 0.05, "train.threads": 1, "eval.before": "false",
+              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.weight_packs": "false"}
+    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
+    rows = {label: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for label, out in outs.items()}
+    assert [r["groups"] for r in rows["sharded"]] == [2, 3, 2]
+    for whole, sharded in zip(rows["whole"], rows["sharded"], strict=True):
+        for key in ("loss", "aux_loss", "molora/balance", "molora/util_0"):
+            assert sharded[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    one, two = (load_file(str(out / "adapter" / "molora_model.safetensors")) for out in outs.values())
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    assert any("router" in k for k in two)
+    evals = [json.loads((out / "eval.json").read_text()) for out in outs.values()]
+    assert evals[0] == evals[1]
 
 
 def test_ppo_on_a_sharded_base_trains_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):

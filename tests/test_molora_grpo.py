@@ -14,8 +14,7 @@ from conftest import tiny_overrides
 from rlora.algos.advantages import per_token
 from rlora.algos.registry import get_algorithm
 from rlora.cli import main
-from rlora.config import AlgoConfig, ModelConfig, check_launch, load_config
-from rlora.errors import UserError
+from rlora.config import AlgoConfig, ModelConfig
 from rlora.models import molora as ml
 from rlora.models.loading import load_base_model, load_tokenizer
 from rlora.models.logprobs import completion_logprobs
@@ -325,8 +324,8 @@ def _one_and_two_ranks(model_dir, prompts_file, tmp_path, router, extra) -> dict
 def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, prompts_file, tmp_path):
     """torchrun, 2 ranks x 1 prompt against 1 rank x 2 prompts, one micro-batch per group: the routers' balance
     loss uses the whole batch's utilisation and unit count over both ranks (a routing pass on each rank, summed),
-    so the mixture (experts and routers) ends within 1e-5 and the aux loss and router metrics agree.
-    train.fsdp with molora is refused."""
+    so the mixture (experts and routers) ends within 1e-5 and the aux loss and router metrics agree. On a sharded
+    base: tests/test_fsdp.py."""
     from safetensors.torch import load_file
 
     extra = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
@@ -339,9 +338,6 @@ def test_two_ranks_train_a_molora_policy_as_one_rank(router, tiny_model_dir, pro
     for a, b in zip(rows[1], rows[2], strict=True):
         for key in ("loss", "aux_loss", "grad_norm", "molora/balance", "molora/util_0"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    with pytest.raises(UserError, match="train.fsdp does not support a molora policy yet"):
-        check_launch(load_config(None, molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", router,
-                                                        **{"train.fsdp": "true"})), 2)
 
 
 @pytest.mark.parametrize("router", ["sequence", pytest.param("token", marks=pytest.mark.slow)])

@@ -334,8 +334,6 @@ REFUSALS: tuple[Refusal, ...] = (
     _fsdp("fsdp-quantized", lambda cfg: cfg.model.quantization != "none",
           "train.fsdp does not shard a quantized base: set model.quantization=none or train.fsdp=false",
           ("model.quantization=4bit",)),
-    _fsdp("fsdp-molora", lambda cfg: cfg.molora is not None,
-          "train.fsdp does not support a molora policy yet: set train.fsdp=false (plain data parallel)", MOLORA),
     _fsdp("fsdp-reward-model", _reward_model,
           "train.fsdp does not support rewards fn: reward_model yet (the reward adapter scores through the sharded "
           "base a different number of times per rank): set train.fsdp=false", ("rewards=[{fn: reward_model}]",)),

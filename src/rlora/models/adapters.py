@@ -63,9 +63,11 @@ class PolicyAdapter(Protocol):
         routing context), or None: the policy has none. `aux_loss` is the same for the rows of a rollout."""
 
     def aux_loss(self, micro_batches: list[RolloutSlice], forward,
-                 sum_over_ranks: ml.SumOverRanks | None = None) -> RolloutRouting | None:
+                 sum_over_ranks: ml.SumOverRanks | None = None, padding: Sequence[RolloutSlice] = ()
+                 ) -> RolloutRouting | None:
         """The auxiliary loss of one update over these micro-batches as one batch (aux_share(micro) after each
-        micro-batch's forward, metrics() at the end), or None: the policy has none."""
+        micro-batch's forward, metrics() at the end), or None: the policy has none. padding: micro-batches whose
+        forwards pair with the busiest rank's where the loss makes forwards of its own (a sharded base)."""
 
     @property
     def aux_loss_every_row(self) -> bool:
@@ -100,7 +102,7 @@ class _WithoutAuxLoss:
     def batch_aux_loss(self, masks_BT, prompts, forward, sum_over_ranks=None) -> None:
         return None
 
-    def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> None:
+    def aux_loss(self, micro_batches, forward, sum_over_ranks=None, padding=()) -> None:
         return None
 
     @property
@@ -175,8 +177,8 @@ class MoLoRA(_OnePolicy):
         return ml.BatchAuxLoss(self.model, masks_BT, lambda: ml.prompt_summary(self.model, prompts), forward,
                                sum_over_ranks)
 
-    def aux_loss(self, micro_batches, forward, sum_over_ranks=None) -> RolloutRouting:
-        return RolloutRouting(self.model, micro_batches, forward, sum_over_ranks)
+    def aux_loss(self, micro_batches, forward, sum_over_ranks=None, padding=()) -> RolloutRouting:
+        return RolloutRouting(self.model, micro_batches, forward, sum_over_ranks, padding)
 
     @property
     def aux_loss_every_row(self) -> bool:

@@ -13,6 +13,7 @@ layers (plain LoRA, token routers) the contexts do nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -79,16 +80,19 @@ class RolloutRouting(ml.BatchAuxLoss):
     as ml.BatchAuxLoss computes them for `rlora sft` too. Units: rows for a sequence router, unpadded prompt +
     completion tokens for a token router. forward(micro): a forward of the model over one micro-batch (routing
     context included), for a token router's routing pass. sum_over_ranks (data parallel): see ml.BatchAuxLoss;
-    a rank without rows constructs one with no micro-batches (train/update.py contribute_nothing)."""
+    a rank without rows constructs one with no micro-batches (train/update.py contribute_nothing).
+    padding: micro-batches a token router's routing pass also forwards, uncounted, after the rank's own (a sharded
+    base: as many passes as the busiest rank)."""
 
     def __init__(self, model, micro_batches: list[RolloutSlice], forward,
-                 sum_over_ranks: ml.SumOverRanks | None = None):
+                 sum_over_ranks: ml.SumOverRanks | None = None, padding: Sequence[RolloutSlice] = ()):
         def prompt_summaries() -> torch.Tensor:
             return torch.cat([ml.prompt_summary_padded(model, m.prompt_ids_BTp, m.prompt_mask_BTp)
                               for m in micro_batches])
 
+        forwarded = [*micro_batches, *padding]
         super().__init__(model, [rollout_unit_mask(m) for m in micro_batches], prompt_summaries,
-                         lambda index: forward(micro_batches[index]), sum_over_ranks)
+                         lambda index: forward(forwarded[index]), sum_over_ranks, len(padding))
 
     def aux_share(self, micro: RolloutSlice) -> torch.Tensor:
         """After a micro-batch's training forward: its share of the batch's auxiliary loss."""

@@ -172,12 +172,21 @@ def pass_padding(world: World, model, rollout: Rollout, micro_batch_size: int) -
 @dataclass(frozen=True)
 class ZeroPasses:
     """The update's passes of a rank without rows on a sharded base: zero_pass of `row` (a dropped group's), above
-    the frozen prefix it computed for the step's log-prob phases (None: the step has none)."""
+    the frozen prefix it computed for the step's log-prob phases (None: the step has none), and the forwards of a
+    MoLoRA token router's routing pass."""
 
+    model: torch.nn.Module
     row: Rollout
     chunk_tokens: int
     prefix: FrozenPrefix | None
 
-    def run(self, model, count: int) -> None:
+    def run(self, count: int) -> None:
         for _ in range(count):
-            zero_pass(model, self.row, self.chunk_tokens, self.prefix)
+            zero_pass(self.model, self.row, self.chunk_tokens, self.prefix)
+
+    def micro(self) -> RolloutSlice:
+        return trim(self.row.select(slice(0, 1)))
+
+    def forward(self, micro: RolloutSlice) -> None:
+        """A full forward of the row, as the update's routing pass makes (a MoLoRA token router's)."""
+        completion_logprobs(self.model, micro, chunk_tokens=self.chunk_tokens)

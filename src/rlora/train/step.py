@@ -343,7 +343,7 @@ def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timi
     if s.sharded is not None:
         with trainer_precision(s.model, s.cfg.train.autocast):
             passes = logprob_passes(s, dropped_row, None, *_phases(s))
-        padding = ZeroPasses(dropped_row, s.cfg.train.logprob_chunk_tokens, passes.prefix)
+        padding = ZeroPasses(s.model, dropped_row, s.cfg.train.logprob_chunk_tokens, passes.prefix)
     updates = [{} for _ in s.policies]
     for _ in range(s.cfg.algo.num_iterations):
         lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]

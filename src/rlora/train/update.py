@@ -136,10 +136,12 @@ def contribute_nothing(world: World, model, algo: Algorithm, cfg: AlgoConfig, ad
     passes = passes_to_add(world, model, 0)  # train.fsdp: as many layer passes as the busiest rank
     if passes and padding is None:
         raise ValueError("a rank without rows on a sharded base needs padding passes (ZeroPasses)")
-    # the auxiliary loss's sums (a MoLoRA router's), as the ranks that train compute them
-    routing = adapter.aux_loss([], None, sum_over_ranks=lambda t: all_reduce_tensor(world, t))
+    # the auxiliary loss's sums (a MoLoRA router's), as the ranks that train compute them, and its forwards
+    routing = adapter.aux_loss([], None if padding is None else padding.forward,
+                               sum_over_ranks=lambda t: all_reduce_tensor(world, t),
+                               padding=[] if padding is None else [padding.micro()] * passes)
     if passes:
-        padding.run(model, passes)
+        padding.run(passes)
     for params in adapter.parameters_per_policy():
         all_reduce_gradients(world, params)
     with_ref = max(betas) > 0  # the step passes the reference log-probs where any policy has a KL term
@@ -276,7 +278,8 @@ def accumulate_gradient_per_policy(
     # the auxiliary loss over the whole batch and its metrics (a MoLoRA router's; None: the policy has none)
     routing = adapter.aux_loss([micro for _, micro in micros],
                                lambda micro: completion_logprobs(model, micro, chunk_tokens=chunk_tokens),
-                               sum_over_ranks=(lambda t: all_reduce_tensor(world, t)) if world.active else None)
+                               sum_over_ranks=(lambda t: all_reduce_tensor(world, t)) if world.active else None,
+                               padding=[trim(rollout.select(slice(0, 1)))] * padding)
     # a policy's kl only where its own loss has a KL term, as when it runs alone (the others' reference ran)
     sums = [UpdateSums(token_metric_sums(algo, cfg, scored.ref_logp_BTc is not None and beta > 0)) for beta in betas]
     sampled = rollout.sampling_logp_BTc

@@ -160,12 +160,13 @@ class BatchAuxLoss:
 
     def __init__(self, model: nn.Module, masks_BT: Sequence[torch.Tensor],
                  prompt_summaries: Callable[[], torch.Tensor], routing_forward: Callable[[int], object],
-                 sum_over_ranks: SumOverRanks | None = None):
+                 sum_over_ranks: SumOverRanks | None = None, padding_forwards: int = 0):
         """masks_BT: each micro-batch's attention mask (1 = a real token), in the order of the forwards.
         prompt_summaries(): [rows of all micro-batches, D], their prompt summaries (read for a sequence router).
         routing_forward(i): a forward of micro-batch i in its routing context (run here under no_grad, for a
-        token router)."""
-        self.model, self.sum_over_ranks = model, sum_over_ranks
+        token router). padding_forwards: forwards a token router's routing pass adds after its own, uncounted,
+        i = len(masks_BT) and on (a sharded base: as many passes as the busiest rank, train/fsdp.py)."""
+        self.model, self.sum_over_ranks, self.padding_forwards = model, sum_over_ranks, padding_forwards
         config = routing_state(model).config
         sequence = config.router == "sequence"
         self.units = float(sum(m.shape[0] for m in masks_BT) if sequence else sum(float(m.sum()) for m in masks_BT))
@@ -188,6 +189,8 @@ class BatchAuxLoss:
                 for index, mask_BT in enumerate(masks_BT):
                     routing_forward(index)
                     stats.add_forward(self.model, mask_BT)
+                for index in range(len(masks_BT), len(masks_BT) + self.padding_forwards):
+                    routing_forward(index)
         if self.sum_over_ranks is not None:
             stats = stats.summed(self.sum_over_ranks, len(molora_modules(self.model)))
         return stats.utilisation()

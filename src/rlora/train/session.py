@@ -41,7 +41,7 @@ from rlora.models.multi_lora import attach_policies
 from rlora.models.packed_groups import set_group_packing
 from rlora.models.shared_prompts import set_prompt_sharing
 from rlora.models.value_model import Critic, attach_critic
-from rlora.rewards.reward_adapter import attach_reward_adapters, check_reward_adapters
+from rlora.rewards.reward_adapter import RewardAdapter, attach_reward_adapters, check_reward_adapters
 from rlora.rewards.builtin import ANSWER_FORMS, BUILTIN_REWARDS
 from rlora.rewards.scoring import RewardFn, resolve_rewards
 from rlora.rollout.backends import build_generator
@@ -330,8 +330,11 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
     eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)  # main_eval holds the scope
     # episodes take their own turns on each rank, adaptive resamples each rank's failing groups, dynamic sampling
-    # draws more prompts where a rank has too few informative groups
-    scope = step_sampling_scope(sharded, make_env is not None or cfg.algo.adaptive.enabled or cfg.algo.dynamic_sampling)
+    # draws more prompts where a rank has too few informative groups. A reward adapter scores through the layers'
+    # forward: inside the scope the base is gathered once for sampling and scoring (fsdp_gather=model, the only
+    # mode it runs in) and the forward makes no collective, instead of all-gathering every layer per scoring pass
+    scope = step_sampling_scope(sharded, make_env is not None or cfg.algo.adaptive.enabled or cfg.algo.dynamic_sampling
+                                or any(isinstance(reward.fn, RewardAdapter) for reward in rewards))
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
                    eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded,
                    scope)

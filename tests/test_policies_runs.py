@@ -24,13 +24,19 @@ def _policies_arg(specs):
 
 # episodes of two turns (each continued from its cache, the policies' rows in one batch): a second full run, slow
 EPISODES = {"env": "{fn: envs_for_tests.scripted, args: {turns: 2}}", "rollout.stop": "[' ']"}
+# adaptive resampling of the groups whose rewards are all equal: prompt 0's always are (flat_for_zero). Step 1: each
+# policy's group of prompt 0 is resampled in one sampler call with the other's; its second retry is over the policy's
+# own budget of one resample a step (a budget shared by the policies would let only one of them resample)
+ADAPTIVE = {"algo.name": "adaptive_grpo", "algo.adaptive.condition": "zero_variance", "algo.adaptive.max_retries": 2,
+            "algo.adaptive.step_budget": 1, "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "data.shuffle": "false"}
 
 
-@pytest.mark.parametrize("episodes", [{}, pytest.param(EPISODES, marks=pytest.mark.slow)], ids=["completions", "episodes"])
-def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, episodes):
+@pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE],
+                         ids=["completions", "episodes", "adaptive"])
+def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra):
     """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
-    from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0) and (up to
-    float32 summation order) the same adapters."""
+    from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0; the sampling
+    statistics, adaptive resampling's included) and (up to float32 summation order) the same adapters."""
     start = tmp_path / "start"
     base = base_model(tiny_model_dir, torch.float32)
     init = get_peft_model(base, peft_lora_config(LoraConfig(rank=4), base))
@@ -47,7 +53,7 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
                      # a policies run cannot pack a prompt's rows (each row has its own adapter); a plain run packed
                      # rounds its float32 attention otherwise, and AdamW's steps on near-zero gradients magnify
                      # that past 1e-5 (tests/test_packed_groups.py checks the packed pass itself)
-                     "train.pack_groups": "false"}, **episodes)
+                     "train.pack_groups": "false"}, **extra)
     # their own KL coefficients: none, and more than algo.beta (each separate run gets it as algo.beta)
     specs = [{"name": "slow", "lr": 1e-3, "seed": 4, "beta": 0.0}, {"name": "fast", "lr": 1e-2, "seed": 9, "beta": 0.1}]
     out = tmp_path / "both"
@@ -67,6 +73,8 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         theirs = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
         ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
         assert len(ours) == len(theirs) == 2 and (ours[0]["kl"] is None) == (spec["beta"] == 0)
+        if extra is ADAPTIVE:
+            assert [r["resamples"] for r in ours] == [1, 0] and ours[0]["frac_zero_var_after_resample"] == 0.5
         for a, b in zip(ours, theirs):  # every metric a run of the policy alone writes, but the timings
             assert a["lr"] == spec["lr"] and set(a) == set(b)
             for key in (k for k in b if not k.endswith("_s")):
@@ -99,7 +107,6 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     ({"algo.dynamic_sampling": "true"}, "do not support algo.dynamic_sampling yet"),
     ({"algo.adv_scale": "batch"}, "do not support batch-wide advantage statistics"),
     ({"algo.name": "reinforce_pp"}, "do not support batch-wide advantage statistics"),
-    ({"algo.name": "adaptive_grpo"}, "do not support adaptive resampling yet"),
     ({"algo.replay.enabled": "true"}, "do not support algo.replay yet"),
     ({"molora.num_experts": 2, "lora.rank": 16}, "do not support a molora section yet"),
     ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},

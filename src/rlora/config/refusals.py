@@ -316,8 +316,6 @@ REFUSALS: tuple[Refusal, ...] = (
               ("algo.adv_scale=batch",), "policies-batch-statistics"),
     _policies(lambda cfg: cfg.algo.dynamic_sampling, "algo.dynamic_sampling", "set algo.dynamic_sampling=false",
               ("algo.dynamic_sampling=true",), "policies-dynamic-sampling"),
-    _policies(lambda cfg: cfg.algo.adaptive.enabled, "adaptive resampling", "use another algorithm than adaptive_grpo",
-              ("algo.name=adaptive_grpo",), "policies-adaptive"),
     _policies(lambda cfg: cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false",
               ("algo.replay.enabled=true",), "policies-replay"),
     # the output layer by name, before the model loads (models/multi_lora.attach_policies checks the modules too)

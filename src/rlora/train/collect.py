@@ -11,8 +11,10 @@ ratio compares like with like.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,6 +39,11 @@ class Group:
     attempt_rewards: list[torch.Tensor] = field(default_factory=list)  # shaped rewards of every attempt, in order
     retries: int = 0
     failed_first: bool = False  # the first attempt failed the adaptive condition
+    first_total_B: torch.Tensor | None = None  # the first attempt's task rewards (None: the kept attempt is it)
+
+    @property
+    def first_scores_B(self) -> torch.Tensor:
+        return self.scores.total_B if self.first_total_B is None else self.first_total_B
 
     @property
     def rewards_G(self) -> torch.Tensor:
@@ -72,25 +79,41 @@ class CollectStats:
     first_reward_count: int = 0
 
     def add_first_attempts(self, groups: list["Group"]) -> None:
-        """Count groups just drawn for the first time."""
+        """Count groups by their first attempt."""
         self.groups_sampled += len(groups)
-        self.zero_var_before += sum(is_flat(g.scores.total_B) for g in groups)
+        self.zero_var_before += sum(is_flat(g.first_scores_B) for g in groups)
         for g in groups:
-            valid = g.scores.total_B[~torch.isnan(g.scores.total_B)]
+            valid = g.first_scores_B[~torch.isnan(g.first_scores_B)]
             self.first_reward_sum += float(valid.sum())
             self.first_reward_count += len(valid)
 
+    @classmethod
+    def of_one_round(cls, groups: list["Group"], adaptive: AdaptiveConfig) -> "CollectStats":
+        """The statistics of groups drawn in one round, from the groups themselves (one policy's groups of a step
+        in a run of several, which draw no extra round: their share of the step's statistics)."""
+        stats = cls(sampling_rounds=1)
+        stats.add_first_attempts(groups)
+        stats.zero_var_after = sum(is_flat(g.scores.total_B) for g in groups)
+        if adaptive.enabled:
+            stats.resamples = sum(g.retries for g in groups)
+            stats.rescued = sum(g.failed_first and not fails(g.scores.total_B, adaptive) for g in groups)
+        return stats
+
 
 class Collector:
-    """Collects the groups of one step. `seed` is the step's seed; round r, retry k draw with their own."""
+    """Collects the groups of one step. `seed` is the step's seed; round r, retry k draw with their own.
+    owner(slot): whose groups a slot's are (a run of several policies: each policy's resampling budget is its own,
+    as in a run of that policy alone); one owner by default."""
 
-    def __init__(self, sample: SampleFn, base: SamplingParams, G: int, algo: AlgoConfig, seed: int):
-        self.sample, self.base, self.G, self.algo, self.seed = sample, base, G, algo, seed
+    def __init__(self, sample: SampleFn, base: SamplingParams, G: int, algo: AlgoConfig, seed: int,
+                 owner: Callable[[Slot], Hashable] = lambda slot: 0):
+        self.sample, self.base, self.G, self.algo, self.seed, self.owner = sample, base, G, algo, seed, owner
         self.stats = CollectStats()
         # the first row of the first group dropped: a rank that keeps no group makes its passes through a sharded base
         # (train/fsdp.py PassPadding) with it
         self.dropped_row: Rollout | None = None
-        self.budget = algo.adaptive.step_budget if algo.adaptive.step_budget is not None else math.inf
+        budget = algo.adaptive.step_budget if algo.adaptive.step_budget is not None else math.inf
+        self.budget: dict[Hashable, float] = collections.defaultdict(lambda: budget)
 
     def _seed(self, round_index: int, retry: int) -> int:
         # round 0, retry 0 keeps the step's seed (a run without resampling draws exactly as before)
@@ -113,8 +136,7 @@ class Collector:
         for group in groups:
             group.failed_first = fails(group.scores.total_B, cfg)
         for retry in range(1, cfg.max_retries + 1):
-            failing = [g for g in groups if fails(g.scores.total_B, cfg)]
-            failing = failing[:int(min(len(failing), self.budget))]
+            failing = self._within_budget([g for g in groups if fails(g.scores.total_B, cfg)])
             if not failing:
                 return
             setting = cfg.schedule[min(retry, len(cfg.schedule)) - 1]
@@ -122,11 +144,24 @@ class Collector:
             fresh = self._draw([g.slot for g in failing], params, self._seed(round_index, retry))
             for group, new in zip(failing, fresh):
                 # the newest attempt is kept: a group stops being resampled once it passes
+                if group.first_total_B is None:
+                    group.first_total_B = group.scores.total_B
                 group.rollout, group.scores, group.shaping_G = new.rollout, new.scores, new.shaping_G
                 group.attempt_rewards.append(new.rewards_G)
                 group.retries += 1
-            self.budget -= len(failing)
+                self.budget[self.owner(group.slot)] -= 1
             self.stats.resamples += len(failing)
+
+    def _within_budget(self, failing: list[Group]) -> list[Group]:
+        """The failing groups each owner's remaining budget allows: its first ones, in order."""
+        taken: collections.Counter = collections.Counter()
+        within = []
+        for group in failing:
+            owner = self.owner(group.slot)
+            if taken[owner] < self.budget[owner]:
+                taken[owner] += 1
+                within.append(group)
+        return within
 
     def _round(self, slots: list[Slot], round_index: int) -> list[Group]:
         groups = self._draw(slots, self.base, self._seed(round_index, 0))

@@ -128,7 +128,7 @@ def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: T
         return s.world.share(extra_round(round_index, extra(round_index)))  # every rank draws the same list
 
     collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
-                          step_seed(cfg, step))
+                          step_seed(cfg, step), owner=lambda slot: slot.policy)
     with s.sampling_scope():  # train.fsdp: one scope where ranks call the sampler a different number of times
         groups = collector.collect(my_slots, more_slots)
     dropped_row = None if collector.dropped_row is None else collector.dropped_row.to(s.device)
@@ -279,9 +279,10 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
 
     parts = _policy_batches(batch, len(s.policies))
-    # several policies draw each group once (the config refuses resampling and dynamic sampling with them), so
-    # each one's sampling statistics are its groups'; a run's only policy has the collector's
-    draws = [stats] if len(s.policies) == 1 else [_first_draws(part) for part in parts]
+    # several policies draw one round (the config refuses dynamic sampling with them), so each one's sampling
+    # statistics are its groups' (adaptive retries included); a run's only policy has the collector's
+    draws = [stats] if len(s.policies) == 1 else [CollectStats.of_one_round(part.groups, cfg.algo.adaptive)
+                                                  for part in parts]
     # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares)
     metrics = {
         "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
@@ -323,15 +324,6 @@ def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
         parts.append(Batch(select_rows(batch.rollout, rows), batch.scores.select(rows), batch.stats_rewards_P_S[groups],
                            [batch.groups[i] for i in groups]))
     return parts
-
-
-def _first_draws(part: Batch) -> CollectStats:
-    """A policy's sampling statistics: one round, its groups drawn once (several policies neither resample nor
-    draw extra prompts)."""
-    stats = CollectStats(sampling_rounds=1)
-    stats.add_first_attempts(part.groups)
-    stats.zero_var_after = stats.zero_var_before
-    return stats
 
 
 def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timings, t_start: float,

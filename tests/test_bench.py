@@ -2,8 +2,10 @@ import json
 import math
 import os
 import re
+import runpy
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,39 @@ from conftest import tiny_overrides
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_step_phases_bench_prints_every_phase(tiny_model_dir, prompts_file, tmp_path):
+@dataclass
+class _Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _bench(script: str, args: list[str], capsys) -> _Done:
+    """bench/SCRIPT with these arguments, run as __main__ in this process with its output captured: the
+    interpreter's start-up (~7 s of imports on a 2-core CPU) is paid once per test worker, not once per bench.
+    argv, sys.path, the working folder and torch's thread count are put back afterwards; only for a bench that
+    leaves rlora's modules as it found them (packed_groups.py replaces module functions: a process of its own)."""
+    argv, path, cwd, threads = sys.argv, list(sys.path), os.getcwd(), torch.get_num_threads()
+    sys.argv = [str(ROOT / "bench" / script), *args]
+    sys.path.insert(0, str(ROOT / "bench"))  # bench_common, as when the script runs itself
+    os.chdir(ROOT)
+    capsys.readouterr()
+    code = 0
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    return _Done(code, out.out, out.err)
+
+
+def test_step_phases_bench_prints_every_phase(tiny_model_dir, prompts_file, tmp_path, capsys):
     args = [a for a in tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o")) if not a.startswith("train.output_dir")]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "step_phases.py"), *args, "algo.beta=0.04",
-                           "--steps", "2", "--warmup", "1"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    done = _bench("step_phases.py", [*args, "algo.beta=0.04", "--steps", "2", "--warmup", "1"], capsys)
     assert done.returncode == 0, done.stderr
     for phase in ("rollout_s", "ref_s", "old_s", "train_s", "step_s"):
         line = next(l for l in done.stdout.splitlines() if l.startswith(phase))
@@ -59,12 +89,10 @@ def test_fsdp_bench_runs_every_layout(tiny_model_dir, prompts_file, tmp_path):
     assert "fsdp_layer_unmerged: step" in done.stdout
 
 
-def test_molora_tasks_bench_reports_routing_per_task(tiny_model_dir, tmp_path):
+def test_molora_tasks_bench_reports_routing_per_task(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "molora"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "molora_tasks.py"), "--model", tiny_model_dir,
-                           "--train", "4", "--held-out", "3", "--steps", "2", "--batch", "4", "--lr", "0.01",
-                           "--threads", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    done = _bench("molora_tasks.py", ["--model", tiny_model_dir, "--train", "4", "--held-out", "3", "--steps", "2",
+                                      "--batch", "4", "--lr", "0.01", "--threads", "1", "--out", str(out)], capsys)
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["tasks"] == ["basic_arithmetic", "leg_counting"] and report["held_out_rows"] == 6
@@ -125,23 +153,19 @@ def test_role_memory_bench_holds_one_base_against_four(tiny_model_dir, tmp_path)
     assert "peak_rss_after_load" in done.stdout
 
 
-def test_episodes_bench_times_both_ways_of_continuing(tiny_model_dir):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "episodes.py"), "--prompts", "1", "--generations", "2",
-                           "--repeats", "1", f"model.path={tiny_model_dir}", "data.eval_size=2",
-                           "rollout.max_new_tokens=6"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+def test_episodes_bench_times_both_ways_of_continuing(tiny_model_dir, capsys):
+    done = _bench("episodes.py", ["--prompts", "1", "--generations", "2", "--repeats", "1", f"model.path={tiny_model_dir}",
+                                  "data.eval_size=2", "rollout.max_new_tokens=6"], capsys)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert any(line.startswith("continued") for line in lines) and any(line.startswith("history") for line in lines)
     assert float(lines[-1].split()[-1].rstrip("x")) > 0
 
 
-def test_serve_batching_bench_times_both_ways_of_both_kinds(tiny_model_dir):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_batching.py"), "--model", str(tiny_model_dir),
-                           "--clients", "2", "--data", "2", "--tokens", "8", "--rank", "2", "--repeats", "1",
-                           "--sample-requests", "3", "--samples", "2", "--prompt-tokens", "5", "--max-tokens", "3",
-                           "--snapshot-switch"],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+def test_serve_batching_bench_times_both_ways_of_both_kinds(tiny_model_dir, capsys):
+    done = _bench("serve_batching.py", ["--model", str(tiny_model_dir), "--clients", "2", "--data", "2", "--tokens", "8",
+                                        "--rank", "2", "--repeats", "1", "--sample-requests", "3", "--samples", "2",
+                                        "--prompt-tokens", "5", "--max-tokens", "3", "--snapshot-switch"], capsys)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     for way in ("sequential", "batched", "sample sequential", "sample batched", "switch, packs", "switch, merged"):
@@ -153,10 +177,9 @@ def test_serve_batching_bench_times_both_ways_of_both_kinds(tiny_model_dir):
     assert float(switch.split()[-3].rstrip("x")) > 0
 
 
-def test_sft_output_layer_bench_times_both_ways_at_the_same_loss(tiny_model_dir):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_output_layer.py"), "--model", str(tiny_model_dir),
-                           "--rows", "3", "--micro", "2", "--rank", "2", "--repeats", "1"],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+def test_sft_output_layer_bench_times_both_ways_at_the_same_loss(tiny_model_dir, capsys):
+    done = _bench("sft_output_layer.py", ["--model", str(tiny_model_dir), "--rows", "3", "--micro", "2", "--rank", "2",
+                                          "--repeats", "1"], capsys)
     assert done.returncode == 0, done.stderr
     lines = {line.split("  ")[0]: line for line in done.stdout.splitlines() if " s   loss " in line}
     assert set(lines) == {"full logits", "labelled positions"}
@@ -166,6 +189,7 @@ def test_sft_output_layer_bench_times_both_ways_at_the_same_loss(tiny_model_dir)
 
 
 def test_packed_groups_bench_times_every_side_on_the_same_gradient(tiny_model_dir):
+    # its own process: --force and the sides replace packed_groups' functions for the run
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "packed_groups.py"), "--model", str(tiny_model_dir),
                            "--prompt", "6", "--lengths", "2,9", "--G", "4", "--repeats", "1", "--force", "--dense",
                            "--unshared"], capture_output=True, text=True, cwd=ROOT,

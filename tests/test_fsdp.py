@@ -202,57 +202,74 @@ def test_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(router, tiny
     assert evals[0] == evals[1]
 
 
-def test_a_reward_adapter_on_a_sharded_base_scores_as_on_a_whole_one(rm_folder, tiny_model_dir, prompts_file, tmp_path):
-    """A reward model of `rlora rm` beside the policy (its adapter stays whole, as every adapter) scores through the
-    layers' forward inside the step's scope of the gathered base (train.fsdp_gather=model), where the forward makes
-    no collective: the ranks score their own completions, rank 0 its evaluations alone. The same completions,
-    reward-model scores (samples.jsonl), adapter (within 1e-5) and evaluations as with the base whole on each rank;
-    train.fsdp_gather=layer with it is one line."""
-    common = {"rewards": f"[{{fn: reward_model, args: {{path: {rm_folder}}}}}, {{fn: rewards_for_tests.count_a}}]",
-              "data.shuffle": "false", "train.lr": 0.05, "train.micro_batch_size": 2, "train.threads": 1,
-              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.weight_packs": "false"}
+def test_ppo_with_a_reward_adapter_on_a_sharded_base_trains_as_on_a_whole_one(rm_folder, tiny_model_dir, prompts_file,
+                                                                              tmp_path):
+    """PPO with a reward model of `rlora rm` among its rewards. Every adapter stays whole beside the sharded layers:
+    the value adapter (frozen outside the critic's passes) and the reward adapter (frozen). The reward adapter scores
+    through the layers' forward inside the step's scope of the gathered base (train.fsdp_gather=model), where the
+    forward makes no collective: each rank its own completions, rank 0 its evaluations alone. Rank 0's prompts fail
+    a reward (fails_on_even_prompts: prompts 0 and 2), so it has no row to train either the policy or the critic on
+    while rank 1 trains 4: both updates pad with zero passes. Also on: the frozen layer 0 (lora.top_layers=1,
+    shared by the reference, values and policy passes), the reference (beta), 2 iterations. The same completions
+    and reward-model scores, evaluations, policy adapter, value adapter and head as with the base whole on each
+    rank; train.fsdp_gather=layer with a reward adapter is one line."""
+    rewards = (f"[{{fn: rewards_for_tests.fails_on_even_prompts}}, {{fn: reward_model, args: {{path: {rm_folder}}}}}, "
+               "{fn: rewards_for_tests.char_count}]")
+    common = {"algo.name": "ppo", "rewards": rewards, "train.max_reward_failure_frac": 1.0, "data.shuffle": "false",
+              "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2, "train.lr": 0.05,
+              "train.micro_batch_size": 2, "train.threads": 1, "rollout.sampler_dtype": "model",
+              "algo.sampler_is_cap": "null", "rollout.weight_packs": "false"}
     outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "model")
-    scores = [json.loads(line)["reward/reward_model"] for line in (outs["sharded"] / "samples.jsonl").read_text().splitlines()]
-    assert len(set(scores)) > 1  # the reward model's own scores, equal in both runs (the samples are)
-    one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in outs.values())
-    # the sharded layers' products round differently, and Adam's per-element normalisation moves an element whose
-    # gradient is near 0 by more than its gradient's error: 1.4e-5 measured on one lora_A entry of size 0.16 after
-    # 2 steps at lr 0.05 (grad norms 2e-7 apart, relative; every other entry within 1.1e-6)
-    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 5e-5
+    rows = [json.loads(line) for line in (outs["sharded"] / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["reward_failures"] == 4 and rows[1]["reward_failures"] == 4  # prompts 0 and 2: rank 0's
+    samples = [json.loads(line) for line in (outs["sharded"] / "samples.jsonl").read_text().splitlines()]
+    assert len({s["reward/reward_model"] for s in samples}) > 1  # the reward model's scores, equal in both runs
     evals = [json.loads((out / "eval.json").read_text()) for out in outs.values()]
-    assert evals[0] == evals[1]  # their reward_mean holds the reward model's scores
-    layered = load_config(None, [f"rewards={common['rewards']}", "train.fsdp=true", "train.fsdp_gather=layer"])
+    assert evals[0] == evals[1]  # rank 0's evaluations, the reward model's scores in their reward_mean
+    for folder, name in (("adapter", "adapter_model.safetensors"), ("value_model", "adapter_model.safetensors"),
+                         ("value_model", "value_head.safetensors")):
+        one, two = (load_file(str(out / folder / name)) for out in outs.values())
+        # the sharded layers' products round differently, and Adam's per-element normalisation moves an element whose
+        # gradient is near 0 by more than its gradient's error (1.4e-5 seen on one lora_A entry of size 0.16 after 2
+        # steps at lr 0.05 with a reward adapter, grad norms 2e-7 apart, relative; 1e-6 and less elsewhere)
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 5e-5, (folder, name)
+        assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_A" not in k), (folder, name)
+    layered = load_config(None, [f"rewards={rewards}", "train.fsdp=true", "train.fsdp_gather=layer"])
     with pytest.raises(UserError, match="train.fsdp_gather=layer does not support rewards fn: reward_model"):
         check_launch(layered, 2)
 
 
-def test_ppo_on_a_sharded_base_trains_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
-    """PPO: the value adapter stays whole beside the sharded layers (frozen outside the critic's passes), and its
-    passes pair with the other rank's. Rank 0's prompt 0 fails its reward (fails_on_even_prompts) in step 1, so
-    rank 0 has no row to train either the policy or the critic on while rank 1 trains 4 rows: both updates pad
-    with zero passes. Also on: the frozen layer 0 (lora.top_layers=1, shared by the reference, values and policy
-    passes), the reference (beta), 2 iterations. The same completions, policy adapter, value adapter and head
-    (within 1e-5) as with the base whole on each rank."""
-    common = {"algo.name": "ppo", "rewards": "[{fn: rewards_for_tests.fails_on_even_prompts}, {fn: "
-              "rewards_for_tests.char_count}]", "train.max_reward_failure_frac": 1.0, "data.shuffle": "false",
-              "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2, "train.lr": 0.05,
-              "train.micro_batch_size": 2, "train.threads": 1, "eval.before": "false", "eval.after": "false",
-              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.weight_packs": "false"}
-    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
-    rows = [json.loads(line) for line in (outs["sharded"] / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["reward_failures"] == 4 and rows[1]["reward_failures"] == 4  # prompts 0 and 2: rank 0's
-    for folder, name in (("adapter", "adapter_model.safetensors"), ("value_model", "adapter_model.safetensors"),
-                         ("value_model", "value_head.safetensors")):
-        one, two = (load_file(str(out / folder / name)) for out in outs.values())
-        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5, (folder, name)
-        assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_A" not in k), (folder, name)
+@pytest.fixture(scope="module")
+def softcapped_gemma(tmp_path_factory):
+    """A Gemma 3 with attention logit soft-capping: the built-in sampler does not run it (transformers generate does)."""
+    return build_random_model(tmp_path_factory.mktemp("gemma") / "gemma", family="gemma3_text", seed=4,
+                              attn_logit_softcapping=50.0)
 
 
-def test_layer_streaming_for_a_model_the_builtin_sampler_cannot_run_is_refused(tmp_path, prompts_file):
-    """A Gemma 3 with attention logit soft-capping samples with transformers generate, whose FSDP all-gathers the
-    ranks could not pair up: refused with one line (gather=model runs it)."""
-    model = build_random_model(tmp_path / "gemma", family="gemma3_text", seed=4, attn_logit_softcapping=50.0)
-    args = tiny_overrides(str(model), prompts_file, str(tmp_path / "o"), **{"train.fsdp": "true",
+def test_layer_streaming_needs_the_builtin_sampler(softcapped_gemma):
+    """The run's samplers over a sharded base (train/fsdp.py sharded_samplers, what `rlora train` calls after loading):
+    with gather=layer a model sampled by transformers generate, whose FSDP all-gathers the ranks could not pair up,
+    is one line; gather=model wraps it."""
+    from rlora.models.loading import load_base_model, load_tokenizer
+    from rlora.rollout.backends import build_generator
+    from rlora.train.fsdp import sharded_samplers
+
+    layered = load_config(None, [f"model.path={softcapped_gemma}", "train.fsdp=true", "train.fsdp_gather=layer"])
+    tokenizer, tok = load_tokenizer(str(softcapped_gemma))
+    model = load_base_model(layered.model, str(softcapped_gemma))
+    generator = build_generator(layered.rollout, model, tokenizer, tok.eos_ids, tok.pad_id, 64, 4)
+    assert generator.name == "hf"
+    with pytest.raises(UserError, match="train.fsdp_gather=layer streams the layers through rlora's built-in sampler, "
+                                        "which does not support this model .*: set train.fsdp_gather=model"):
+        sharded_samplers(generator, generator, None, layered)
+    whole = load_config(None, [f"model.path={softcapped_gemma}", "train.fsdp=true", "train.fsdp_gather=model"])
+    assert [s.name for s in sharded_samplers(generator, generator, None, whole)] == ["hf", "hf"]
+
+
+@pytest.mark.slow  # 14 s of torchrun; sharded_samplers' refusal itself is tested above in the default suite
+def test_layer_streaming_for_a_model_the_builtin_sampler_cannot_run_is_refused(softcapped_gemma, tmp_path, prompts_file):
+    """The same refusal in a run: one line on the ranks, exit code 2, nothing written (gather=model runs it)."""
+    args = tiny_overrides(str(softcapped_gemma), prompts_file, str(tmp_path / "o"), **{"train.fsdp": "true",
                                                                           "train.fsdp_gather": "layer", "train.steps": 1})
     done = _run(2, args)
     assert done.returncode != 0
@@ -287,7 +304,10 @@ def four_layer_dirs(tmp_path_factory):
                                                      sliding_window=4))}
 
 
-@pytest.mark.parametrize("model, gather", [("llama", "model"), ("llama", "layer"), ("mistral-window", "layer")])
+# ~13 s each on a 2-core CPU; gather=model's sampling is also compared with the whole base's in the default suite by
+# test_ppo_with_a_reward_adapter_on_a_sharded_base_trains_as_on_a_whole_one (same completions), so its case here is slow
+@pytest.mark.parametrize("model, gather", [pytest.param("llama", "model", marks=pytest.mark.slow), ("llama", "layer"),
+                                           ("mistral-window", "layer")])
 def test_sampling_from_the_sharded_base_equals_the_unsharded_policy(four_layer_dirs, tmp_path, model, gather):
     """Ranks with different work: rank 0 samples 3 prompts in 2 chunks with rows ending at ragged steps, rank 1 one
     short prompt; then rank 0 alone samples twice (evaluation). Every rank gets exactly what the unsharded policy

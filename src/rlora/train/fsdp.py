@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from rlora.errors import UserError
 from rlora.logging.console import info
 from rlora.models.frozen_prefix import FrozenPrefix, prefix_hidden
 from rlora.models.loading import model_device
@@ -77,6 +78,19 @@ class ShardedSampler:
         """The generator's sample_continued, its arguments passed on as they come."""
         with self.sharded.sampling():
             return self.generator.sample_continued(model, *args, **kwargs)
+
+
+def sharded_samplers(generator, eval_generator, sharded: ShardedBase, cfg) -> tuple[ShardedSampler, ShardedSampler]:
+    """The run's samplers over the sharded base (cfg: the run's RLConfig). Streaming needs the built-in sampler: a
+    model it does not run samples with transformers generate, whose layer all-gathers the ranks could not pair up
+    (a one-line UserError, before anything is written)."""
+    if cfg.train.fsdp_gather == "layer" and "hf" in (generator.name, eval_generator.name):
+        raise UserError("train.fsdp_gather=layer streams the layers through rlora's built-in sampler, which does not "
+                        "support this model (it samples with transformers generate): set train.fsdp_gather=model")
+    if cfg.train.fsdp_gather == "layer" and cfg.rollout.merge_adapter:
+        info("train.fsdp_gather=layer with rollout.merge_adapter=true merges the LoRA into every layer in every "
+             "decode step: rollout.merge_adapter=false samples faster here (docs/fsdp.md)")
+    return ShardedSampler(generator, sharded), ShardedSampler(eval_generator, sharded)
 
 
 def step_sampling_scope(sharded: ShardedBase | None, rank_dependent: bool) -> Callable[[], AbstractContextManager]:

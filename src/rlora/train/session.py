@@ -48,7 +48,7 @@ from rlora.rollout.backends import build_generator
 from rlora.rollout.generator import Generator
 from rlora.train import policies as pol
 from rlora.train.distributed import World, gather_objects, on_rank_zero
-from rlora.train.fsdp import ShardedBase, ShardedSampler, shard_base, step_sampling_scope
+from rlora.train.fsdp import ShardedBase, shard_base, sharded_samplers, step_sampling_scope
 from rlora.train.outputs import RunDir, default_output_dir
 from rlora.train.resume import (
     check_fresh_folder, check_replay_ranks, check_resume_target, check_same_run, find_checkpoint, saved_setting,
@@ -307,13 +307,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
         eval_generator = build_generator(exact, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size,
                                          keep_packs=False)
     if sharded is not None:  # the sampler reads the weights directly: every call gathers the base or streams it
-        generator, eval_generator = ShardedSampler(generator, sharded), ShardedSampler(eval_generator, sharded)
-        if cfg.train.fsdp_gather == "layer" and "hf" in (generator.name, eval_generator.name):
-            raise UserError("train.fsdp_gather=layer streams the layers through rlora's built-in sampler, which does not "
-                            "support this model (it samples with transformers generate): set train.fsdp_gather=model")
-        if cfg.train.fsdp_gather == "layer" and cfg.rollout.merge_adapter:
-            info("train.fsdp_gather=layer with rollout.merge_adapter=true merges the LoRA into every layer in every "
-                 "decode step: rollout.merge_adapter=false samples faster here (docs/fsdp.md)")
+        generator, eval_generator = sharded_samplers(generator, eval_generator, sharded, cfg)
     if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None and generator.name == "builtin":
         info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
              "off-policy and nothing corrects for it (watch sampler_logp_gap)")

@@ -152,10 +152,11 @@ def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(t
     step.ExtraPrompts draws them with data seed 0: [6, 4, 5, 7] in step 1, [1, 2, 0, 3] in step 2, [7, 6, 5, 4] in
     step 3, half to each rank). Steps 1 and 3: rank 0 drops its prompts 0 and 1, draws 6 and 4 (or 7 and 6), drops
     them too and keeps nothing, while rank 1 keeps 2 and 3 from its one draw. Step 2: rank 0 keeps 5 and 2 (8 rows),
-    rank 1 only 3 (4 rows). Every phase runs: the frozen layer 0 (lora.top_layers=1), the reference (beta), the old
-    log-probs (2 iterations); replay adds each rank's own number of stored groups. The same completions, metrics and
+    rank 1 only 3, and replays 2 of the groups it stored in step 1 (algo.replay.ratio=2: 4 + 8 rows), while rank
+    0's buffer is empty: so rank 0 pads each phase of its 8 rows with 2 passes. Every phase runs: the frozen layer 0
+    (lora.top_layers=1), the reference (beta), the old log-probs (2 iterations). The same completions, metrics and
     adapter (within 1e-5) as with the base whole on each rank."""
-    common = {**UNEVEN_RANKS, "algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "lora.top_layers": 1,
+    common = {**UNEVEN_RANKS, "algo.replay.enabled": "true", "algo.replay.ratio": 2.0, "lora.top_layers": 1,
               "algo.beta": 0.04, "algo.num_iterations": 2, "train.lr": 0.05, "train.threads": 1, "eval.before": "false",
               "eval.after": "false", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
               "rollout.weight_packs": "false"}  # the sharded base's merged copies for the whole one too
@@ -165,7 +166,7 @@ def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(t
     # groups kept over both ranks, and dropped: rank 0's 4 draws in steps 1 and 3; 3 + 2 in step 2
     assert [r["groups"] for r in rows["sharded"]] == [2, 3, 2]
     assert [r["groups_dropped"] for r in rows["sharded"]] == [4, 5, 4]
-    assert rows["sharded"][1]["replay_groups"] > 0
+    assert rows["sharded"][1]["replay_groups"] == 2  # rank 1's: rank 0 stored nothing in step 1
     for whole, sharded in zip(rows["whole"], rows["sharded"]):
         for key in ("groups", "rows", "replay_groups", "reward_mean", "trained_frac"):
             assert whole[key] == sharded[key], key
@@ -179,13 +180,14 @@ def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(t
 @pytest.mark.parametrize("router", ["token", pytest.param("sequence", marks=pytest.mark.slow)])
 def test_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(router, tiny_model_dir, prompts_file, tmp_path):
     """A MoLoRA policy over the uneven ranks of the dynamic-sampling test above (rank 0 keeps no group in steps 1
-    and 3, fewer rows than rank 1 in step 2): a token router's routing pass forwards each rank's micro-batches
-    before the update, and a rank with fewer adds forwards of its row 0 (or of a dropped row). The same
+    and 3, rank 1 fewer rows than rank 0 in step 2): a token router's routing pass forwards each rank's
+    micro-batches before the update, and a rank with fewer adds forwards of its row 0 (or of a dropped row), with
+    the random state put back (the experts' dropout draws what it draws in the run without padding). The same
     completions, mixture (experts and routers, within 1e-5) and router metrics as with the base whole on each
     rank; evaluations on rank 0 too."""
     from test_molora_grpo import MOLORA
 
-    common = {**UNEVEN_RANKS, "lora.rank": 16, "molora": json.dumps({**MOLORA, "router": router}),
+    common = {**UNEVEN_RANKS, "lora.rank": 16, "molora": json.dumps({**MOLORA, "router": router, "dropout": 0.1}),
               "algo.beta": 0.04, "train.lr": 0.05, "train.threads": 1, "eval.before": "false",
               "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.weight_packs": "false"}
     outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")

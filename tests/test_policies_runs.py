@@ -25,8 +25,9 @@ def _policies_arg(specs):
 # episodes of two turns (each continued from its cache, the policies' rows in one batch): a second full run, slow
 EPISODES = {"env": "{fn: envs_for_tests.scripted, args: {turns: 2}}", "rollout.stop": "[' ']"}
 # adaptive resampling of the groups whose rewards are all equal: prompt 0's always are (flat_for_zero). Step 1: each
-# policy's group of prompt 0 is resampled in one sampler call with the other's; its second retry is over the policy's
-# own budget of one resample a step (a budget shared by the policies would let only one of them resample)
+# policy's group of prompt 0 is resampled in the same retry (one batched sampler call; the per-slot seeds and keys
+# make its samples what a call of its own would draw); the second retry is over each policy's own budget of one
+# resample a step (a budget shared by the policies would let only one of them resample: tested to fail)
 ADAPTIVE = {"algo.name": "adaptive_grpo", "algo.adaptive.condition": "zero_variance", "algo.adaptive.max_retries": 2,
             "algo.adaptive.step_budget": 1, "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "data.shuffle": "false"}
 

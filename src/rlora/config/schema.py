@@ -205,7 +205,8 @@ class AdaptiveConfig(Section):
         default_factory=lambda: [SamplingSetting(temperature=1.0), SamplingSetting(temperature=1.2)], min_length=1,
         description="Settings of retry 1, 2, ... (the last one repeats for further retries)")
     max_retries: int = Field(2, ge=1, le=16, description="Resamples of one group in one step")
-    step_budget: int | None = Field(None, ge=1, description="Most group resamples in one step (None: no cap)")
+    step_budget: int | None = Field(None, ge=1, description="Most group resamples in one step, each policy's and each "
+                                    "rank's own (None: no cap)")
     adv_stats: Literal["kept", "all"] = Field(
         "kept", description="Advantage baseline/std from the kept attempt only, or from all attempts of the prompt")
 

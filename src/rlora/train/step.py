@@ -327,12 +327,14 @@ def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
 
 
 def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timings, t_start: float,
-                       sampled: dict[int, dict], dropped_row: Rollout) -> dict:
+                       sampled: dict[int, dict], dropped_row: Rollout | None) -> dict:
     """A rank without groups this step takes part in every policy's update, adding nothing. On a sharded base it
     also makes the other ranks' passes through the layers, with a row it dropped (dynamic sampling dropped every
     group it drew), whose results it drops in turn."""
     padding = None
     if s.sharded is not None:
+        if dropped_row is None:  # only dynamic sampling leaves a rank without groups, and it dropped them
+            raise RuntimeError("a rank without groups on a sharded base has no dropped row to pad its passes with")
         with trainer_precision(s.model, s.cfg.train.autocast):
             passes = logprob_passes(s, dropped_row, None, *_phases(s))
         padding = ZeroPasses(s.model, dropped_row, s.cfg.train.logprob_chunk_tokens, passes.prefix)

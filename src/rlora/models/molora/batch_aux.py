@@ -189,8 +189,11 @@ class BatchAuxLoss:
                 for index, mask_BT in enumerate(masks_BT):
                     routing_forward(index)
                     stats.add_forward(self.model, mask_BT)
-                for index in range(len(masks_BT), len(masks_BT) + self.padding_forwards):
-                    routing_forward(index)
+                device = molora_modules(self.model)[0][1].molora_A.device
+                # padding: the random state put back (the experts' dropout), as train/fsdp.py zero_pass does
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    for index in range(len(masks_BT), len(masks_BT) + self.padding_forwards):
+                        routing_forward(index)
         if self.sum_over_ranks is not None:
             stats = stats.summed(self.sum_over_ranks, len(molora_modules(self.model)))
         return stats.utilisation()

@@ -6,8 +6,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +42,37 @@ def _run_command(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run([*launcher, "-m", "rlora", *args], capture_output=True, text=True, env=env, timeout=600)
+    return run_process_group([*launcher, "-m", "rlora", *args], env, timeout_s=600)
+
+
+def run_process_group(command: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True) in a session of its own: past timeout_s the whole
+    group is killed, torchrun's ranks too (subprocess.run's timeout kills the launcher alone, and ranks waiting on a
+    collective that never comes would stay, holding their memory, after the test has failed)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def test_a_timed_out_run_leaves_no_process_behind(tmp_path):
+    """run_process_group past its time limit kills the launcher's children too (torchrun's ranks), not the launcher
+    alone: a child that would sleep for a minute is gone when the TimeoutExpired arrives. (It closes the output it
+    inherited, so that the launcher's pipes end with the launcher: otherwise reading them would wait for the child.)"""
+    marker = tmp_path / "child-pid"
+    child = (f"import os, time; os.close(1); os.close(2); open({str(marker)!r}, 'w').write(str(os.getpid())); "
+             "time.sleep(60)")
+    parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_process_group([sys.executable, "-c", parent], dict(os.environ), timeout_s=3)
+    stat = Path(f"/proc/{int(marker.read_text())}/stat")
+    # killed: gone, or a zombie until whoever adopted it (the launcher is dead) reaps it; a sleeping child is "S"
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 # 30 s each on a 2-core CPU: plain groups (also run by the DAPO and policies tests) and REINFORCE++'s whitening

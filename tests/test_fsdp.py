@@ -3,7 +3,6 @@ tests/test_distributed.py compares with 1 rank); the combinations it refuses are
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from rlora.cli import main
 from rlora.config import check_launch, load_config
 from rlora.errors import UserError
 from rlora.models.tiny import build_random_model
-from test_distributed import TESTS, _run
+from test_distributed import TESTS, _run, run_process_group
 from test_reward_adapter import rm_folder  # noqa: F401 - a fixture
 
 
@@ -318,9 +317,9 @@ def test_sampling_from_the_sharded_base_equals_the_unsharded_policy(four_layer_d
     four_layer_dir = four_layer_dirs[model]
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(Path(TESTS) / "fsdp_stream_worker.py"), four_layer_dir, gather, str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = run_process_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(Path(TESTS) / "fsdp_stream_worker.py"), four_layer_dir, gather, str(tmp_path)], env,
+                             timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [len(r["same"]) for r in ranks] == [3, 1]

@@ -26,7 +26,7 @@ contribute, a different number per rank, so ranks with fewer micro-batches add p
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +96,8 @@ def sharded_samplers(generator, eval_generator, sharded: ShardedBase, cfg) -> tu
 def step_sampling_scope(sharded: ShardedBase | None, rank_dependent: bool) -> Callable[[], AbstractContextManager]:
     """The scope a step's sampling (all its sampler calls and their scoring) runs in. Where ranks call the sampler a
     different number of times in a step (rank_dependent: an episode's turns, adaptive resampling of the groups that
-    fail, dynamic sampling's extra prompts), every rank enters one sampling scope of the sharded base around all of them: inside it the calls nest, so
-    they gather nothing again (train.fsdp_gather=model), or their passes over the layers pair with the other ranks'
+    fail, dynamic sampling's extra prompts), every rank enters one sampling scope of the sharded base around all
+    of them: inside it the calls nest, so they gather nothing again (train.fsdp_gather=model), or their passes over the layers pair with the other ranks'
     in any order, and a rank that is done pairs the rest with empty passes when it leaves the scope (layer:
     models/sharded_base.py). Environments and rewards then run inside the scope: with `layer` a rank's time there
     holds up the other ranks' next pass, with `model` the gathered base stays held through it. Otherwise (one
@@ -152,27 +152,29 @@ class PassPadding:
 
     def prefix_passes(self, model, num_frozen: int) -> None:
         """The frozen lower layers' passes (FrozenPrefix's, one micro-batch each)."""
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for _ in range(self.count):
-                    prefix_hidden(model, self.row, num_frozen)
-        finally:
-            model.train(was_training)
+        with _as_no_grad_pass(model):
+            for _ in range(self.count):
+                prefix_hidden(model, self.row, num_frozen)
 
     def logprob_passes(self, model, chunk_tokens: int, prefix: FrozenPrefix | None) -> None:
         """Log-prob passes (batched_logprobs' micro-batches), above the frozen prefix where the phase has one. A
         padding pass's layers are what a real one's are, whatever adapter is on: the adapters are not sharded."""
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for _ in range(self.count):
-                    completion_logprobs(model, self.row, chunk_tokens=chunk_tokens,
-                                        prefix=None if prefix is None else prefix.rows(slice(0, 1), self.row))
-        finally:
-            model.train(was_training)
+        with _as_no_grad_pass(model):
+            for _ in range(self.count):
+                completion_logprobs(model, self.row, chunk_tokens=chunk_tokens,
+                                    prefix=None if prefix is None else prefix.rows(slice(0, 1), self.row))
+
+
+@contextmanager
+def _as_no_grad_pass(model):
+    """Eval mode (no dropout) and no gradient, as the phases' own passes run; the training flag comes back after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def pass_padding(world: World, model, rollout: Rollout, micro_batch_size: int) -> PassPadding:

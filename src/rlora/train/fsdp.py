@@ -97,11 +97,12 @@ def step_sampling_scope(sharded: ShardedBase | None, rank_dependent: bool) -> Ca
     """The scope a step's sampling (all its sampler calls and their scoring) runs in. Where ranks call the sampler a
     different number of times in a step (rank_dependent: an episode's turns, adaptive resampling of the groups that
     fail, dynamic sampling's extra prompts), every rank enters one sampling scope of the sharded base around all
-    of them: inside it the calls nest, so they gather nothing again (train.fsdp_gather=model), or their passes over the layers pair with the other ranks'
-    in any order, and a rank that is done pairs the rest with empty passes when it leaves the scope (layer:
-    models/sharded_base.py). Environments and rewards then run inside the scope: with `layer` a rank's time there
-    holds up the other ranks' next pass, with `model` the gathered base stays held through it. Otherwise (one
-    sampler call a step, or no sharded base) nothing: each call holds its own scope (ShardedSampler)."""
+    of them: inside it the calls nest, so they gather nothing again (train.fsdp_gather=model), or their passes over
+    the layers pair with the other ranks' in any order, and a rank that is done pairs the rest with empty passes
+    when it leaves the scope (layer: models/sharded_base.py). Environments and rewards then run inside the scope:
+    with `layer` a rank's time there holds up the other ranks' next pass, with `model` the gathered base stays held
+    through it. Otherwise (one sampler call a step, or no sharded base) nothing: each call holds its own scope
+    (ShardedSampler)."""
     if sharded is None or not rank_dependent:
         return nullcontext
     return sharded.sampling

@@ -69,3 +69,9 @@ def flat_for_answers(prompts, completions, answer, flat=(), **columns):
 def char_count(prompts, completions, **columns):
     """The completion's length in characters: a reward the test can recompute from the logged completion text."""
     return [float(len(c)) for c in completions]
+
+
+def chance_binary(prompts, completions, share=0.5, **columns):
+    """1 for a completion whose characters' code sum falls in the lowest `share` of its residues mod 97, else 0: a
+    binary reward whose groups are flat (all 1 or all 0) by chance, depending on their samples."""
+    return [float(sum(map(ord, c)) % 97 < share * 97) for c in completions]

@@ -89,6 +89,35 @@ def test_dynamic_sampling_keeps_only_a_full_batch():
     assert [g.slot for g in groups] == [1, 2]  # 3 was informative too, but the step is full
 
 
+def test_dynamic_sampling_fills_each_owners_groups_as_alone():
+    """Two owners (policies: slots 0-9 are owner 0's, 10-19 owner 1's). Round 0: owner 0 keeps 1 of 2, owner 1 keeps
+    both; round 1 samples owner 0's extra prompts only (2 flat, 3 kept but owner 0 needs one: 4 is left out); owner 1
+    needed no round. Each owner's groups, statistics and draws are those of a collector of that owner alone."""
+    def script():
+        return {0: [[1] * G], 1: [[1, 0, 0, 1]], 2: [[0] * G], 3: [[0, 1, 0, 0]], 4: [[1, 0, 0, 0]],
+                10: [[0, 1, 1, 1]], 11: [[0, 0.5, 0, 0]], 12: [[0] * G], 13: [[1] * G], 14: [[0] * G]}
+
+    cfg = algo(dynamic_sampling=True, max_extra_rounds=3)
+    sampler = ScriptedSampler(script())
+    collector = Collector(sampler, BASE, G, cfg, seed=5, owner=lambda slot: slot // 10)
+    groups = collector.collect([0, 1, 10, 11], lambda r: {1: [2, 3, 4, 12, 13, 14]}[r])
+    assert [g.slot for g in groups] == [1, 3, 10, 11]  # owner by owner, each in the order drawn
+    assert [c[0] for c in sampler.calls] == [[0, 1, 10, 11], [2, 3, 4]]
+    assert (collector.stats.sampling_rounds, collector.stats.groups_sampled, collector.stats.groups_dropped) == (2, 7, 2)
+    own = collector.owner_stats
+    assert [(own[k].sampling_rounds, own[k].groups_sampled, own[k].groups_dropped) for k in (0, 1)] == \
+        [(2, 5, 2), (1, 2, 0)]
+    for owner, slots, extra in ((0, [0, 1], [2, 3, 4]), (1, [10, 11], [12, 13, 14])):
+        alone_sampler = ScriptedSampler(script())
+        alone = Collector(alone_sampler, BASE, G, cfg, seed=5)
+        assert [g.slot for g in alone.collect(slots, lambda r: {1: extra}[r])] == [g.slot for g in groups
+                                                                               if g.slot // 10 == owner]
+        assert alone.stats == own[owner]
+        # the same seeds for the same slots
+        assert [(c[0], c[2]) for c in alone_sampler.calls] == \
+            [([p for p in c[0] if p // 10 == owner], c[2]) for c in sampler.calls if any(p // 10 == owner for p in c[0])]
+
+
 def test_dynamic_sampling_stops_at_the_round_cap():
     script = {p: [[0.5] * G] for p in range(8)}
     sampler = ScriptedSampler(script)

@@ -70,6 +70,7 @@ def _whole_and_sharded(model_dir, prompts_file, tmp_path, common: dict, gather: 
     return outs
 
 
+@pytest.mark.slow  # 30 s on a 2-core CPU: the default suite keeps several policies with dynamic sampling (below)
 def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
     """3 policies on 2 ranks, the base streamed layer by layer through the batched multi-policy sampler, against
     the same run with the base whole on each rank. Prompt 0's groups are flat (flat_for_zero) and only policy c
@@ -173,6 +174,37 @@ def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(t
     one, two = (load_file(str(out / "adapter" / "adapter_model.safetensors")) for out in outs.values())
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
+
+
+def test_several_policies_with_dynamic_sampling_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir,
+                                                                                          prompts_file, tmp_path):
+    """UNEVEN_RANKS with two policies (the flat prompts are flat for both): in steps 1 and 3 rank 0 keeps no group of
+    either policy and pads every phase with a dropped row through the first policy, while rank 1 trains both; in
+    step 2 the ranks hold 8 and 4 rows of each policy, and rank 1 pads each phase, the update's zero passes through
+    its rows' policies. The same completions, each policy's metrics, adapter (within 1e-5) and held-out results
+    (evaluated on the gathered base) as with the base whole on each rank."""
+    from rlora.train.policies import POLICIES_FOLDER
+
+    common = {**UNEVEN_RANKS, "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2, "train.lr": 0.05,
+              "train.threads": 1, "eval.before": "false", "rollout.sampler_dtype": "model",
+              "algo.sampler_is_cap": "null", "rollout.weight_packs": "false",
+              "policies": "[{name: a, seed: 1}, {name: b, lr: 0.01, seed: 2, beta: 0.0}]"}
+    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
+    for name in ("a", "b"):
+        rows = {label: [json.loads(line) for line in (out / POLICIES_FOLDER / name / "metrics.jsonl").read_text()
+                        .splitlines()] for label, out in outs.items()}
+        assert [r["groups"] for r in rows["sharded"]] == [2, 3, 2], name  # over both ranks
+        assert [r["groups_dropped"] for r in rows["sharded"]] == [4, 5, 4], name
+        for whole, sharded in zip(rows["whole"], rows["sharded"]):
+            for key in ("groups", "rows", "groups_dropped", "sampling_rounds", "reward_mean", "trained_frac"):
+                assert whole[key] == sharded[key], (name, key)
+            assert sharded["loss"] == pytest.approx(whole["loss"], abs=1e-5)
+        one, two = (load_file(str(out / POLICIES_FOLDER / name / "adapter" / "adapter_model.safetensors"))
+                    for out in outs.values())
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5, name
+        assert any(float(v.abs().max()) > 0 for k, v in two.items() if "lora_B" in k)  # the adapter did move
+        evals = [json.loads((out / POLICIES_FOLDER / name / "eval.json").read_text()) for out in outs.values()]
+        assert evals[0] == evals[1]
 
 
 # ~30 s each on a 2-core CPU: the token router (a routing pass of forwards) by default, the sequence router slow

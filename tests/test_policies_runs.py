@@ -31,9 +31,17 @@ EPISODES = {"env": "{fn: envs_for_tests.scripted, args: {turns: 2}}", "rollout.s
 ADAPTIVE = {"algo.name": "adaptive_grpo", "algo.adaptive.condition": "zero_variance", "algo.adaptive.max_retries": 2,
             "algo.adaptive.step_budget": 1, "rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "data.shuffle": "false"}
 
+# dynamic sampling with a binary reward: whether a group is flat depends on its samples, so the policies (their own
+# seeds) drop different groups: here they draw different numbers of extra rounds, each as its run alone does
+DYNAMIC = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 2,
+           "rewards": "[{fn: rewards_for_tests.chance_binary, args: {share: 0.3}}]"}
+# ... and without extra rounds, one policy keeps no group in step 1 while the other trains: it skips its update
+DYNAMIC_EMPTY = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 0,
+                 "rewards": "[{fn: rewards_for_tests.chance_binary, args: {share: 0.1}}]"}
 
-@pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE],
-                         ids=["completions", "episodes", "adaptive"])
+
+@pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE, DYNAMIC, DYNAMIC_EMPTY],
+                         ids=["completions", "episodes", "adaptive", "dynamic", "dynamic-empty"])
 def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra):
     """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
     from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0; the sampling
@@ -62,8 +70,9 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     err = capsys.readouterr().err
     assert "2 policies on one base: slow, fast" in err and "held-out after fast" in err
     shared = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert {"slow/reward_mean", "fast/reward_mean", "slow/lr", "step_s"} <= set(shared[0])
+    assert {"slow/reward_mean", "fast/reward_mean", "slow/lr", "step_s"} <= set().union(*shared)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    rounds, skipped = {}, {}
     for spec in specs:
         alone = tmp_path / spec["name"]
         args = tiny_overrides(tiny_model_dir, prompts_file, str(alone), **{**common, "train.lr": spec["lr"],
@@ -73,14 +82,21 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         mine = out / "policies" / spec["name"]
         theirs = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
         ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
-        assert len(ours) == len(theirs) == 2 and (ours[0]["kl"] is None) == (spec["beta"] == 0)
+        trained = [r for r in ours if not r["skipped_update"]]
+        assert len(ours) == len(theirs) == 2 and trained and all((r["kl"] is None) == (spec["beta"] == 0) for r in trained)
         if extra is ADAPTIVE:
             assert [r["resamples"] for r in ours] == [1, 0] and ours[0]["frac_zero_var_after_resample"] == 0.5
+        rounds[spec["name"]], skipped[spec["name"]] = [r["sampling_rounds"] for r in ours], [r["skipped_update"] for r in ours]
         for a, b in zip(ours, theirs):  # every metric a run of the policy alone writes, but the timings
-            assert a["lr"] == spec["lr"] and set(a) == set(b)
+            assert a["lr"] == spec["lr"]
+            if b["skipped_update"] and not b["trained_frac"]:  # it kept no group: beside the step's timings, 0 tokens
+                assert set(a) - set(b) == {"prefix_s", "ref_s", "old_s", "train_s", "optim_s", "gen_tokens"}
+                assert a["gen_tokens"] == 0
+            else:
+                assert set(a) == set(b)
             for key in (k for k in b if not k.endswith("_s")):
-                if isinstance(b[key], float):  # float32 sums in another order
-                    assert a[key] == pytest.approx(b[key], abs=1e-5), key
+                if isinstance(b[key], float):  # float32 sums in another order; grad_norm: see the adapters below
+                    assert a[key] == pytest.approx(b[key], **({"rel": 1e-4} if key == "grad_norm" else {"abs": 1e-5})), key
                 else:
                     assert a[key] == b[key], key
         # Token for token: the batched and the plain adapter arithmetic differ by float32 rounding (~1e-6 of a
@@ -91,8 +107,18 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         a = load_file(str(mine / "adapter" / "adapter_model.safetensors"))
         b = load_file(str(alone / "adapter" / "adapter_model.safetensors"))
         assert a.keys() == b.keys()
-        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+        # float32 sums in another order move the bulk of the entries by ~1e-7. AdamW moves an entry by
+        # lr x m / (sqrt(v) + eps): where a gradient entry cancels to near eps (1e-8), its rounding (~1e-10 absolute)
+        # changes that move by up to ~lr / 100; a few of the 8192 entries do (seen: one or two, up to 1.6e-5 at lr
+        # 1e-2, and the next step's grad_norm 5e-5 apart, relative). A wrong row or normaliser moves every entry
+        # by ~lr.
+        diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+        assert int((diff > 2e-6).sum()) <= 8 and float(diff.max()) <= spec["lr"] / 100
         assert json.loads((mine / "eval.json").read_text())["after"] == json.loads((alone / "eval.json").read_text())["after"]
+    if extra is DYNAMIC:  # the case this parameter is for
+        assert rounds == {"slow": [2, 1], "fast": [2, 2]}
+    if extra is DYNAMIC_EMPTY:
+        assert skipped == {"slow": [0, 0], "fast": [1, 0]}
     moved = [load_file(str(out / "policies" / s["name"] / "adapter" / "adapter_model.safetensors")) for s in specs]
     assert any(not torch.equal(moved[0][k], moved[1][k]) for k in moved[0])
     # `rlora eval RUN` of a run of several policies evaluates the base and every policy's adapter
@@ -105,7 +131,6 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
 @pytest.mark.parametrize("extra,message", [
     ({}, "policies: the name 'a' is given twice"),
     ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
-    ({"algo.dynamic_sampling": "true"}, "do not support algo.dynamic_sampling yet"),
     ({"algo.adv_scale": "batch"}, "do not support batch-wide advantage statistics"),
     ({"algo.name": "reinforce_pp"}, "do not support batch-wide advantage statistics"),
     ({"algo.replay.enabled": "true"}, "do not support algo.replay yet"),

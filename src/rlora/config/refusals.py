@@ -314,8 +314,6 @@ REFUSALS: tuple[Refusal, ...] = (
               else f"algo.adv_scale={cfg.algo.adv_scale}") + ")",
               "use group statistics (e.g. grpo with algo.adv_scale=group)",
               ("algo.adv_scale=batch",), "policies-batch-statistics"),
-    _policies(lambda cfg: cfg.algo.dynamic_sampling, "algo.dynamic_sampling", "set algo.dynamic_sampling=false",
-              ("algo.dynamic_sampling=true",), "policies-dynamic-sampling"),
     _policies(lambda cfg: cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false",
               ("algo.replay.enabled=true",), "policies-replay"),
     # the output layer by name, before the model loads (models/multi_lora.attach_policies checks the modules too)

@@ -78,37 +78,33 @@ class CollectStats:
     first_reward_sum: float = 0.0  # valid task rewards of every group's first attempt (reward_mean_sampled)
     first_reward_count: int = 0
 
-    def add_first_attempts(self, groups: list["Group"]) -> None:
-        """Count groups by their first attempt."""
+    def add_round(self, groups: list["Group"], adaptive: AdaptiveConfig) -> None:
+        """Count one sampling round's groups: by their first attempt, then by the attempt kept after adaptive
+        resampling (each retry of a group is one resample)."""
+        self.sampling_rounds += 1
         self.groups_sampled += len(groups)
         self.zero_var_before += sum(is_flat(g.first_scores_B) for g in groups)
         for g in groups:
             valid = g.first_scores_B[~torch.isnan(g.first_scores_B)]
             self.first_reward_sum += float(valid.sum())
             self.first_reward_count += len(valid)
-
-    @classmethod
-    def of_one_round(cls, groups: list["Group"], adaptive: AdaptiveConfig) -> "CollectStats":
-        """The statistics of groups drawn in one round, from the groups themselves (one policy's groups of a step
-        in a run of several, which draw no extra round: their share of the step's statistics)."""
-        stats = cls(sampling_rounds=1)
-        stats.add_first_attempts(groups)
-        stats.zero_var_after = sum(is_flat(g.scores.total_B) for g in groups)
+        self.zero_var_after += sum(is_flat(g.scores.total_B) for g in groups)
         if adaptive.enabled:
-            stats.resamples = sum(g.retries for g in groups)
-            stats.rescued = sum(g.failed_first and not fails(g.scores.total_B, adaptive) for g in groups)
-        return stats
+            self.resamples += sum(g.retries for g in groups)
+            self.rescued += sum(g.failed_first and not fails(g.scores.total_B, adaptive) for g in groups)
 
 
 class Collector:
     """Collects the groups of one step. `seed` is the step's seed; round r, retry k draw with their own.
-    owner(slot): whose groups a slot's are (a run of several policies: each policy's resampling budget is its own,
-    as in a run of that policy alone); one owner by default."""
+    owner(slot): whose groups a slot's are (a run of several policies: each policy's resampling budget, dynamic
+    sampling's quota of kept groups and sampling statistics are its own, as in a run of that policy alone); one owner
+    by default."""
 
     def __init__(self, sample: SampleFn, base: SamplingParams, G: int, algo: AlgoConfig, seed: int,
                  owner: Callable[[Slot], Hashable] = lambda slot: 0):
         self.sample, self.base, self.G, self.algo, self.seed, self.owner = sample, base, G, algo, seed, owner
-        self.stats = CollectStats()
+        self.stats = CollectStats()  # the step's: every owner's groups, each round counted once
+        self.owner_stats: dict[Hashable, CollectStats] = collections.defaultdict(CollectStats)  # each owner's own
         # the first row of the first group dropped: a rank that keeps no group makes its passes through a sharded base
         # (train/fsdp.py PassPadding) with it
         self.dropped_row: Rollout | None = None
@@ -150,7 +146,6 @@ class Collector:
                 group.attempt_rewards.append(new.rewards_G)
                 group.retries += 1
                 self.budget[self.owner(group.slot)] -= 1
-            self.stats.resamples += len(failing)
 
     def _within_budget(self, failing: list[Group]) -> list[Group]:
         """The failing groups each owner's remaining budget allows: its first ones, in order."""
@@ -163,36 +158,53 @@ class Collector:
                 within.append(group)
         return within
 
+    def _by_owner(self, groups: list[Group]) -> dict[Hashable, list[Group]]:
+        """The groups of each owner, in order (owners in the order of their first group)."""
+        owned: dict[Hashable, list[Group]] = {}
+        for group in groups:
+            owned.setdefault(self.owner(group.slot), []).append(group)
+        return owned
+
     def _round(self, slots: list[Slot], round_index: int) -> list[Group]:
         groups = self._draw(slots, self.base, self._seed(round_index, 0))
-        self.stats.sampling_rounds += 1
-        self.stats.add_first_attempts(groups)
         if self.algo.adaptive.enabled:
             self._resample_failing(groups, round_index)
-            self.stats.rescued += sum(g.failed_first and not fails(g.scores.total_B, self.algo.adaptive) for g in groups)
-        self.stats.zero_var_after += sum(is_flat(g.scores.total_B) for g in groups)
+        self.stats.add_round(groups, self.algo.adaptive)
+        for owner, owned in self._by_owner(groups).items():
+            self.owner_stats[owner].add_round(owned, self.algo.adaptive)
         return groups
 
     def collect(self, slots: list[Slot], more_slots: Callable[[int], list[Slot]]) -> list[Group]:
         """Groups for the step. With dynamic sampling, zero-variance groups are dropped and round r = 1, 2, ...
-        samples `more_slots(r)` until len(slots) groups are kept or algo.max_extra_rounds is spent; then
-        the step trains on the groups it has (possibly fewer, possibly none)."""
+        samples the slots of `more_slots(r)` whose owners have kept fewer groups than they had slots, until every
+        owner has (each keeps its first ones) or algo.max_extra_rounds is spent; then the step trains on the groups
+        it has (possibly fewer, possibly none). The groups come owner by owner, each owner's in the order drawn."""
         groups = self._round(slots, 0)
         if not self.algo.dynamic_sampling:
             return groups
+        wanted = collections.Counter(self.owner(slot) for slot in slots)
         kept = self._keep_informative(groups)
         for round_index in range(1, self.algo.max_extra_rounds + 1):
-            if len(kept) >= len(slots):
+            have = collections.Counter(self.owner(g.slot) for g in kept)
+            short = {owner for owner in wanted if have[owner] < wanted[owner]}
+            if not short:
                 break
-            kept += self._keep_informative(self._round(more_slots(round_index), round_index))
-        return kept[:len(slots)]
+            more = [slot for slot in more_slots(round_index) if self.owner(slot) in short]
+            if not more:
+                break
+            kept += self._keep_informative(self._round(more, round_index))
+        owned = self._by_owner(kept)
+        return [g for owner in wanted for g in owned.get(owner, [])[:wanted[owner]]]
 
     def _keep_informative(self, groups: list[Group]) -> list[Group]:
-        kept = [g for g in groups if not is_flat(g.scores.total_B)]
-        self.stats.groups_dropped += len(groups) - len(kept)
-        if self.dropped_row is None and len(kept) < len(groups):
-            self.dropped_row = select_rows(next(g for g in groups if g not in kept).rollout, [0])
-        return kept
+        flat = [is_flat(g.scores.total_B) for g in groups]
+        dropped = [g for g, is_dropped in zip(groups, flat) if is_dropped]
+        self.stats.groups_dropped += len(dropped)
+        for group in dropped:
+            self.owner_stats[self.owner(group.slot)].groups_dropped += 1
+        if self.dropped_row is None and dropped:
+            self.dropped_row = select_rows(dropped[0].rollout, [0])
+        return [g for g, is_dropped in zip(groups, flat) if not is_dropped]
 
 
 def assemble(groups: list[Group], pad_id: int, adv_stats: str) -> tuple[Rollout, Scores, torch.Tensor]:

@@ -168,14 +168,20 @@ class PassPadding:
 
 @contextmanager
 def _as_no_grad_pass(model):
-    """Eval mode (no dropout) and no gradient, as the phases' own passes run; the training flag comes back after."""
+    """Eval mode (no dropout) and no gradient, as the phases' own passes run; the training flag comes back after. With
+    several policies the row goes through the first (_A_POLICY)."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), policy_rows(model, _A_POLICY):
             yield
     finally:
         model.train(was_training)
+
+
+# a padding row's policy where the model has several: any one makes the same passes through the sharded layers (the
+# adapters are not sharded), and the results are dropped
+_A_POLICY = torch.zeros(1, dtype=torch.long)
 
 
 def pass_padding(world: World, model, rollout: Rollout, micro_batch_size: int) -> PassPadding:
@@ -199,7 +205,7 @@ class ZeroPasses:
 
     def run(self, count: int) -> None:
         for _ in range(count):
-            zero_pass(self.model, self.row, self.chunk_tokens, self.prefix)
+            zero_pass(self.model, self.row, self.chunk_tokens, self.prefix, _A_POLICY)
 
     def micro(self) -> RolloutSlice:
         return trim(self.row.select(slice(0, 1)))

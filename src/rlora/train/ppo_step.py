@@ -118,7 +118,8 @@ def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
     [policy] = s.policies
     optimizer, scheduler = policy.optimizer, policy.scheduler
     t_start, timings = time.perf_counter(), Timings()
-    batch, stats, _ = collect_batch(s, step, None, timings)
+    collected = collect_batch(s, step, None, timings)
+    batch, stats = collected.batch, collected.stats
     sampled = s.source.take_metrics().get(policy.index, {})  # episodes: turns, tool calls, ... of this step
     if batch is None:  # only dynamic sampling drops groups, and the config refuses it with ppo
         raise RuntimeError("ppo collected no samples")

@@ -32,7 +32,7 @@ def first_round(step_prompts: list[int], positions: list[int], policies: int) ->
     return [Slot(policy, 0, i, step_prompts[i]) for policy in range(policies) for i in positions]
 
 
-def extra_round(round_index: int, drawn: list[int]) -> list[Slot]:
-    """The slots of dynamic sampling's round `round_index`, which draws these prompts (one policy: a run of several
-    refuses dynamic sampling)."""
-    return [Slot(0, round_index, i, prompt) for i, prompt in enumerate(drawn)]
+def extra_round(round_index: int, drawn: list[int], policy: int = 0) -> list[Slot]:
+    """The slots of dynamic sampling's round `round_index`, in which `policy` draws these prompts (each policy of a
+    run of several that still needs groups draws the same list, as a run of it alone would)."""
+    return [Slot(policy, round_index, i, prompt) for i, prompt in enumerate(drawn)]

@@ -113,10 +113,18 @@ def _sampler(s: Session, step: int, timings: Timings):
     return sample
 
 
-def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: Timings
-                  ) -> tuple[Batch | None, CollectStats, Rollout | None]:
-    """The step's batch (None: dynamic sampling kept no group on this rank), the sampling statistics and a row of a
-    dropped group, on the model's device (None: none was dropped)."""
+@dataclass
+class Collected:
+    """What a step's sampling gathered on this rank."""
+
+    batch: Batch | None  # None: dynamic sampling kept no group on this rank
+    stats: CollectStats  # the step's sampling statistics: every policy's groups, each round once
+    policy_stats: list[CollectStats]  # each policy's own (a run's only policy: the step's)
+    dropped_row: Rollout | None  # a row of a dropped group, on the model's device (None: none was dropped)
+
+
+def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: Timings) -> Collected:
+    """The step's batch, its sampling statistics and a row of a dropped group."""
     cfg, P = s.cfg, s.cfg.train.prompts_per_step
     step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
     copies = len(s.policies)  # each policy samples every prompt of the step
@@ -125,22 +133,26 @@ def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: T
     extra = ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, step_prompts)
 
     def more_slots(round_index: int) -> list[Slot]:
-        return s.world.share(extra_round(round_index, extra(round_index)))  # every rank draws the same list
+        # every rank draws the same list, and every policy the same prompts: the collector samples those of the
+        # policies that still need groups
+        drawn = extra(round_index)
+        return [slot for k in range(copies) for slot in s.world.share(extra_round(round_index, drawn, k))]
 
     collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
                           step_seed(cfg, step), owner=lambda slot: slot.policy)
     with s.sampling_scope():  # train.fsdp: one scope where ranks call the sampler a different number of times
         groups = collector.collect(my_slots, more_slots)
     dropped_row = None if collector.dropped_row is None else collector.dropped_row.to(s.device)
+    policy_stats = [collector.owner_stats[k] for k in range(copies)]
     if not groups:
-        return None, collector.stats, dropped_row
+        return Collected(None, collector.stats, policy_stats, dropped_row)
     rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
     expected = cfg.algo.replay.ratio * len(groups)
     replayed = replay.draw(replay_count(expected, cfg.train.seed, step, s.world.rank), step) if replay else []
     # from here to the update the rollout stays on the model's device (the built-in sampler's is there already;
     # transformers generate's, an episode's and the replay buffer's groups are built or kept on the host)
     rollout = concat_rollouts([r.to(s.device) for r in [rollout] + [g.rollout for g in replayed]], s.tok.pad_id)
-    return Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats, dropped_row
+    return Collected(Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats, policy_stats, dropped_row)
 
 
 class ExtraPrompts:
@@ -232,17 +244,21 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     'policies' (train/policies.py split_metrics); the sampled rows, for samples.jsonl)."""
     cfg = s.cfg
     t_start, timings = time.perf_counter(), Timings()
-    batch, stats, dropped_row = collect_batch(s, step, replay, timings)
+    collected = collect_batch(s, step, replay, timings)
+    batch, stats, policy_stats = collected.batch, collected.stats, collected.policy_stats
     sampled = s.source.take_metrics()  # episodes: each policy's turns, tool calls, ... of this step
     t_collected = time.perf_counter()
-    ranks_with_groups = all_reduce_sums(s.world, [float(batch is not None)])[0]
+    # over all ranks: how many hold groups, and each policy's groups (dynamic sampling may leave one with none)
+    mine = [] if batch is None else [g.slot.policy for g in batch.groups]
+    ranks_with_groups, *policy_groups = all_reduce_sums(s.world, [float(batch is not None)]
+                                                        + [float(mine.count(p.index)) for p in s.policies])
     if batch is None and ranks_with_groups:  # data parallel: other ranks train, this one adds zeros
-        return _empty_rank_update(s, step, stats, timings, t_start, sampled, dropped_row), []
+        return _empty_rank_update(s, step, collected, timings, t_start, sampled, policy_groups), []
     if batch is None:  # dynamic sampling kept no group: nothing to learn from this step (replay waits too)
         return {"step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
                 "step_s": t_collected - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-                "policies": {p.name: {"skipped_update": 1, "trained_frac": 0.0, "lr": _skip_update(s, p),
-                                      **sampled.get(p.index, {})} for p in s.policies}}, []
+                "policies": {p.name: {**collect_metrics(draw, cfg), **_skip_update(s, p), **sampled.get(p.index, {})}
+                             for p, draw in zip(s.policies, policy_stats)}}, []
     rollout = batch.rollout
     mask_BT = loss_mask(s, batch)
 
@@ -271,28 +287,25 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
             updates = accumulate_gradient_per_policy(s.model, s.algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
                                                      s.world, prefix, s.adapter)
         t_optim = time.perf_counter()
-        for update, p, lr in zip(updates, s.policies, lrs):
-            update |= optimizer_step(p.params, p.optimizer, p.scheduler, cfg.train.max_grad_norm,
-                                     update["loss"]) | {"lr": lr}
+        updates = [_policy_step(p, update, lr, cfg.train.max_grad_norm, trained=bool(groups))
+                   for update, p, lr, groups in zip(updates, s.policies, lrs, policy_groups)]
         optim_s += time.perf_counter() - t_optim
     t_end = time.perf_counter()
     stored = store_groups(s, batch, advantages, mask_BT, replay, step) if replay is not None else None
 
+    # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares); a policy
+    # without groups on this rank has its sampling statistics and the update's (over every rank)
     parts = _policy_batches(batch, len(s.policies))
-    # several policies draw one round (the config refuses dynamic sampling with them), so each one's sampling
-    # statistics are its groups' (adaptive retries included); a run's only policy has the collector's
-    draws = [stats] if len(s.policies) == 1 else [CollectStats.of_one_round(part.groups, cfg.algo.adaptive)
-                                                  for part in parts]
-    # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares)
     metrics = {
         "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
         "prefix_s": passes.prefix_s, "ref_s": passes.ref_s, "old_s": passes.old_s, "train_s": t_end - t_old - optim_s,
         "optim_s": optim_s,
         "gen_tokens": int(rollout.trained_mask_BTc[:batch.num_fresh].sum()),
-        "policies": {p.name: {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(draw, cfg),
-                              **sampled.get(p.index, {})}
-                     for p, update, part, draw in zip(s.policies, updates, parts, draws) if part.groups},
+        "policies": {p.name: {**(reward_metrics(part) if part.groups else {}), **update,
+                              **(rollout_metrics(part) if part.groups else {"gen_tokens": 0}),
+                              **collect_metrics(draw, cfg), **sampled.get(p.index, {})}
+                     for p, update, part, draw in zip(s.policies, updates, parts, policy_stats)},
     }
     first_params = s.policies[0].params
     if first_params and first_params[0].is_cuda:
@@ -326,17 +339,19 @@ def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
     return parts
 
 
-def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timings, t_start: float,
-                       sampled: dict[int, dict], dropped_row: Rollout | None) -> dict:
+def _empty_rank_update(s: Session, step: int, collected: Collected, timings: Timings, t_start: float,
+                       sampled: dict[int, dict], policy_groups: list[float]) -> dict:
     """A rank without groups this step takes part in every policy's update, adding nothing. On a sharded base it
     also makes the other ranks' passes through the layers, with a row it dropped (dynamic sampling dropped every
-    group it drew), whose results it drops in turn."""
+    group it drew), whose results it drops in turn. policy_groups: each policy's groups over all ranks."""
     padding = None
     if s.sharded is not None:
+        dropped_row = collected.dropped_row
         if dropped_row is None:  # only dynamic sampling leaves a rank without groups, and it dropped them
             raise RuntimeError("a rank without groups on a sharded base has no dropped row to pad its passes with")
         with trainer_precision(s.model, s.cfg.train.autocast):
-            passes = logprob_passes(s, dropped_row, None, *_phases(s))
+            # through the first policy where there are several: the results are dropped
+            passes = logprob_passes(s, dropped_row, torch.zeros(1, dtype=torch.long, device=s.device), *_phases(s))
         padding = ZeroPasses(s.model, dropped_row, s.cfg.train.logprob_chunk_tokens, passes.prefix)
     updates = [{} for _ in s.policies]
     for _ in range(s.cfg.algo.num_iterations):
@@ -344,23 +359,40 @@ def _empty_rank_update(s: Session, step: int, stats: CollectStats, timings: Timi
         with trainer_precision(s.model, s.cfg.train.autocast):
             updates = contribute_nothing(s.world, s.model, s.algo, s.cfg.algo, s.adapter, [p.beta for p in s.policies],
                                          padding)
-        for update, p, lr in zip(updates, s.policies, lrs):  # the whole batch's metrics
-            update |= optimizer_step(p.params, p.optimizer, p.scheduler, s.cfg.train.max_grad_norm, update["loss"])
-            update["lr"] = lr
-    return {"step": step + 1, **collect_metrics(stats, s.cfg), "temperature": step_params(s.cfg, step).temperature,
+        updates = [_policy_step(p, update, lr, s.cfg.train.max_grad_norm, trained=bool(groups))  # the whole batch's
+                   for update, p, lr, groups in zip(updates, s.policies, lrs, policy_groups)]
+    return {"step": step + 1, **collect_metrics(collected.stats, s.cfg),
+            "temperature": step_params(s.cfg, step).temperature,
             "step_s": time.perf_counter() - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-            "policies": {p.name: {**collect_metrics(stats, s.cfg), **update, **sampled.get(p.index, {})}
-                         for p, update in zip(s.policies, updates)}}
+            "policies": {p.name: {**collect_metrics(draw, s.cfg), **update, **sampled.get(p.index, {})}
+                         for p, update, draw in zip(s.policies, updates, collected.policy_stats)}}
 
 
-def _skip_update(s: Session, policy) -> float:
-    """A step without an update still advances the policy's schedule, as if it had run -> its lr at the step."""
-    lr = policy.scheduler.get_last_lr()[0]
-    with warnings.catch_warnings():  # torch warns about a schedule stepped without an optimizer step
+def _policy_step(policy, update: dict, lr: float, max_grad_norm: float | None, trained: bool) -> dict:
+    """One update of a policy -> its update's metrics and lr. A policy that kept no group on any rank this step
+    (dynamic sampling) skips its optimizer step and only advances its schedule, as a run of it alone skips the
+    update of a step without groups."""
+    if not trained:
+        _advance_schedule(policy)
+        return {"skipped_update": 1, "trained_frac": 0.0, "lr": lr}
+    return update | optimizer_step(policy.params, policy.optimizer, policy.scheduler, max_grad_norm,
+                                   update["loss"]) | {"lr": lr}
+
+
+def _advance_schedule(policy) -> None:
+    """One schedule step without an optimizer step (torch warns about that order: silenced)."""
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        for _ in range(s.cfg.algo.num_iterations):
-            policy.scheduler.step()
-    return lr
+        policy.scheduler.step()
+
+
+def _skip_update(s: Session, policy) -> dict:
+    """A step without an update still advances the policy's schedule, as if it had run -> its metrics: skipped,
+    nothing trained, its lr at the step."""
+    lr = policy.scheduler.get_last_lr()[0]
+    for _ in range(s.cfg.algo.num_iterations):
+        _advance_schedule(policy)
+    return {"skipped_update": 1, "trained_frac": 0.0, "lr": lr}
 
 
 def reward_metrics(batch: Batch) -> dict:

@@ -40,8 +40,16 @@ DYNAMIC_EMPTY = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 0,
                  "rewards": "[{fn: rewards_for_tests.chance_binary, args: {share: 0.1}}]"}
 
 
-@pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE, DYNAMIC, DYNAMIC_EMPTY],
-                         ids=["completions", "episodes", "adaptive", "dynamic", "dynamic-empty"])
+# batch-wide statistics: each policy's advantages whitened over its own rows; REINFORCE++ also puts each policy's own
+# KL coefficient (0 and 0.1) into its rewards
+BATCH_STATS = {"algo.adv_scale": "batch"}
+REINFORCE_PP = {"algo.name": "reinforce_pp"}
+
+
+@pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE, DYNAMIC, DYNAMIC_EMPTY,
+                                   BATCH_STATS, REINFORCE_PP],
+                         ids=["completions", "episodes", "adaptive", "dynamic", "dynamic-empty", "batch-stats",
+                              "reinforce-pp"])
 def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra):
     """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
     from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0; the sampling
@@ -131,8 +139,6 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
 @pytest.mark.parametrize("extra,message", [
     ({}, "policies: the name 'a' is given twice"),
     ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
-    ({"algo.adv_scale": "batch"}, "do not support batch-wide advantage statistics"),
-    ({"algo.name": "reinforce_pp"}, "do not support batch-wide advantage statistics"),
     ({"algo.replay.enabled": "true"}, "do not support algo.replay yet"),
     ({"molora.num_experts": 2, "lora.rank": 16}, "do not support a molora section yet"),
     ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},
@@ -190,17 +196,18 @@ def test_an_adapter_outside_the_decoder_layers_is_refused_on_the_model(tiny_mode
         mlr.attach_policies(base, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]), ["a", "b"], [1, 2])
 
 
-@pytest.mark.slow  # 46 s: the default suite keeps the policies on 2 data-parallel ranks in tests/test_fsdp.py
-def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path):
+@pytest.mark.slow  # 46 s each: the default suite keeps the policies on 2 data-parallel ranks in tests/test_fsdp.py
+@pytest.mark.parametrize("algo", ["grpo", "reinforce_pp"])
+def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path, algo):
     """torchrun with 2 ranks x 3 policies against 1 rank: each rank samples and trains its share of the step's
-    prompts for every policy, and each policy's metrics are merged over the ranks. One micro-batch per group (see
-    test_distributed.py): the adapters agree to 1e-6, the completions, per-policy losses, grad norms, rewards and
-    held-out results too; every policy's adapter is the same on both ranks after every step
-    (adapter_rank_divergence 0)."""
+    prompts for every policy, and each policy's metrics are merged over the ranks (reinforce_pp: each policy's
+    batch-wide statistics summed over the ranks). One micro-batch per group (see test_distributed.py): the adapters
+    agree to 1e-6, the completions, per-policy losses, grad norms, rewards and held-out results too; every
+    policy's adapter is the same on both ranks after every step (adapter_rank_divergence 0)."""
     from test_distributed import _run
 
     common = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
-              "train.steps": 2, "train.lr": 0.05, "algo.beta": 0.04, "train.threads": 1,
+              "train.steps": 2, "train.lr": 0.05, "algo.beta": 0.04, "train.threads": 1, "algo.name": algo,
               "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "eval.before": "false"}
     specs = _policies_arg([{"name": "a", "seed": 1}, {"name": "b", "lr": 0.01, "seed": 2}, {"name": "c", "seed": 3}])
     outs = {}

@@ -309,11 +309,6 @@ REFUSALS: tuple[Refusal, ...] = (
               "adapter)", MOLORA, "policies-molora"),
     _policies(lambda cfg: _traits(cfg).critic, "algo.name=ppo", "use a group algorithm such as grpo",
               ("algo.name=ppo",), "policies-ppo"),
-    _policies(_batch_statistics, lambda cfg: "batch-wide advantage statistics (" + (
-              f"{cfg.algo.name} whitens over the batch" if _traits(cfg).batch_statistics
-              else f"algo.adv_scale={cfg.algo.adv_scale}") + ")",
-              "use group statistics (e.g. grpo with algo.adv_scale=group)",
-              ("algo.adv_scale=batch",), "policies-batch-statistics"),
     _policies(lambda cfg: cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false",
               ("algo.replay.enabled=true",), "policies-replay"),
     # the output layer by name, before the model loads (models/multi_lora.attach_policies checks the modules too)

@@ -3,6 +3,7 @@ groups -> reference/old log-probs -> advantages -> update(s) -> metrics. Any alg
 
 from __future__ import annotations
 
+import bisect
 import functools
 import random
 import time
@@ -194,19 +195,35 @@ def loss_mask(s: Session, batch: Batch) -> torch.Tensor:
 
 
 def advantages_of(s: Session, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
-    """Fresh rows' advantages from the algorithm, then the replayed rows' stored ones: one per token, [B, T]."""
+    """Fresh rows' advantages from the algorithm, each policy's over its own groups (batch-wide statistics and a KL
+    in the reward with its own beta, as in a run of it alone), then the replayed rows' stored ones: one per token,
+    [B, T]. Data parallel: a batch-wide statistic sums over the ranks, policy by policy (every rank holds groups of
+    every policy: the config refuses batch-wide statistics with dynamic sampling across ranks)."""
     cfg, G = s.cfg.algo, s.cfg.rollout.num_generations
-    fresh = slice(0, batch.num_fresh)
-    kl_BT = None
-    if s.algo.kl_in_reward and ref_logp is not None:
-        kl_BT = old_logp[fresh] - ref_logp[fresh]  # k1 estimate of KL(pi_old || ref) per token
-    inputs = AdvantageInputs(batch.stats_rewards_P_S.to(mask_BT.device), mask_BT[fresh], cfg.adv_scale, cfg.adv_eps, cfg.beta, G, kl_BT,
-                             all_sum=lambda values: all_reduce_sums(s.world, values))  # batch statistics: all ranks
-    advantages_BT = s.algo.advantages_BT(inputs)
+    parts = []
+    for policy, (first, end) in zip(s.policies, _policy_blocks(batch.groups, len(s.policies))):
+        if first == end:  # dynamic sampling kept none of its groups
+            continue
+        rows = slice(first * G, end * G)
+        kl_BT = None
+        if s.algo.kl_in_reward and ref_logp is not None:
+            kl_BT = old_logp[rows] - ref_logp[rows]  # k1 estimate of KL(pi_old || ref) per token
+        inputs = AdvantageInputs(batch.stats_rewards_P_S[first:end].to(mask_BT.device), mask_BT[rows], cfg.adv_scale,
+                                 cfg.adv_eps, policy.beta, G, kl_BT,
+                                 all_sum=lambda values: all_reduce_sums(s.world, values))  # batch statistics: all ranks
+        parts.append(s.algo.advantages_BT(inputs))
     width = mask_BT.shape[1]
     stored = [torch.nn.functional.pad(g.advantages_GT.to(mask_BT.device), (0, width - g.advantages_GT.shape[1]))
               for g in batch.replayed]
-    return torch.cat([advantages_BT] + stored) if stored else advantages_BT
+    return torch.cat(parts + stored)
+
+
+def _policy_blocks(groups: list[Group], num_policies: int) -> list[tuple[int, int]]:
+    """(first, end) group indices of each policy's groups, which come policy by policy (Collector.collect's order)."""
+    policy_G = [g.slot.policy for g in groups]
+    if policy_G != sorted(policy_G):
+        raise RuntimeError("a step's groups are not ordered policy by policy")
+    return [(bisect.bisect_left(policy_G, k), bisect.bisect_right(policy_G, k)) for k in range(num_policies)]
 
 
 def behaviour(s: Session, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -320,8 +337,8 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
 def _phases(s: Session) -> tuple[bool, bool]:
     """(need_ref, need_old): whether the step computes the reference log-probs (a policy has a KL term) and the
     old policy's (several updates per batch, or a KL penalty in the reward)."""
-    need_old = s.cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and s.cfg.algo.beta > 0)
-    return max(p.beta for p in s.policies) > 0, need_old
+    need_ref = max(p.beta for p in s.policies) > 0
+    return need_ref, s.cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and need_ref)
 
 
 def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:

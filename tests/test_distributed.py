@@ -350,15 +350,37 @@ def test_sft_resumes_under_torchrun(tiny_model_dir, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["tokens"] == b["tokens"]
 
 
-def test_sft_with_molora_refuses_torchrun(tmp_path):
-    from rlora.config import SFTConfig
-    from rlora.train.supervised import check_inputs
+# ~25 s each on a 2-core CPU (two launches): the token router with hydra by default, the sequence router slow
+@pytest.mark.parametrize("setting", ["token-hydra", pytest.param("sequence-top2", marks=pytest.mark.slow)])
+def test_sft_of_a_molora_two_ranks_equal_one_rank(setting, tiny_model_dir, tmp_path):
+    """rlora sft with a molora section on 2 ranks against 1: each rank routes and trains its half of every batch,
+    and the routers' batch-wide auxiliary loss sums its statistics over the ranks (models/molora/batch_aux.py), so
+    the gradient is the one process's. The saved MoLoRA folder, losses (task and auxiliary), router metrics and
+    held-out losses agree."""
+    from safetensors.torch import load_file as load
+    from test_molora_sft import ROWS, SETTINGS, molora_config
+    from test_sft import write_jsonl
+    from rlora.models import molora as ml
 
-    cfg = SFTConfig(model={"path": "m"}, data={"path": "rows.jsonl"}, molora={"num_experts": 2},
-                    train={"output_dir": str(tmp_path / "o"), "batch_size": 4, "micro_batch_size": 2})
-    with pytest.raises(UserError, match="rlora sft with a molora section does not run under torchrun yet"):
-        check_inputs(cfg, world=World(0, 2))
-    assert not (tmp_path / "o").exists()
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    outs = {}
+    for nproc in (1, 2):
+        outs[nproc] = tmp_path / f"ranks{nproc}"
+        config = molora_config(tmp_path, tiny_model_dir, data, SETTINGS[setting], steps=3, lr=0.05, threads=1,
+                               eval_every=2, output_dir=str(outs[nproc]))
+        done = _run_command(nproc, ["sft", config])
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load(str(outs[n] / "adapter" / ml.WEIGHTS_FILE)) for n in (1, 2))
+    assert one.keys() == two.keys()
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6
+    assert any(float(v.abs().max()) > 0 for k, v in two.items() if k.endswith("molora_B"))  # it learnt
+    rows = {n: [json.loads(line) for line in (outs[n] / "metrics.jsonl").read_text().splitlines()] for n in (1, 2)}
+    for a, b in zip(rows[1], rows[2], strict=True):
+        assert a["tokens"] == b["tokens"] and ("eval_loss" in a) == ("eval_loss" in b)
+        keys = ["loss", "aux_loss", "grad_norm", "molora/balance", "molora/entropy"] + ["eval_loss"] * ("eval_loss" in a)
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-6), key
+    assert sum("eval_loss" in a for a in rows[1]) == 2  # steps 2 and 3
 
 
 @pytest.mark.parametrize("command", [["eval"], ["chat"], ["merge", "adapter", "-o", "out"], ["plot", "run"]])

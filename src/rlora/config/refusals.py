@@ -350,10 +350,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("ranks-hf-engine", ("train",), lambda cfg, ranks: ranks > 1 and cfg.rollout.engine != "builtin",
             "data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is split across "
             "ranks)", HF, launch=True),
-    Refusal("ranks-molora-supervised", ("sft",), lambda cfg, ranks: ranks > 1 and cfg.molora is not None,
-            # the batch-wide auxiliary loss sums over ranks (models/molora/batch_aux.py), untested under torchrun
-            "rlora sft with a molora section does not run under torchrun yet: run it in one process", MOLORA,
-            launch=True),
 )
 
 

@@ -11,10 +11,10 @@ import torch
 from rlora.algos.advantages import group_advantages, per_token
 from rlora.config import AlgoConfig
 from rlora.rewards.scoring import Scores
-from rlora.train.collect import Collector, assemble, fails, is_flat
+from rlora.train.collect import Collector, Group, assemble, fails, is_flat
 from rlora.train.policies import row_policies
 from rlora.train.slots import Slot, extra_round, first_round
-from rlora.train.step import _sampling_args
+from rlora.train.step_batch import _sampling_args
 from rlora.types import Rollout, SamplingParams
 
 G = 4
@@ -234,7 +234,8 @@ def test_loss_mask_and_behaviour_of_a_batch_with_replayed_groups():
     from rlora.config import RLConfig
     from rlora.batching import concat_rollouts
     from rlora.train.replay import StoredGroup
-    from rlora.train.step import Batch, behaviour, loss_mask
+    from rlora.train.step import behaviour, loss_mask
+    from rlora.train.step_batch import Batch
 
     fresh, scores = ScriptedSampler({0: [[1.0, math.nan, 0.0, 0.0]]})([0], [BASE], 0)
     fresh.finish_reasons = ["stop", "stop", "length", "stop"]
@@ -267,15 +268,19 @@ def test_a_batch_with_replayed_groups_has_advantages_per_token(name):
     from rlora.config import RLConfig
     from rlora.train.distributed import World
     from rlora.train.replay import StoredGroup
-    from rlora.train.step import Batch, advantages_of, loss_mask
+    from rlora.train.step import advantages_of, loss_mask
+    from rlora.train.step_batch import Batch
 
     fresh, scores = ScriptedSampler({0: [[1.0, 0.0, 0.5, 0.0]]})([0], [BASE], 0)  # 3 tokens
     old, _ = ScriptedSampler({1: [[0, 1, 0, 0]]}, length=5)([1], [BASE], 0)
     stored_GT = torch.arange(20.0).view(G, 5) * old.completion_mask_BTc  # what a REINFORCE++ step stored
     stored = StoredGroup(old, stored_GT, old.completion_mask_BTc, step=1)
-    batch = Batch(concat_rollouts([fresh, old], 0), scores, scores.total_B.view(1, G), [], [stored])
-    cfg = RLConfig.model_validate({"data": {"task": "chain_sum"}, "rewards": [{"fn": "gym"}], "algo": {"name": name}})
-    s = SimpleNamespace(cfg=cfg, algo=get_algorithm(name), world=World())
+    group = Group(Slot(0, 0, 0, prompt=0), fresh, scores, torch.zeros(G, dtype=torch.float64))
+    batch = Batch(concat_rollouts([fresh, old], 0), scores, scores.total_B.view(1, G), [group], [stored])
+    cfg = RLConfig.model_validate({"data": {"task": "chain_sum"}, "rewards": [{"fn": "gym"}], "algo": {"name": name},
+                                   "rollout": {"num_generations": G}})
+    s = SimpleNamespace(cfg=cfg, algo=get_algorithm(name), world=World(),
+                        policies=[SimpleNamespace(index=0, beta=cfg.algo.beta)])
     mask = loss_mask(s, batch)
     advantages = advantages_of(s, batch, mask, None, None)
     assert advantages.shape == mask.shape == (8, 5) and torch.equal(advantages[G:], stored_GT)
@@ -289,7 +294,7 @@ def test_a_batch_with_replayed_groups_has_advantages_per_token(name):
 
 
 def test_extra_prompts_never_repeat_within_a_step_and_are_seeded():
-    from rlora.train.step import ExtraPrompts
+    from rlora.train.step_batch import ExtraPrompts
 
     extra = ExtraPrompts(num_prompts=10, count=3, seed=0, step=4, first=[0, 1, 2])
     rounds = [extra(1), extra(2)]
@@ -301,7 +306,7 @@ def test_extra_prompts_never_repeat_within_a_step_and_are_seeded():
 
 
 def test_replay_count_rounds_stochastically_to_the_expected_number():
-    from rlora.train.step import replay_count
+    from rlora.train.step_batch import replay_count
 
     counts = [replay_count(0.5, seed=0, step=s) for s in range(400)]
     assert set(counts) == {0, 1} and abs(sum(counts) / 400 - 0.5) < 0.08

@@ -149,7 +149,7 @@ UNEVEN_RANKS = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 1, "re
 def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
     """Ranks with different numbers of rows, and a rank with none, pair their passes through the sharded layers.
     Prompts 0, 1, 4, 6 and 7 give flat groups; 4 prompts a step, one extra round (its prompts drawn as
-    step.ExtraPrompts draws them with data seed 0: [6, 4, 5, 7] in step 1, [1, 2, 0, 3] in step 2, [7, 6, 5, 4] in
+    step_batch.ExtraPrompts draws them with data seed 0: [6, 4, 5, 7] in step 1, [1, 2, 0, 3] in step 2, [7, 6, 5, 4] in
     step 3, half to each rank). Steps 1 and 3: rank 0 drops its prompts 0 and 1, draws 6 and 4 (or 7 and 6), drops
     them too and keeps nothing, while rank 1 keeps 2 and 3 from its one draw. Step 2: rank 0 keeps 5 and 2 (8 rows),
     rank 1 only 3, and replays 2 of the groups it stored in step 1 (algo.replay.ratio=2: 4 + 8 rows), while rank

@@ -17,7 +17,7 @@ from rlora.errors import Terminated, UserError
 from rlora.train import grpo, supervised
 from rlora.train.lifecycle import kept_on_stop, stop_status
 from rlora.train.outputs import RunDir
-from rlora.train.step import RewardFailure
+from rlora.train.step_batch import RewardFailure
 
 
 def test_the_status_names_what_stopped_the_run():

@@ -139,5 +139,17 @@ def test_a_replay_checkpoint_from_before_holds_one_advantage_per_completion(tiny
     saved = [{"rollout": vars(rollout), "advantages_G": torch.tensor([0.5, -0.5, 1.0, -1.0]), "loss_mask_GT": mask,
               "step": 1, "uses": 0}]
     buffer = ReplayBuffer(ReplayConfig(), seed=0)
-    _load_replay(buffer, saved, world_size=1)
+    _load_replay(buffer, saved, world_size=1, policy=0)
     assert torch.equal(buffer.groups[0].advantages_GT, per_token(torch.tensor([0.5, -0.5, 1.0, -1.0]), mask))
+
+
+def test_replay_checkpoints_of_every_format_give_each_policy_its_entry():
+    """replay.pt as written since several policies replay ({"policies": [each policy's {"ranks": ...}]}), as written
+    before by a run of one policy ({"ranks": [...]}) and before data-parallel replay (one rank's list)."""
+    from rlora.train.resume import _replay_policies, _replay_ranks
+
+    group = {"step": 1}
+    assert [_replay_ranks(e) for e in _replay_policies({"policies": [{"ranks": [[group]]}, {"ranks": [[]]}]})] == \
+        [[[group]], [[]]]
+    assert [_replay_ranks(e) for e in _replay_policies({"ranks": [[group], []]})] == [[[group], []]]
+    assert [_replay_ranks(e) for e in _replay_policies([group])] == [[[group]]]

@@ -44,12 +44,16 @@ DYNAMIC_EMPTY = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 0,
 # KL coefficient (0 and 0.1) into its rewards
 BATCH_STATS = {"algo.adv_scale": "batch"}
 REINFORCE_PP = {"algo.name": "reinforce_pp"}
+# experience replay: each policy stores its own groups and replays them in later steps (its own buffer; 0.75 x 2 groups
+# rounded at random with its own seed: the policies replay different numbers), its replayed rows weighted against
+# its own sampler log-probs
+REPLAY = {"algo.replay.enabled": "true", "algo.replay.ratio": 0.75, "train.steps": 3}
 
 
 @pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE, DYNAMIC, DYNAMIC_EMPTY,
-                                   BATCH_STATS, REINFORCE_PP],
+                                   BATCH_STATS, REINFORCE_PP, REPLAY],
                          ids=["completions", "episodes", "adaptive", "dynamic", "dynamic-empty", "batch-stats",
-                              "reinforce-pp"])
+                              "reinforce-pp", "replay"])
 def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra):
     """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
     from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0; the sampling
@@ -80,7 +84,7 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     shared = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {"slow/reward_mean", "fast/reward_mean", "slow/lr", "step_s"} <= set().union(*shared)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    rounds, skipped = {}, {}
+    rounds, skipped, replayed = {}, {}, {}
     for spec in specs:
         alone = tmp_path / spec["name"]
         args = tiny_overrides(tiny_model_dir, prompts_file, str(alone), **{**common, "train.lr": spec["lr"],
@@ -91,10 +95,11 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         theirs = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
         ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
         trained = [r for r in ours if not r["skipped_update"]]
-        assert len(ours) == len(theirs) == 2 and trained and all((r["kl"] is None) == (spec["beta"] == 0) for r in trained)
+        assert len(ours) == len(theirs) == int(extra.get("train.steps", 2)) and trained and all((r["kl"] is None) == (spec["beta"] == 0) for r in trained)
         if extra is ADAPTIVE:
             assert [r["resamples"] for r in ours] == [1, 0] and ours[0]["frac_zero_var_after_resample"] == 0.5
         rounds[spec["name"]], skipped[spec["name"]] = [r["sampling_rounds"] for r in ours], [r["skipped_update"] for r in ours]
+        replayed[spec["name"]] = [r.get("replay_groups") for r in ours]
         for a, b in zip(ours, theirs):  # every metric a run of the policy alone writes, but the timings
             assert a["lr"] == spec["lr"]
             if b["skipped_update"] and not b["trained_frac"]:  # it kept no group: beside the step's timings, 0 tokens
@@ -127,6 +132,8 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         assert rounds == {"slow": [2, 1], "fast": [2, 2]}
     if extra is DYNAMIC_EMPTY:
         assert skipped == {"slow": [0, 0], "fast": [1, 0]}
+    if extra is REPLAY:
+        assert replayed == {"slow": [0, 1, 2], "fast": [0, 2, 1]}
     moved = [load_file(str(out / "policies" / s["name"] / "adapter" / "adapter_model.safetensors")) for s in specs]
     assert any(not torch.equal(moved[0][k], moved[1][k]) for k in moved[0])
     # `rlora eval RUN` of a run of several policies evaluates the base and every policy's adapter
@@ -139,7 +146,6 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
 @pytest.mark.parametrize("extra,message", [
     ({}, "policies: the name 'a' is given twice"),
     ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
-    ({"algo.replay.enabled": "true"}, "do not support algo.replay yet"),
     ({"molora.num_experts": 2, "lora.rank": 16}, "do not support a molora section yet"),
     ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},
      "do not support rollout.engine=hf yet"),
@@ -235,10 +241,12 @@ def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, 
 
 def test_policies_resume_exactly(tiny_model_dir, prompts_file, tmp_path, capsys):
     """4 steps straight == 3 steps (checkpoints at 2 and 3), the step-3 checkpoint lost, resume from 2, on to 4:
-    every policy's adapter and optimizer come back, the same completions are drawn, step 3 is logged once."""
+    every policy's adapter, optimizer and replay buffer come back, the same completions are drawn and the same
+    groups replayed, step 3 is logged once."""
     import shutil
 
-    common = {"train.checkpoint_every": 2, "train.sample_every": 1, "algo.beta": 0.04, "eval.after": "false"}
+    common = {"train.checkpoint_every": 2, "train.sample_every": 1, "algo.beta": 0.04, "eval.after": "false",
+              "algo.replay.enabled": "true", "algo.replay.ratio": 0.75}
     specs = _policies_arg([{"name": "a", "lr": 0.01}, {"name": "b", "lr": 0.03, "seed": 2}])
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(straight), **common, **{"train.steps": 4}),
@@ -253,7 +261,9 @@ def test_policies_resume_exactly(tiny_model_dir, prompts_file, tmp_path, capsys)
     for name in ("a", "b"):
         logged = [(out / "policies" / name / "metrics.jsonl").read_text().splitlines() for out in (straight, resumed)]
         assert [json.loads(line)["step"] for line in logged[1]] == [1, 2, 3, 4]
-        assert [json.loads(line)["reward_mean"] for line in logged[0]] == [json.loads(line)["reward_mean"] for line in logged[1]]
+        for key in ("reward_mean", "replay_groups", "replay_buffer", "loss"):
+            assert [json.loads(line)[key] for line in logged[0]] == [json.loads(line)[key] for line in logged[1]], key
+        assert sum(json.loads(line)["replay_groups"] for line in logged[1][2:]) > 0  # groups stored before the resume
         a, b = (load_file(str(out / "policies" / name / "adapter" / "adapter_model.safetensors")) for out in (straight, resumed))
         assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     samples = [[(json.loads(line)["step"], json.loads(line)["policy"], json.loads(line)["completion"])

@@ -288,7 +288,7 @@ def test_frozen_lower_layers_stay_shared_beside_a_reward_adapter(tiny_model_dir,
     """Policy on the top layer only, reward adapter on every layer: the lower layer is still shared (the reward
     adapter is never active in a log-prob pass), and the shared path computes what the plain forward does."""
     from rlora.models.frozen_prefix import FrozenPrefix
-    from rlora.train.step import step_params
+    from rlora.train.step_batch import step_params
     from rlora.train.update import batched_logprobs
 
     args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), rewards=(

@@ -309,8 +309,6 @@ REFUSALS: tuple[Refusal, ...] = (
               "adapter)", MOLORA, "policies-molora"),
     _policies(lambda cfg: _traits(cfg).critic, "algo.name=ppo", "use a group algorithm such as grpo",
               ("algo.name=ppo",), "policies-ppo"),
-    _policies(lambda cfg: cfg.algo.replay.enabled, "algo.replay", "set algo.replay.enabled=false",
-              ("algo.replay.enabled=true",), "policies-replay"),
     # the output layer by name, before the model loads (models/multi_lora.attach_policies checks the modules too)
     Refusal("policies-output-layer", ("train",),
             lambda cfg: cfg.policies is not None and isinstance(cfg.lora.target_modules, list)

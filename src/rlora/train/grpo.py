@@ -23,7 +23,7 @@ from rlora.train.metrics import merge_metrics
 from rlora.train.lifecycle import kept_on_stop
 from rlora.train.outputs import RunDir, to_json
 from rlora.train.ppo_step import ppo_step
-from rlora.train.replay import ReplayBuffer
+from rlora.train.replay import ReplayBuffer, replay_buffers
 from rlora.train.resume import check_same_run, replay_state, restore_training_state, rng_state, save_training_state
 from rlora.train.session import Session, prepare
 from rlora.train.step import grpo_step
@@ -126,7 +126,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
         info("train.release_memory has no effect here (needs glibc)")
     s = prepare(cfg, world)
     n_trainable = _announce(s)
-    replay = ReplayBuffer(cfg.algo.replay, cfg.train.seed, world.rank) if cfg.algo.replay.enabled else None
+    replay = replay_buffers(cfg.algo.replay, [p.seed for p in s.policies], world.rank) if cfg.algo.replay.enabled \
+        else None
     first_step, train_s_before, evals = start(s, replay)
     sinks = Sinks(cfg, s.run_dir, first_step)  # TensorBoard, W&B, completions table (log.*)
     t0, last = time.perf_counter() - train_s_before, {}
@@ -185,10 +186,12 @@ def log_step(s: Session, step: int, metrics: dict, samples: list[dict], sinks: S
     return last
 
 
-def write_checkpoint(s: Session, done: int, replay: ReplayBuffer | None, train_s: float, eval_before: dict | None) -> None:
-    """The training state after `done` steps (rank 0 writes it; every rank's replay buffer goes in); a write that
+def write_checkpoint(s: Session, done: int, replay: list[ReplayBuffer] | None, train_s: float,
+                     eval_before: dict | None) -> None:
+    """The training state after `done` steps (rank 0 writes it; every rank's replay buffers go in); a write that
     fails stops every rank with the same one-line error."""
-    buffers = None if replay is None else gather_objects(s.world, replay_state(replay))  # every rank's
+    # each policy's buffer of every rank
+    buffers = None if replay is None else [gather_objects(s.world, replay_state(b)) for b in replay]
     rngs = gather_objects(s.world, rng_state())  # every rank's own: their dropout masks differ
     cause = None
     if s.world.is_main:

@@ -25,10 +25,8 @@ from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.precision import trainer_precision
 from rlora.models.value_model import Critic
 from rlora.batching import trim
-from rlora.train.step import (
-    Timings, collect_metrics, reward_metrics, rollout_metrics, sample_rows, behaviour, collect_batch, loss_mask,
-    step_params,
-)
+from rlora.train.step import collect_metrics, reward_metrics, rollout_metrics, sample_rows, behaviour, loss_mask
+from rlora.train.step_batch import Timings, collect_batch, step_params
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.train.fsdp import passes_to_add
 from rlora.train.optim import optimizer_step

@@ -26,11 +26,13 @@ class StoredGroup:
     loss_mask_GT: torch.Tensor
     step: int  # 1-based step it was sampled in
     uses: int = 0
+    policy: int = 0  # the policy that sampled it (its buffer's)
 
 
 class ReplayBuffer:
-    """One rank's buffer (data parallel: each rank stores and replays its own groups, drawing with its own
-    stream; rank 0's is the one-process stream)."""
+    """One rank's buffer of one policy's groups (data parallel: each rank stores and replays its own groups, drawing
+    with its own stream; rank 0's is the one-process stream. Several policies: each has its own, seeded by its seed,
+    as in a run of it alone: replay_buffers)."""
 
     def __init__(self, cfg: ReplayConfig, seed: int, rank: int = 0):
         self.cfg = cfg
@@ -63,3 +65,8 @@ class ReplayBuffer:
             group.uses += 1
         self.groups = deque(g for g in self.groups if g.uses < self.cfg.max_uses)
         return picked
+
+
+def replay_buffers(cfg: ReplayConfig, seeds: list[int], rank: int = 0) -> list[ReplayBuffer]:
+    """Each policy's buffer, by policy index, seeded by the policy's seed."""
+    return [ReplayBuffer(cfg, seed, rank) for seed in seeds]

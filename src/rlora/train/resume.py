@@ -4,7 +4,7 @@
                       MoLoRA policy its MoLoRA folder (experts and routers, models/molora/folder.py)
     trainer.pt        optimizer and scheduler state, RNG states of python/numpy/torch (and CUDA) of every rank, read back
                       with torch.load(weights_only=True): no pickled code is ever executed
-    replay.pt         the experience-replay buffer, when the run uses one
+    replay.pt         the experience-replay buffers, when the run uses them: each policy's, of every rank
     value_model/      PPO's critic (value adapter + head, models/value_model.py), when the run has one; its
                       optimizer state is the second param group of trainer.pt's optimizer
     policies/NAME/adapter/   with several policies (docs/policies.md), each one's adapter instead of adapter/
@@ -77,8 +77,15 @@ def replay_state(buffer: ReplayBuffer) -> list[dict]:
              "step": g.step, "uses": g.uses} for g in buffer.groups]
 
 
+def _replay_policies(saved) -> list:
+    """replay.pt's {"policies": [each policy's {"ranks": [...]}]} (or, from before several policies replayed, the
+    only policy's entry)."""
+    return saved["policies"] if isinstance(saved, dict) and "policies" in saved else [saved]
+
+
 def _replay_ranks(saved) -> list[list[dict]]:
-    """replay.pt's {"ranks": [each rank's groups]} (or, from before data-parallel replay, one rank's list)."""
+    """A policy's entry of replay.pt, {"ranks": [each rank's groups]} (or, from before data-parallel replay, one
+    rank's list)."""
     return saved["ranks"] if isinstance(saved, dict) else [saved]
 
 
@@ -87,13 +94,14 @@ def check_replay_ranks(folder: Path, world_size: int) -> None:
     with as many ranks."""
     if not (folder / "replay.pt").is_file():
         return
-    saved = len(_replay_ranks(safe_load(folder / "replay.pt")))
+    saved = len(_replay_ranks(_replay_policies(safe_load(folder / "replay.pt"))[0]))
     if saved != world_size:
         raise UserError(f"train.resume: the checkpoint holds the replay buffers of {saved} rank(s), this run has "
                         f"{world_size}: resume with --nproc_per_node {saved} (each rank keeps its own buffer)")
 
 
-def _load_replay(buffer: ReplayBuffer, saved, world_size: int) -> None:
+def _load_replay(buffer: ReplayBuffer, saved, world_size: int, policy: int) -> None:
+    """A policy's buffer on this rank from its entry of replay.pt."""
     ranks = _replay_ranks(saved)
     if len(ranks) != world_size:  # check_replay_ranks said so before loading; a safety net
         raise UserError(f"train.resume: the checkpoint holds the replay buffers of {len(ranks)} rank(s), this run "
@@ -103,7 +111,7 @@ def _load_replay(buffer: ReplayBuffer, saved, world_size: int) -> None:
     for g in groups:
         rollout = Rollout(**g["rollout"])
         buffer.groups.append(StoredGroup(select_rows(rollout, list(range(rollout.num_completions))),
-                                         _stored_advantages(g), g["loss_mask_GT"], g["step"], g["uses"]))
+                                         _stored_advantages(g), g["loss_mask_GT"], g["step"], g["uses"], policy))
 
 
 def _stored_advantages(group: dict) -> torch.Tensor:
@@ -113,10 +121,10 @@ def _stored_advantages(group: dict) -> torch.Tensor:
 
 
 def save_training_state(run_path: Path, step: int, cfg, adapter: PolicyAdapter, policies: list[Policy],
-                        replay: list[list[dict]] | None, train_s: float, eval_before: dict | None, critic=None,
+                        replay: list[list[list[dict]]] | None, train_s: float, eval_before: dict | None, critic=None,
                         rng_ranks: list[dict] | None = None) -> Path:
     """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints): every policy's adapter
-    (train/policies.py), optimizer and schedule. replay: every rank's replay_state; rng_ranks: every rank's
+    (train/policies.py), optimizer and schedule. replay: each policy's replay_state of every rank; rng_ranks: every rank's
     rng_state (None: this process's)."""
 
     def fill(folder: Path) -> None:
@@ -127,7 +135,7 @@ def save_training_state(run_path: Path, step: int, cfg, adapter: PolicyAdapter, 
         rngs = rng_ranks or [rng_state()]
         torch.save(trainer | {"rng": rngs[0], "rng_ranks": rngs}, folder / "trainer.pt")
         if replay is not None:
-            torch.save({"ranks": replay}, folder / "replay.pt")
+            torch.save({"policies": [{"ranks": ranks} for ranks in replay]}, folder / "replay.pt")
         if critic is not None:
             (folder / "value_model").mkdir()
             critic.save(folder / "value_model")
@@ -249,7 +257,8 @@ def check_fresh_folder(cfg, run_dir) -> None:
     run_dir.check_writable()
 
 
-def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[Policy], replay: ReplayBuffer | None,
+def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[Policy],
+                           replay: list[ReplayBuffer] | None,
                            critic=None, world_size: int = 1, rank: int = 0) -> None:
     trainer = safe_load(folder / "trainer.pt")
     # a checkpoint of one policy from before every run had a list of policies holds its states under these keys
@@ -265,7 +274,9 @@ def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[
         critic.restore(folder / "value_model")
     restore_rng(trainer, rank, world_size)
     if replay is not None and (folder / "replay.pt").is_file():
-        _load_replay(replay, safe_load(folder / "replay.pt"), world_size)
+        saved = _replay_policies(safe_load(folder / "replay.pt"))
+        for policy, (buffer, entry) in enumerate(zip(replay, saved, strict=True)):
+            _load_replay(buffer, entry, world_size, policy)
 
 
 def safe_load(path: Path):

@@ -1,7 +1,7 @@
 """A group's slot in one RL step: which policy samples which prompt, in which sampling round, at which place.
 
 A step samples in rounds. Round 0 holds the step's P prompts, each drawn by every policy when the run trains
-several (train/policies.py); dynamic sampling's round r = 1, 2, ... holds up to P extra prompts (step.ExtraPrompts).
+several (train/policies.py); dynamic sampling's round r = 1, 2, ... holds up to P extra prompts (step_batch.ExtraPrompts).
 A group is named by its slot, not by its dataset prompt: a prompt that fills two slots of a step gets two groups,
 and the sampler's random key comes from the slot, so a group's samples do not depend on which rank or which
 sampler call draws it.

@@ -1,183 +1,29 @@
-"""One RL step, top to bottom: collect groups (sampling, adaptive resampling, dynamic sampling) -> replayed
-groups -> reference/old log-probs -> advantages -> update(s) -> metrics. Any algorithm of the registry."""
+"""One RL step, top to bottom: the batch (train/step_batch.py: sampling, adaptive resampling, dynamic sampling,
+replayed groups) -> reference/old log-probs -> advantages -> update(s) -> metrics. Any algorithm of the registry."""
 
 from __future__ import annotations
 
 import bisect
 import functools
-import random
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from rlora.algos.registry import AdvantageInputs
-from rlora.data.prompts import PromptOrder, prompt_text
-from rlora.errors import UserError
-from rlora.rewards.scoring import Scores
+from rlora.data.prompts import prompt_text
 from rlora.models.precision import trainer_precision
-from rlora.batching import concat_rollouts, select_rows
-from rlora.train.collect import CollectStats, Collector, Group, assemble, is_flat
+from rlora.batching import select_rows
+from rlora.train.collect import CollectStats, Group, is_flat
 from rlora.train.replay import ReplayBuffer, StoredGroup
-from rlora.train.schedules import progress_of, scheduled_value
-from rlora.train.slots import Slot, extra_round, first_round
 from rlora.train.distributed import all_reduce_sums
 from rlora.train.policies import row_policies
 from rlora.train.optim import optimizer_step
 from rlora.train.fsdp import ZeroPasses
 from rlora.train.passes import logprob_passes
+from rlora.train.step_batch import Batch, Collected, Timings, collect_batch, step_params
 from rlora.train.update import ScoredRollout, accumulate_gradient_per_policy, contribute_nothing
 from rlora.train.session import Session
-from rlora.types import Example, Rollout, SamplingParams
-
-
-class RewardFailure(UserError):
-    """Too many samples' rewards failed in one step; the run stops and keeps its last adapter."""
-
-    run_status = "stopped: reward failures"  # summary.json (train/lifecycle.py)
-
-
-def check_failures(s: Session, scores: Scores, step: int) -> None:
-    failed = int(scores.failed_B.sum())
-    if failed and failed / len(scores.failed_B) > s.cfg.train.max_reward_failure_frac:
-        raise RewardFailure(
-            f"stopped at step {step + 1}: rewards failed for {failed}/{len(scores.failed_B)} samples "
-            f"(limit train.max_reward_failure_frac={s.cfg.train.max_reward_failure_frac}; failed episodes count too); "
-            f"first: {scores.errors[0]}"
-        )
-
-
-@dataclass
-class Timings:
-    rollout_s: float = 0.0
-    reward_s: float = 0.0
-
-
-@dataclass
-class Batch:
-    """What one step trains on: fresh groups, then replayed ones."""
-
-    rollout: Rollout
-    scores: Scores  # fresh rows only
-    stats_rewards_P_S: torch.Tensor  # rewards for the advantage statistics of the fresh groups
-    groups: list[Group]  # in row order; Group.slot: which policy drew which prompt (train/slots.py)
-    replayed: list[StoredGroup] = field(default_factory=list)
-
-    @property
-    def num_fresh(self) -> int:
-        return len(self.scores.total_B)
-
-
-def step_params(cfg, step: int) -> SamplingParams:
-    r = cfg.rollout
-    temperature = scheduled_value(r.temperature_schedule, r.temperature, r.temperature_end, progress_of(step, cfg.train.steps))
-    return SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.min_new_tokens, min_p=r.min_p,
-                          stop=tuple(r.stop), think=r.think_phase())
-
-
-def step_seed(cfg, step: int, seed: int | None = None) -> int:
-    """The sampling seed of a step (of a run whose train.seed is `seed`, default the config's)."""
-    return (cfg.train.seed if seed is None else seed) * 100_003 + step
-
-
-def _sampling_args(s: Session, step: int, slots: list[Slot], seed: int):
-    """(seed or seeds, keys, policies) of the sampler call for these slots: each slot draws with the key and seed
-    that a run of its policy alone would use. An adapter that serves one policy samples on the sampler's plain
-    path: one seed for all prompts, no policies (what transformers generate takes too)."""
-    keys = [slot.key(s.cfg.train.prompts_per_step) for slot in slots]
-    offset = seed - step_seed(s.cfg, step)  # the Collector's addition for a later round or a retry
-    seeds = [step_seed(s.cfg, step, s.policies[slot.policy].seed) + offset for slot in slots]
-    policies = s.adapter.sampler_policies([slot.policy for slot in slots])
-    if policies is None:
-        [seed] = set(seeds) or {seed}  # one policy: one seed
-        return seed, keys, None
-    return seeds, keys, policies
-
-
-def _sampler(s: Session, step: int, timings: Timings):
-    """SampleFn over the run's model and rollout source (completions or episodes, train/sources.py), which scores
-    them too; counts the time spent in each. It samples slots (train/slots.py): each slot's training prompt, with the
-    slot's key."""
-    def sample(slots: list[Slot], params: list[SamplingParams], seed: int):
-        t0 = time.perf_counter()
-        prompts = [slot.prompt for slot in slots]
-        seeds, keys, policies = _sampling_args(s, step, slots, seed)
-        rollout, scores, reward_s = s.source.sample(s.model, [s.prompts.train[i] for i in prompts],
-                                                    [s.train_ids[i] for i in prompts], s.cfg.rollout.num_generations,
-                                                    params, seeds, keys, policies)
-        check_failures(s, scores, step)
-        timings.reward_s += reward_s
-        timings.rollout_s += time.perf_counter() - t0 - reward_s
-        return rollout, scores
-
-    return sample
-
-
-@dataclass
-class Collected:
-    """What a step's sampling gathered on this rank."""
-
-    batch: Batch | None  # None: dynamic sampling kept no group on this rank
-    stats: CollectStats  # the step's sampling statistics: every policy's groups, each round once
-    policy_stats: list[CollectStats]  # each policy's own (a run's only policy: the step's)
-    dropped_row: Rollout | None  # a row of a dropped group, on the model's device (None: none was dropped)
-
-
-def collect_batch(s: Session, step: int, replay: ReplayBuffer | None, timings: Timings) -> Collected:
-    """The step's batch, its sampling statistics and a row of a dropped group."""
-    cfg, P = s.cfg, s.cfg.train.prompts_per_step
-    step_prompts = PromptOrder(len(s.train_ids), P, cfg.data.seed, cfg.data.shuffle).indices(step)
-    copies = len(s.policies)  # each policy samples every prompt of the step
-    # this rank's share of the step's prompts, for every policy: each rank holds as many groups of each policy
-    my_slots = first_round(step_prompts, s.world.share(list(range(P))), copies)
-    extra = ExtraPrompts(len(s.train_ids), P, cfg.data.seed, step, step_prompts)
-
-    def more_slots(round_index: int) -> list[Slot]:
-        # every rank draws the same list, and every policy the same prompts: the collector samples those of the
-        # policies that still need groups
-        drawn = extra(round_index)
-        return [slot for k in range(copies) for slot in s.world.share(extra_round(round_index, drawn, k))]
-
-    collector = Collector(_sampler(s, step, timings), step_params(cfg, step), cfg.rollout.num_generations, cfg.algo,
-                          step_seed(cfg, step), owner=lambda slot: slot.policy)
-    with s.sampling_scope():  # train.fsdp: one scope where ranks call the sampler a different number of times
-        groups = collector.collect(my_slots, more_slots)
-    dropped_row = None if collector.dropped_row is None else collector.dropped_row.to(s.device)
-    policy_stats = [collector.owner_stats[k] for k in range(copies)]
-    if not groups:
-        return Collected(None, collector.stats, policy_stats, dropped_row)
-    rollout, scores, stats_rewards = assemble(groups, s.tok.pad_id, cfg.algo.adaptive.adv_stats)
-    expected = cfg.algo.replay.ratio * len(groups)
-    replayed = replay.draw(replay_count(expected, cfg.train.seed, step, s.world.rank), step) if replay else []
-    # from here to the update the rollout stays on the model's device (the built-in sampler's is there already;
-    # transformers generate's, an episode's and the replay buffer's groups are built or kept on the host)
-    rollout = concat_rollouts([r.to(s.device) for r in [rollout] + [g.rollout for g in replayed]], s.tok.pad_id)
-    return Collected(Batch(rollout, scores, stats_rewards, groups, replayed), collector.stats, policy_stats, dropped_row)
-
-
-class ExtraPrompts:
-    """Prompts for dynamic sampling's extra rounds: drawn at random (seeded by data seed, step and round)
-    from the prompts this step has not sampled yet, so a dropped prompt is never redrawn in the same step.
-    Every rank draws the same list and takes its share."""
-
-    def __init__(self, num_prompts: int, count: int, seed: int, step: int, first: list[int]):
-        self.num_prompts, self.count, self.seed, self.step = num_prompts, count, seed, step
-        self.used = set(first)
-
-    def __call__(self, round_index: int) -> list[int]:
-        fresh = [i for i in range(self.num_prompts) if i not in self.used] or list(range(self.num_prompts))
-        rng = random.Random(f"extra-{self.seed}-{self.step}-{round_index}")
-        picked = rng.sample(fresh, min(self.count, len(fresh)))
-        self.used.update(picked)
-        return picked
-
-
-def replay_count(expected: float, seed: int, step: int, rank: int = 0) -> int:
-    """Stochastic rounding (seeded by step, and by the rank after rank 0): on average `expected` replayed groups
-    per step, also when it is below 1 (round() would give 0 for ratio 0.25 x 2 groups and never replay)."""
-    whole = int(expected)
-    return whole + (random.Random(f"replay-{seed}-{step}" + (f"-{rank}" if rank else "")).random() < expected - whole)
 
 
 def loss_mask(s: Session, batch: Batch) -> torch.Tensor:
@@ -244,19 +90,21 @@ def behaviour(s: Session, batch: Batch) -> tuple[torch.Tensor | None, torch.Tens
     return behaviour_BT, cap_B
 
 
-def store_groups(s: Session, batch: Batch, advantages, mask_BT, replay: ReplayBuffer, step: int) -> int:
+def store_groups(s: Session, batch: Batch, advantages, mask_BT, replay: list[ReplayBuffer], step: int) -> list[int]:
+    """Each fresh group into its policy's buffer -> how many each policy's buffer took."""
     G = s.cfg.rollout.num_generations
-    stored = 0
-    for g in range(len(batch.groups)):
+    stored = [0] * len(replay)
+    for g, fresh in enumerate(batch.groups):
         rows = list(range(g * G, (g + 1) * G))
         # the buffer holds its groups on the host: device memory stays the step's
+        policy = fresh.slot.policy
         group = StoredGroup(select_rows(batch.rollout, rows).to(torch.device("cpu")), advantages[rows].cpu(),
-                            mask_BT[rows].cpu(), step + 1)
-        stored += replay.add(group)
+                            mask_BT[rows].cpu(), step + 1, policy=policy)
+        stored[policy] += replay[policy].add(group)
     return stored
 
 
-def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tuple[dict, list[dict]]:
+def grpo_step(s: Session, step: int, replay: list[ReplayBuffer] | None = None) -> tuple[dict, list[dict]]:
     """Sample, score and train every policy of the run once -> (metrics: the shared ones and each policy's under
     'policies' (train/policies.py split_metrics); the sampled rows, for samples.jsonl)."""
     cfg = s.cfg
@@ -285,9 +133,11 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     # every log-prob pass and its backward under one precision; the optimizer steps outside it (float32 adapters)
     precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
     with precision():
-        # each row's policy; replayed rows are the run's only policy's (the config refuses replay with several)
-        policy_B = torch.cat([row_policies([g.slot for g in batch.groups], cfg.rollout.num_generations),
-                              torch.zeros(rollout.num_completions - batch.num_fresh, dtype=torch.long)]).to(s.device)
+        # each row's policy: the fresh groups', then the replayed ones'
+        G = cfg.rollout.num_generations
+        policy_B = torch.cat([row_policies([g.slot for g in batch.groups], G),
+                              torch.tensor([g.policy for g in batch.replayed], dtype=torch.long).repeat_interleave(G)
+                              ]).to(s.device)
         passes = logprob_passes(s, rollout, policy_B, need_ref, need_old)
         prefix, ref_logp, old_logp = passes.prefix, passes.ref_logp_BTc, passes.old_logp_BTc
         t_old = time.perf_counter()
@@ -327,8 +177,12 @@ def grpo_step(s: Session, step: int, replay: ReplayBuffer | None = None) -> tupl
     first_params = s.policies[0].params
     if first_params and first_params[0].is_cuda:
         metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(first_params[0].device) / 2**30
-    if replay is not None:
-        metrics |= {"replay_groups": len(batch.replayed), "replay_stored": stored, "replay_buffer": len(replay)}
+    if replay is not None:  # each policy's, and the run's totals
+        for p, buffer in zip(s.policies, replay):
+            metrics["policies"][p.name] |= {"replay_groups": sum(g.policy == p.index for g in batch.replayed),
+                                            "replay_stored": stored[p.index], "replay_buffer": len(buffer)}
+        metrics |= {"replay_groups": len(batch.replayed), "replay_stored": sum(stored),
+                    "replay_buffer": sum(len(buffer) for buffer in replay)}
     if batch.scores.errors:
         metrics["reward_errors"] = batch.scores.errors[:5]
     return metrics, sample_rows(s, batch, advantages, step)

@@ -158,10 +158,15 @@ DAPO_EMPTY_RANK = {"algo.name": "dapo", "algo.max_extra_rounds": 0, "data.shuffl
                    "eval.before": "false", "eval.after": "false", "train.threads": 1}
 
 
-def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_file, tmp_path):
+# ~15 s each: dapo, and REINFORCE++'s batch-wide whitening with dynamic sampling; dapo with adv_scale=batch slow
+@pytest.mark.parametrize("algo", [{}, {"algo.name": "reinforce_pp", "algo.dynamic_sampling": "true"},
+                                  pytest.param({"algo.adv_scale": "batch"}, marks=pytest.mark.slow)],
+                         ids=["dapo", "reinforce-pp", "dapo-batch-scale"])
+def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_file, tmp_path, algo):
     """DAPO's dynamic sampling drops the zero-variance group of prompt 0, which is rank 0's share: rank 0 trains
-    nothing but adds zeros to the collectives; the result equals one process dropping the same group."""
-    common = DAPO_EMPTY_RANK
+    nothing but adds zeros to the collectives, batch-wide advantage statistics' sums too; the result equals one
+    process dropping the same group."""
+    common = DAPO_EMPTY_RANK | algo
     outs = {}
     for nproc in (1, 2):
         outs[nproc] = tmp_path / f"ranks{nproc}"
@@ -211,15 +216,10 @@ def test_world_checks_and_metric_merging():
     cfg = load_config(None, ["train.prompts_per_step=3", "train.micro_batch_size=8"])
     with pytest.raises(UserError, match="multiple of the 2 ranks"):
         check_launch(cfg, 2)
-    for override, message in (("algo.adv_scale=batch", "batch-wide statistics .* disable algo.dynamic_sampling"),
-                              ("algo.name=reinforce_pp", "batch-wide statistics .* disable algo.dynamic_sampling"),
-                              ("rollout.engine=hf", "rollout.engine=builtin")):
-        extra = ["rollout.sampler_dtype=model", "algo.sampler_is_cap=null"] if "hf" in override else []
-        extra += ["algo.dynamic_sampling=true"] if "batch" in message else []
-        with pytest.raises(UserError, match=message):
-            check_launch(load_config(None, [override, *extra]), 2)
-        if "batch" in message:  # batch-wide statistics alone are summed over the ranks
-            check_launch(load_config(None, [override]), 2)
+    with pytest.raises(UserError, match="rollout.engine=builtin"):
+        check_launch(load_config(None, ["rollout.engine=hf", "rollout.sampler_dtype=model", "algo.sampler_is_cap=null"]), 2)
+    for override in ("algo.adv_scale=batch", "algo.name=reinforce_pp"):  # summed over the ranks, also with dapo's
+        check_launch(load_config(None, [override, "algo.dynamic_sampling=true"]), 2)
     check_launch(cfg, 1)  # one process: anything goes
     # the loss is already the global one on every rank (all-reduced in the update): averaging keeps it
     merged = merge_metrics([{"step": 3, "loss": 0.75, "gen_tokens": 10, "rollout_s": 2.0, "reward_mean": 0.5, "kl": None},

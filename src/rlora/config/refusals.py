@@ -114,10 +114,6 @@ def _traits(cfg) -> Traits:
     return TRAITS[cfg.algo.name]
 
 
-def _batch_statistics(cfg) -> bool:
-    return cfg.algo.adv_scale == "batch" or _traits(cfg).batch_statistics
-
-
 def _reward_model(cfg) -> bool:
     return any(spec.fn == "reward_model" for spec in cfg.rewards)
 
@@ -339,12 +335,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg, ranks: f"train.batch_size={cfg.train.batch_size} must be a multiple of the {ranks} ranks: each "
                                "rank trains its share of every batch",
             ("train.batch_size=3", "train.micro_batch_size=1"), launch=True),
-    Refusal("ranks-batch-statistics-dynamic-sampling", ("train",),
-            # a rank whose groups were all dropped would compute no statistics
-            lambda cfg, ranks: ranks > 1 and _batch_statistics(cfg) and cfg.algo.dynamic_sampling,
-            "data parallel with batch-wide statistics (algo.adv_scale=batch, reinforce_pp) needs every rank to keep its "
-            "groups: disable algo.dynamic_sampling, or use group statistics",
-            ("algo.adv_scale=batch", "algo.dynamic_sampling=true"), launch=True),
     Refusal("ranks-hf-engine", ("train",), lambda cfg, ranks: ranks > 1 and cfg.rollout.engine != "builtin",
             "data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is split across "
             "ranks)", HF, launch=True),

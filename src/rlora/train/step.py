@@ -43,25 +43,39 @@ def loss_mask(s: Session, batch: Batch) -> torch.Tensor:
 def advantages_of(s: Session, batch: Batch, mask_BT, old_logp, ref_logp) -> torch.Tensor:
     """Fresh rows' advantages from the algorithm, each policy's over its own groups (batch-wide statistics and a KL
     in the reward with its own beta, as in a run of it alone), then the replayed rows' stored ones: one per token,
-    [B, T]. Data parallel: a batch-wide statistic sums over the ranks, policy by policy (every rank holds groups of
-    every policy: the config refuses batch-wide statistics with dynamic sampling across ranks)."""
-    cfg, G = s.cfg.algo, s.cfg.rollout.num_generations
+    [B, T]. Data parallel: a batch-wide statistic sums over the ranks, policy by policy; a policy without groups on
+    this rank (dynamic sampling) takes part, adding nothing."""
+    G = s.cfg.rollout.num_generations
+    kl_BT = None
+    if s.algo.kl_in_reward and ref_logp is not None:
+        kl_BT = old_logp - ref_logp  # k1 estimate of KL(pi_old || ref) per token
     parts = []
     for policy, (first, end) in zip(s.policies, _policy_blocks(batch.groups, len(s.policies))):
-        if first == end:  # dynamic sampling kept none of its groups
-            continue
         rows = slice(first * G, end * G)
-        kl_BT = None
-        if s.algo.kl_in_reward and ref_logp is not None:
-            kl_BT = old_logp[rows] - ref_logp[rows]  # k1 estimate of KL(pi_old || ref) per token
-        inputs = AdvantageInputs(batch.stats_rewards_P_S[first:end].to(mask_BT.device), mask_BT[rows], cfg.adv_scale,
-                                 cfg.adv_eps, policy.beta, G, kl_BT,
-                                 all_sum=lambda values: all_reduce_sums(s.world, values))  # batch statistics: all ranks
-        parts.append(s.algo.advantages_BT(inputs))
+        parts.append(_policy_advantages(s, policy, batch.stats_rewards_P_S[first:end], mask_BT[rows],
+                                        None if kl_BT is None else kl_BT[rows]))
     width = mask_BT.shape[1]
     stored = [torch.nn.functional.pad(g.advantages_GT.to(mask_BT.device), (0, width - g.advantages_GT.shape[1]))
               for g in batch.replayed]
     return torch.cat(parts + stored)
+
+
+def _policy_advantages(s: Session, policy, rewards_P_S: torch.Tensor, mask_BT: torch.Tensor,
+                       kl_BT: torch.Tensor | None) -> torch.Tensor:
+    cfg = s.cfg.algo
+    inputs = AdvantageInputs(rewards_P_S.to(mask_BT.device), mask_BT, cfg.adv_scale, cfg.adv_eps, policy.beta,
+                             s.cfg.rollout.num_generations, kl_BT,
+                             all_sum=lambda values: all_reduce_sums(s.world, values))  # batch statistics: all ranks
+    return s.algo.advantages_BT(inputs)
+
+
+def _statistics_without_rows(s: Session) -> None:
+    """A rank without groups takes part in every policy's batch-wide advantage statistics (sums over the ranks),
+    adding nothing, as the ranks with groups compute them in advantages_of."""
+    no_rewards_P_S = torch.empty(0, s.cfg.rollout.num_generations, dtype=torch.float64)
+    no_tokens_BT = torch.zeros(0, 1, device=s.device)
+    for policy in s.policies:
+        _policy_advantages(s, policy, no_rewards_P_S, no_tokens_BT, no_tokens_BT if s.algo.kl_in_reward else None)
 
 
 def _policy_blocks(groups: list[Group], num_policies: int) -> list[tuple[int, int]]:
@@ -224,6 +238,7 @@ def _empty_rank_update(s: Session, step: int, collected: Collected, timings: Tim
             # through the first policy where there are several: the results are dropped
             passes = logprob_passes(s, dropped_row, torch.zeros(1, dtype=torch.long, device=s.device), *_phases(s))
         padding = ZeroPasses(s.model, dropped_row, s.cfg.train.logprob_chunk_tokens, passes.prefix)
+    _statistics_without_rows(s)
     updates = [{} for _ in s.policies]
     for _ in range(s.cfg.algo.num_iterations):
         lrs = [p.scheduler.get_last_lr()[0] for p in s.policies]

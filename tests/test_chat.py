@@ -439,3 +439,38 @@ def test_chat_tools_are_checked_before_the_model_loads(tmp_path, capsys):
         chat_tools(["envs_for_tests.no_docstring"])
     assert main(["chat", "--model", str(tmp_path / "missing"), "--tool", "envs_for_tests.no_docstring"]) == 2
     assert "tool 'no_docstring' has no docstring" in capsys.readouterr().err
+
+
+def test_a_sequence_routed_molora_routes_every_reply_by_the_first_prompt(tiny_model_dir, tmp_path):
+    """rlora chat with a MoLoRA folder (sequence router): every reply is sampled with the routing of the
+    conversation's first prompt (system prompt and first user turn), as training routes a chat row (rlora sft) and
+    an episode (rlora train); routed by the whole conversation, the second reply would differ."""
+    from test_molora import load_base, randomise
+    from rlora.chat.model import activated
+    from rlora.models import molora as ml
+    from rlora.models.molora import MoLoRAConfig
+    from rlora.types import SamplingParams
+
+    mixture = load_base(tiny_model_dir)
+    ml.attach_molora(mixture, MoLoRAConfig(num_experts=3, rank=4, router="sequence",
+                                           target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    randomise(mixture, b_std=3.0, router_std=2.0)  # experts that move the logits: the routing changes tokens
+    ml.save_molora(mixture, tmp_path / "mix")
+    adapters = {"mix": str(tmp_path / "mix")}
+    bot = load_chat_model(tiny_model_dir, adapters, "float32", MAX_NEW)
+    state = ChatState(tiny_model_dir, adapters, "mix", Settings(MAX_NEW, 1.0), Conversation(system="Be brief."))
+    state.conv.add_user("What is 2 + 2?")
+    first = bot.reply(state)
+    state.conv.add_reply(first.text, "mix", state.settings.seed)
+    state.replies += 1
+    state.conv.add_user("And what is 30 + 12, my friend?")
+    second = bot.reply(state)
+    ids = bot.render(state.conv.messages())
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0)
+    routed = {}
+    with activated(bot.model, "mix") as model:
+        for name, route_by in (("first prompt", [bot.render(state.conv.first_prompt_messages())]), ("whole", None)):
+            routed[name] = bot.generator.sample(model, [ids], 1, params, seed=state.settings.seed + state.replies,
+                                                route_by=route_by).completions[0]
+    assert second.text == routed["first prompt"] != routed["whole"]
+    assert state.conv.first_prompt_messages() == state.conv.messages()[:2]

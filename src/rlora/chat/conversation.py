@@ -58,6 +58,14 @@ class Conversation:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [{"role": t["role"], "content": t["content"]} for t in self.turns[self.start:]]
 
+    def first_prompt_messages(self) -> list[dict]:
+        """The system prompt and the first user turn still in context: the prompt a MoLoRA sequence router routes
+        the conversation by, as training routes a chat row by its conversation up to the first reply (rlora sft)
+        and an episode by its first prompt (rlora train)."""
+        messages = self.messages()
+        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+        return messages[:first_user + 1]
+
     def add_user(self, text: str) -> None:
         self.turns.append({"role": "user", "content": text})
 

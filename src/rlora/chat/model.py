@@ -93,8 +93,10 @@ class ChatModel:
         params = (SamplingParams(max_new_tokens=s.max_new_tokens, greedy=True) if s.temperature == 0 else
                   SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p))
         stream = {} if on_token is None else {"on_token": lambda _row, token: on_token(token)}
+        route_by = [self.render(state.conv.first_prompt_messages())]  # a sequence-routed MoLoRA's prompt
         with activated(self.model, state.active) as model:
-            rollout = self.generator.sample(model, [ids], 1, params, seed=s.seed + state.replies, **stream)
+            rollout = self.generator.sample(model, [ids], 1, params, seed=s.seed + state.replies, route_by=route_by,
+                                            **stream)
         return Reply(rollout.completions[0], rollout.finish_reasons[0], dropped)
 
 

@@ -202,18 +202,26 @@ def test_an_adapter_outside_the_decoder_layers_is_refused_on_the_model(tiny_mode
         mlr.attach_policies(base, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]), ["a", "b"], [1, 2])
 
 
-@pytest.mark.slow  # 46 s each: the default suite keeps the policies on 2 data-parallel ranks in tests/test_fsdp.py
-@pytest.mark.parametrize("algo", ["grpo", "reinforce_pp"])
+# dynamic sampling without extra rounds keeps on 2 ranks the groups one process keeps; with this binary reward a
+# policy may keep its group on one rank and drop it on the other (each policy's statistics then join an empty block)
+DYNAMIC_RANKS = {"algo.name": "reinforce_pp", "algo.dynamic_sampling": "true", "algo.max_extra_rounds": 0,
+                 "rewards": "[{fn: rewards_for_tests.chance_binary, args: {share: 0.3}}]"}
+
+
+@pytest.mark.slow  # 20-46 s each: the default suite keeps the policies on 2 data-parallel ranks in tests/test_fsdp.py
+@pytest.mark.parametrize("algo", [{"algo.name": "grpo"}, {"algo.name": "reinforce_pp"}, DYNAMIC_RANKS],
+                         ids=["grpo", "reinforce-pp", "reinforce-pp-dynamic"])
 def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, tmp_path, algo):
     """torchrun with 2 ranks x 3 policies against 1 rank: each rank samples and trains its share of the step's
     prompts for every policy, and each policy's metrics are merged over the ranks (reinforce_pp: each policy's
-    batch-wide statistics summed over the ranks). One micro-batch per group (see test_distributed.py): the adapters
+    batch-wide statistics summed over the ranks; with dynamic sampling, a policy whose only group on a rank was
+    dropped adds an empty block to them). One micro-batch per group (see test_distributed.py): the adapters
     agree to 1e-6, the completions, per-policy losses, grad norms, rewards and held-out results too; every
     policy's adapter is the same on both ranks after every step (adapter_rank_divergence 0)."""
     from test_distributed import _run
 
     common = {"train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4,
-              "train.steps": 2, "train.lr": 0.05, "algo.beta": 0.04, "train.threads": 1, "algo.name": algo,
+              "train.steps": 2, "train.lr": 0.05, "algo.beta": 0.04, "train.threads": 1, **algo,
               "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "eval.before": "false"}
     specs = _policies_arg([{"name": "a", "seed": 1}, {"name": "b", "lr": 0.01, "seed": 2}, {"name": "c", "seed": 3}])
     outs = {}
@@ -234,7 +242,13 @@ def test_two_ranks_train_the_policies_as_one_rank(tiny_model_dir, prompts_file, 
         assert evals[1] == evals[2]
     samples = {n: [(json.loads(s)["policy"], json.loads(s)["completion"])
                    for s in (outs[n] / "samples.jsonl").read_text().splitlines()] for n in (1, 2)}
-    assert sorted(samples[1]) == sorted(samples[2]) and len(samples[2]) == 2 * 3 * 2 * 4
+    assert sorted(samples[1]) == sorted(samples[2])
+    if algo is DYNAMIC_RANKS:  # the case it is for: some policy kept one of its two groups in a step
+        dropped = [json.loads(line)[f"{name}/groups_dropped"] for line in (outs[2] / "metrics.jsonl").read_text()
+                   .splitlines() for name in ("a", "b", "c")]
+        assert 1 in dropped
+    else:
+        assert len(samples[2]) == 2 * 3 * 2 * 4
     shared = [json.loads(line) for line in (outs[2] / "metrics.jsonl").read_text().splitlines()]
     assert all(r["world_size"] == 2 and r["adapter_rank_divergence"] == 0.0 for r in shared)
 

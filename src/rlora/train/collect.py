@@ -190,8 +190,8 @@ class Collector:
             if not short:
                 break
             more = [slot for slot in more_slots(round_index) if self.owner(slot) in short]
-            if not more:
-                break
+            if not more:  # this rank's share of the round is empty (fewer extra prompts than ranks): the next one
+                continue
             kept += self._keep_informative(self._round(more, round_index))
         owned = self._by_owner(kept)
         return [g for owner in wanted for g in owned.get(owner, [])[:wanted[owner]]]

@@ -143,6 +143,11 @@ def ranks_agree(world: World, model, flag: bool) -> bool:
     return all_reduce_max(world, float(not flag)) == 0
 
 
+# a padding row's policy where the model has several: any one makes the same passes through the sharded layers (the
+# adapters are not sharded), and the results are dropped
+_A_POLICY = torch.zeros(1, dtype=torch.long)
+
+
 @dataclass(frozen=True)
 class PassPadding:
     """The passes a rank adds after each log-prob phase of a step (frozen prefix, reference, old) so that it makes
@@ -178,10 +183,6 @@ def _as_no_grad_pass(model):
     finally:
         model.train(was_training)
 
-
-# a padding row's policy where the model has several: any one makes the same passes through the sharded layers (the
-# adapters are not sharded), and the results are dropped
-_A_POLICY = torch.zeros(1, dtype=torch.long)
 
 
 def pass_padding(world: World, model, rollout: Rollout, micro_batch_size: int) -> PassPadding:

@@ -210,8 +210,8 @@ def _phases(s: Session) -> tuple[bool, bool]:
 
 
 def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
-    """Each policy's part of a step's batch: its fresh groups (several policies do not replay; a run's only
-    policy's part is the batch, whose metrics are over its fresh groups too)."""
+    """Each policy's part of a step's batch, for its metrics: its fresh groups (its replayed ones count in its
+    replay_* metrics; a run's only policy's part is the batch, whose metrics are over its fresh groups too)."""
     if num_policies == 1:
         return [batch]
     G = batch.num_fresh // len(batch.groups)
@@ -259,6 +259,7 @@ def _policy_step(policy, update: dict, lr: float, max_grad_norm: float | None, t
     (dynamic sampling) skips its optimizer step and only advances its schedule, as a run of it alone skips the
     update of a step without groups."""
     if not trained:
+        policy.optimizer.zero_grad(set_to_none=True)  # it has none (no row on any rank): as after a step
         _advance_schedule(policy)
         return {"skipped_update": 1, "trained_frac": 0.0, "lr": lr}
     return update | optimizer_step(policy.params, policy.optimizer, policy.scheduler, max_grad_norm,

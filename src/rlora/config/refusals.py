@@ -319,10 +319,6 @@ REFUSALS: tuple[Refusal, ...] = (
     _fsdp("fsdp-quantized", lambda cfg: cfg.model.quantization != "none",
           "train.fsdp does not shard a quantized base: set model.quantization=none or train.fsdp=false",
           ("model.quantization=4bit",)),
-    _fsdp("fsdp-layer-reward-model", lambda cfg: cfg.train.fsdp_gather == "layer" and _reward_model(cfg),
-          "train.fsdp_gather=layer does not support rewards fn: reward_model (a reward adapter scores through the "
-          "layers' forward, on each rank its own number of times, which streamed layers cannot pair up): set "
-          "train.fsdp_gather=model", ("train.fsdp_gather=layer", "rewards=[{fn: reward_model}]")),
     # ---- the launch: how many data-parallel ranks torchrun started
     Refusal("fsdp-one-process", ("train",), lambda cfg, ranks: cfg.train.fsdp and ranks == 1,
             "train.fsdp shards the base across data-parallel ranks: launch with torchrun --nproc_per_node N (N >= 2), "

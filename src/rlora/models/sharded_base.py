@@ -74,6 +74,15 @@ class ShardedBase:
                     unit.reshard()
                     unit.set_reshard_after_forward(True, recurse=False)
 
+    def forward_pass(self) -> None:
+        """Before a forward of the layers as modules (a reward adapter scoring) inside a streaming scope: the
+        forward all-gathers each layer in turn, as a stream() pass does, so it votes and counts like one, and its
+        gathers pair with the other ranks' passes (their own, or the empty ones of a rank that is done). Outside
+        such a scope (the trainer's passes, or gather='model') nothing."""
+        if self.streams:
+            self.any_rank(True)
+            self.passes += 1
+
     def stream(self, build: Callable[[nn.Module], object] | None, vote: bool = True) -> Iterator[object]:
         """One pass over the layers: build(layer) for each while its weights are gathered (None: gather and free
         only). The next layer's all-gather runs while the caller uses this one; each layer is freed, and its
@@ -128,6 +137,8 @@ def shard_layers(model: nn.Module, device: torch.device, gather: str,
     _move_unsharded(model, device)
     sharded = ShardedBase(units, gather, any_rank)
     causal_lm(model).rlora_sharded_base = sharded
+    # the built-in sampler reads the layers' weights through stream(), never through this forward
+    causal_lm(model).model.register_forward_pre_hook(lambda _module, _args: sharded.forward_pass())
     return sharded
 
 

@@ -146,6 +146,7 @@ UNEVEN_RANKS = {"algo.dynamic_sampling": "true", "algo.max_extra_rounds": 1, "re
                 "data.seed": 0, "train.prompts_per_step": 4, "train.steps": 3, "train.micro_batch_size": 2}
 
 
+@pytest.mark.slow  # 30 s on a 2-core CPU: the default suite runs the same ranks with two policies (below)
 def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
     """Ranks with different numbers of rows, and a rank with none, pair their passes through the sharded layers.
     Prompts 0, 1, 4, 6 and 7 give flat groups; 4 prompts a step, one extra round (its prompts drawn as
@@ -178,25 +179,29 @@ def test_dynamic_sampling_and_replay_on_a_sharded_base_train_as_on_a_whole_one(t
 
 def test_several_policies_with_dynamic_sampling_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_dir,
                                                                                           prompts_file, tmp_path):
-    """UNEVEN_RANKS with two policies (the flat prompts are flat for both): in steps 1 and 3 rank 0 keeps no group of
-    either policy and pads every phase with a dropped row through the first policy, while rank 1 trains both; in
-    step 2 the ranks hold 8 and 4 rows of each policy, and rank 1 pads each phase, the update's zero passes through
-    its rows' policies. The same completions, each policy's metrics, adapter (within 1e-5) and held-out results
-    (evaluated on the gathered base) as with the base whole on each rank."""
+    """UNEVEN_RANKS with two policies (the flat prompts are flat for both) and replay, as the one-policy test above:
+    in steps 1 and 3 rank 0 keeps no group of either policy and pads every phase with a dropped row through the
+    first policy, while rank 1 trains both; in step 2 rank 0 holds 8 rows of each policy, rank 1 4 fresh and 8
+    replayed (each policy's own buffer), so rank 0 pads each phase, the update's zero passes through its rows'
+    policies. The same completions, each policy's metrics, adapter (within 1e-5) and held-out results (evaluated
+    on the gathered base) as with the base whole on each rank."""
     from rlora.train.policies import POLICIES_FOLDER
 
     common = {**UNEVEN_RANKS, "lora.top_layers": 1, "algo.beta": 0.04, "algo.num_iterations": 2, "train.lr": 0.05,
               "train.threads": 1, "eval.before": "false", "rollout.sampler_dtype": "model",
               "algo.sampler_is_cap": "null", "rollout.weight_packs": "false",
-              "policies": "[{name: a, seed: 1}, {name: b, lr: 0.01, seed: 2, beta: 0.0}]"}
+              "policies": "[{name: a, seed: 1}, {name: b, lr: 0.01, seed: 2, beta: 0.0}]",
+              "algo.replay.enabled": "true", "algo.replay.ratio": 2.0}
     outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
     for name in ("a", "b"):
         rows = {label: [json.loads(line) for line in (out / POLICIES_FOLDER / name / "metrics.jsonl").read_text()
                         .splitlines()] for label, out in outs.items()}
         assert [r["groups"] for r in rows["sharded"]] == [2, 3, 2], name  # over both ranks
         assert [r["groups_dropped"] for r in rows["sharded"]] == [4, 5, 4], name
+        assert rows["sharded"][1]["replay_groups"] == 2, name  # rank 1's: rank 0 stored nothing in step 1
         for whole, sharded in zip(rows["whole"], rows["sharded"]):
-            for key in ("groups", "rows", "groups_dropped", "sampling_rounds", "reward_mean", "trained_frac"):
+            for key in ("groups", "rows", "groups_dropped", "sampling_rounds", "reward_mean", "trained_frac",
+                        "replay_groups"):
                 assert whole[key] == sharded[key], (name, key)
             assert sharded["loss"] == pytest.approx(whole["loss"], abs=1e-5)
         one, two = (load_file(str(out / POLICIES_FOLDER / name / "adapter" / "adapter_model.safetensors"))

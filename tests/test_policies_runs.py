@@ -48,12 +48,15 @@ REINFORCE_PP = {"algo.name": "reinforce_pp"}
 # rounded at random with its own seed: the policies replay different numbers), its replayed rows weighted against
 # its own sampler log-probs
 REPLAY = {"algo.replay.enabled": "true", "algo.replay.ratio": 0.75, "train.steps": 3}
+# transformers generate: each policy's prompts in one call through its adapter, with its seed (the call its run alone
+# makes), and adaptive retries likewise
+HF_ENGINE = {"rollout.engine": "hf", "rollout.merge_adapter": "true", **ADAPTIVE}
 
 
 @pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE, DYNAMIC, DYNAMIC_EMPTY,
-                                   BATCH_STATS, REINFORCE_PP, REPLAY],
+                                   BATCH_STATS, REINFORCE_PP, REPLAY, HF_ENGINE],
                          ids=["completions", "episodes", "adaptive", "dynamic", "dynamic-empty", "batch-stats",
-                              "reinforce-pp", "replay"])
+                              "reinforce-pp", "replay", "hf-engine"])
 def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra):
     """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
     from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0; the sampling
@@ -68,13 +71,13 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     init.save_pretrained(str(start))
     # float32 sampling on both sides (the demo config samples in bf16, where the batched and the plain adapter
     # arithmetic round differently enough to flip a token)
-    common = dict(**{"lora.init_from": str(start), "algo.beta": 0.04, "algo.num_iterations": 2,
+    common = {**{"lora.init_from": str(start), "algo.beta": 0.04, "algo.num_iterations": 2,
                      "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.merge_adapter": "false",
                      "train.micro_batch_size": 3, "rollout.num_generations": 3,
                      # a policies run cannot pack a prompt's rows (each row has its own adapter); a plain run packed
                      # rounds its float32 attention otherwise, and AdamW's steps on near-zero gradients magnify
                      # that past 1e-5 (tests/test_packed_groups.py checks the packed pass itself)
-                     "train.pack_groups": "false"}, **extra)
+                     "train.pack_groups": "false"}, **extra}  # extra's settings win
     # their own KL coefficients: none, and more than algo.beta (each separate run gets it as algo.beta)
     specs = [{"name": "slow", "lr": 1e-3, "seed": 4, "beta": 0.0}, {"name": "fast", "lr": 1e-2, "seed": 9, "beta": 0.1}]
     out = tmp_path / "both"
@@ -96,6 +99,8 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         ours = [json.loads(line) for line in (mine / "metrics.jsonl").read_text().splitlines()]
         trained = [r for r in ours if not r["skipped_update"]]
         assert len(ours) == len(theirs) == int(extra.get("train.steps", 2)) and trained and all((r["kl"] is None) == (spec["beta"] == 0) for r in trained)
+        if extra is HF_ENGINE:
+            assert sum(r["resamples"] for r in ours) > 0  # its retries ran, each policy's in its own call
         if extra is ADAPTIVE:
             assert [r["resamples"] for r in ours] == [1, 0] and ours[0]["frac_zero_var_after_resample"] == 0.5
         rounds[spec["name"]], skipped[spec["name"]] = [r["sampling_rounds"] for r in ours], [r["skipped_update"] for r in ours]
@@ -147,8 +152,6 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     ({}, "policies: the name 'a' is given twice"),
     ({"algo.name": "ppo"}, "do not support algo.name=ppo yet"),
     ({"molora.num_experts": 2, "lora.rank": 16}, "do not support a molora section yet"),
-    ({"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null"},
-     "do not support rollout.engine=hf yet"),
 ])
 def test_bad_policies_input_is_one_line_exit_2(tiny_model_dir, prompts_file, tmp_path, capsys, extra, message):
     specs = [{"name": "a"}, {"name": "a" if not extra else "b"}]

@@ -122,8 +122,6 @@ def test_init_from_with_an_ignored_key_stops_before_the_model_loads(command, tin
 @pytest.mark.parametrize("overrides, row", [
     # one generation: the batch arithmetic (2 x 1 rows, micro-batches of 8) is not what the user has to change
     (["algo.name=rloo", "rollout.num_generations=1"], "one-generation-without-critic"),
-    # several policies on transformers' generate: unsetting what needs the built-in sampler would not help
-    (["policies=[{name: a}, {name: b}]", "rollout.engine=hf"], "policies-hf-engine"),
 ])
 def test_the_row_that_decides_comes_before_rows_about_its_consequences(overrides, row):
     with pytest.raises(RefusedCombination) as refused:

@@ -239,9 +239,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: cfg.rollout.temperature_schedule == "constant" and cfg.rollout.temperature_end is not None,
             "rollout.temperature_end is set but rollout.temperature_schedule is constant: choose linear, cosine or "
             "exponential (or unset temperature_end)", ("rollout.temperature_end=0.5",)),
-    # before the other rows about engine=hf: their fixes (unset what needs the built-in sampler) would not help here
-    _policies(lambda cfg: cfg.rollout.engine != "builtin", "rollout.engine=hf",
-              "use rollout.engine=builtin (it batches the policies)", ("rollout.engine=hf",), "policies-hf-engine"),
     Refusal("hf-engine-think", ("train",), lambda cfg: cfg.rollout.think is not None and cfg.rollout.engine == "hf",
             "rollout.think (phase-aware sampling) needs the built-in sampler: set rollout.engine=builtin or "
             "rollout.think=null", HF + ("rollout.think={}",)),

@@ -13,7 +13,9 @@ from typing import Protocol
 import torch
 from transformers import GenerationConfig
 
+from rlora.batching import concat_rollouts, select_rows
 from rlora.models.molora_runtime import prompt_list_routing
+from rlora.models.multi_lora import policy_rows
 from rlora.tensors import left_padded, pad_right
 from rlora.types import Rollout, SamplingParams
 
@@ -73,8 +75,34 @@ class HFGenerator:
                seed: int | Sequence[int], keys: Sequence[int] | None = None,
                policies: Sequence[int] | None = None, route_by: Sequence[list[int]] | None = None) -> Rollout:
         # keys are ignored: generate draws from one stream, so samples depend on the batch composition
-        if policies is not None or not isinstance(seed, int):
-            raise ValueError("several policies, or a seed per prompt, need rollout.engine=builtin")
+        if policies is not None:
+            return self._per_policy(model, prompts, n, params, seed, policies, route_by)
+        if not isinstance(seed, int):
+            raise ValueError("a seed per prompt needs rollout.engine=builtin (or several policies, one seed each)")
+        return self._sample(model, prompts, n, params, seed, route_by, None)
+
+    def _per_policy(self, model, prompts, n, params, seed, policies, route_by) -> Rollout:
+        """Several policies' prompts: one call of each policy's prompts (in order) with its rows through its
+        adapter and its seed, the call a run of that policy alone makes; the rows back in the prompts' order."""
+        count = len(prompts)
+        per_prompt = [params] * count if isinstance(params, SamplingParams) else list(params)
+        seeds = [seed] * count if isinstance(seed, int) else list(seed)
+        order, parts = [], []
+        for policy in dict.fromkeys(policies):
+            mine = [i for i in range(count) if policies[i] == policy]
+            if len({seeds[i] for i in mine}) > 1:
+                raise ValueError("rollout.engine=hf draws each policy's prompts with one seed")
+            parts.append(self._sample(model, [prompts[i] for i in mine], n, [per_prompt[i] for i in mine],
+                                      seeds[mine[0]], None if route_by is None else [route_by[i] for i in mine],
+                                      policy))
+            order += mine
+        rollout = concat_rollouts(parts, self.pad_id)
+        row_of = {prompt: place for place, prompt in enumerate(order)}
+        return select_rows(rollout, [row_of[i] * n + j for i in range(count) for j in range(n)])
+
+    def _sample(self, model, prompts, n, params, seed: int, route_by, policy: int | None) -> Rollout:
+        """One stream of draws (seed) over the prompts; policy: the adapter every row goes through, on a model with
+        several."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if any(p.think is not None for p in per_prompt):  # generate takes one temperature per call
             raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")
@@ -94,7 +122,9 @@ class HFGenerator:
                 # generate takes one setting per call: split the batch where the settings change
                 for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
                     ids, mask = (t[lo:hi].to(device) for t in (prompt_ids_BTp, prompt_mask_BTp))
-                    with prompt_list_routing(model, routed[lo:hi]):  # MoLoRA: rows routed by their prompts
+                    rows = None if policy is None else torch.full((hi - lo,), policy, dtype=torch.long)
+                    # MoLoRA: rows routed by their prompts; several policies: every row through this one
+                    with prompt_list_routing(model, routed[lo:hi]), policy_rows(model, rows):
                         out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
                                              generation_config=self._generation_config(row_params[lo]))
                     chunks.append(_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids,

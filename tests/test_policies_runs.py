@@ -54,9 +54,11 @@ HF_ENGINE = {"rollout.engine": "hf", "rollout.merge_adapter": "true", **ADAPTIVE
 
 
 @pytest.mark.parametrize("extra", [{}, pytest.param(EPISODES, marks=pytest.mark.slow), ADAPTIVE, DYNAMIC, DYNAMIC_EMPTY,
-                                   BATCH_STATS, REINFORCE_PP, REPLAY, HF_ENGINE],
+                                   BATCH_STATS, REINFORCE_PP, REPLAY, HF_ENGINE,
+                                   pytest.param({**EPISODES, "rollout.engine": "hf", "rollout.merge_adapter": "true"},
+                                                marks=pytest.mark.slow)],
                          ids=["completions", "episodes", "adaptive", "dynamic", "dynamic-empty", "batch-stats",
-                              "reinforce-pp", "replay", "hf-engine"])
+                              "reinforce-pp", "replay", "hf-engine", "hf-episodes"])
 def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra):
     """`policies:` with two learning rates, seeds and KL coefficients (0 and 0.1, algo.beta 0.04), both starting
     from one adapter, against two plain runs: the same completions, metrics (kl only where beta > 0; the sampling

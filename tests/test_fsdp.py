@@ -28,7 +28,8 @@ def test_sharded_base_trains_and_samples_like_data_parallel(tiny_model_dir, prom
     0's evaluation passes."""
     common = {"rewards": "[{fn: rewards_for_tests.flat_for_zero}]", "data.shuffle": "false", "lora.top_layers": 1,
               "algo.num_iterations": 2, "train.gradient_checkpointing": "true", "train.checkpoint_every": 1,
-              "train.micro_batch_size": 2, "train.lr": 0.05, "train.threads": 1}
+              "train.micro_batch_size": 2, "train.lr": 0.05, "train.threads": 1,
+              "rollout.merge_adapter": "true"}  # every run's sampler merges (auto would not merge the streamed one)
     plain, sharded, layered = tmp_path / "plain", tmp_path / "sharded", tmp_path / "layered"
     # a sharded base samples from merged copies; the whole one too (its default, oneDNN packs, rounds differently)
     common["rollout.weight_packs"] = "false"
@@ -60,9 +61,11 @@ def _whole_and_sharded(model_dir, prompts_file, tmp_path, common: dict, gather: 
     """The same 2-rank run with the base whole on each rank and sharded (train.fsdp_gather=gather) -> {label: folder};
     both drew the same completions."""
     outs = {}
+    # the same sampler arithmetic on both sides: what `auto` picks for the sharded base (unmerged where it streams)
+    merge = {"rollout.merge_adapter": "false" if gather == "layer" else "true"}
     for label, extra in (("whole", {}), ("sharded", {"train.fsdp": "true", "train.fsdp_gather": gather})):
         outs[label] = tmp_path / label
-        done = _run(2, tiny_overrides(model_dir, prompts_file, str(outs[label]), **common, **extra))
+        done = _run(2, tiny_overrides(model_dir, prompts_file, str(outs[label]), **{**merge, **common}, **extra))
         assert done.returncode == 0, done.stderr[-3000:]
         assert ("decoder layers sharded" in done.stderr) == (label == "sharded")
     samples = {label: (out / "samples.jsonl").read_text() for label, out in outs.items()}

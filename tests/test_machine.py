@@ -114,3 +114,35 @@ def test_without_a_correction_the_notice_names_the_faster_setting_and_how_to_use
     [line] = resolve_machine_settings(cfg, announce=False)
     assert line.startswith(f"rollout.sampler_dtype=auto -> model (rollout.sampler_dtype={faster} would be faster (")
     assert "set algo.sampler_is_cap, e.g. 2.0," in line and cfg.rollout.sampler_dtype == "model"
+
+
+@pytest.mark.parametrize("overrides,want", [
+    ([], True), (["train.fsdp=true"], True),  # a gathered base merges once per sampling call
+    (["train.fsdp=true", "train.fsdp_gather=layer"], False),  # streamed layers would be merged in every decode step
+    (["train.fsdp=true", "train.fsdp_gather=layer", "rollout.merge_adapter=true"], True)])  # an explicit choice is kept
+def test_auto_merge_adapter_is_off_where_the_sampler_streams_the_layers(overrides, want):
+    """rollout.merge_adapter=auto never picks what rlora reports as slower (train/fsdp.py sharded_samplers' notice:
+    merging into streamed layers, 1.45x slower in docs/fsdp.md); the choice is said where it is false."""
+    from rlora.config import load_config
+    from rlora.train.session import resolve_machine_settings
+
+    cfg = load_config(None, ["model.device=cpu", *overrides])
+    lines = resolve_machine_settings(cfg, announce=False)
+    assert cfg.rollout.merge_adapter is want
+    said = [line for line in lines if line.startswith("rollout.merge_adapter=auto -> false")]
+    assert len(said) == (not want)
+
+
+@pytest.mark.parametrize("saved,want", [({"merge_adapter": True}, True), ({"merge_adapter": False}, False), ({}, True)])
+def test_a_resumed_run_keeps_its_checkpoints_merge_setting(saved, want, tmp_path):
+    """`auto` resumes with the checkpoint's choice (its samples depend on it) whatever this run's gather mode; a
+    checkpoint from before the key merged."""
+    import json
+
+    from rlora.config import load_config
+    from rlora.train.session import resolve_machine_settings
+
+    (tmp_path / "state.json").write_text(json.dumps({"config": yaml.safe_dump({"rollout": saved})}))
+    cfg = load_config(None, ["model.device=cpu", "train.fsdp=true", "train.fsdp_gather=layer"])
+    resolve_machine_settings(cfg, resume_from=tmp_path)
+    assert cfg.rollout.merge_adapter is want

@@ -251,13 +251,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "algo.sampler_is_cap=null", ("rollout.engine=hf", "rollout.sampler_dtype=model")),
     Refusal("hf-engine-builtin-options", ("train",),
             lambda cfg: cfg.rollout.engine == "hf" and (cfg.rollout.sampler_dtype not in ("auto", "model")
-                                                        or not cfg.rollout.merge_adapter),
+                                                        or cfg.rollout.merge_adapter is False),
             "rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only: set "
             "rollout.sampler_dtype=model (and merge_adapter=true) with rollout.engine=hf",
             ("rollout.engine=hf", "algo.sampler_is_cap=null", "rollout.sampler_dtype=bfloat16")),
     Refusal("float16-weights-needs-a-float32-cpu-model", ("train",),
             lambda cfg: cfg.rollout.sampler_dtype == "float16_weights" and (
-                cfg.model.dtype != "float32" or cfg.model.device.startswith("cuda") or not cfg.rollout.merge_adapter
+                cfg.model.dtype != "float32" or cfg.model.device.startswith("cuda") or cfg.rollout.merge_adapter is False
                 or cfg.train.fsdp),
             "rollout.sampler_dtype=float16_weights samples a float32 model on a CPU from float16 copies of a base that "
             "stays put, with the LoRA beside them: use it with model.dtype=float32, model.device=cpu, "

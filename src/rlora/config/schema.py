@@ -142,9 +142,11 @@ class RolloutConfig(Section):
     engine: Literal["builtin", "hf"] = Field(
         "builtin", description="builtin: rlora's sampler (Llama, Qwen2/Qwen3, Mistral, Gemma 3 text, Phi-3/Phi-4, "
         "OLMo 2/3, SmolLM3, GLM-4, ERNIE 4.5, Seed-OSS; others fall back to hf); hf: transformers generate")
-    merge_adapter: bool = Field(
-        True, description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
-        "copy of the linear weights during sampling; set false for models whose weights would not fit twice)")
+    merge_adapter: bool | Literal["auto"] = Field(
+        "auto", description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
+        "copy of the linear weights during sampling; set false for models whose weights would not fit twice). auto: "
+        "true, but false where the base's layers stream through the sampler (train.fsdp_gather=layer: a merged "
+        "adapter is merged again into every layer in every decode step, 1.45x slower)")
     weight_packs: bool = Field(
         True, description="builtin engine on an x86 CPU, with merge_adapter (float32, or bfloat16 where the CPU "
         "computes it natively): the frozen base's linear maps run from oneDNN-packed copies made once and kept for the "

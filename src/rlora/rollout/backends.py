@@ -35,7 +35,8 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
             if dtype in (torch.bfloat16, torch.float16) and not native_half(parameter.device, setting):
                 info(f"rollout.sampler_dtype={setting} on a device without native support for it: sampling "
                      "will be slower, not faster")
-            return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter, dtype=dtype,
+            # auto: merged (`rlora train` resolves it first: unmerged where a sharded base streams its layers)
+            return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter is not False, dtype=dtype,
                                     decode="auto" if cfg.cuda_graphs else "eager", fp16_weights=fp16_weights,
                                     onednn=cfg.weight_packs, keep_packs=keep_packs)
         if cfg.think is not None:

@@ -138,7 +138,7 @@ def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from:
     the chosen value. A resumed run keeps its checkpoint's choice (the samples depend on it), and rank 0 decides for
     every rank (ranks on other CPUs must still sample alike). -> the lines that say what was chosen (rank 0's;
     printed now if announce, else by the caller once its input checks have passed)."""
-    notices = [line for line in [_resolve_autocast(cfg, world, resume_from)] if line]
+    notices = [line for line in [_resolve_autocast(cfg, world, resume_from), _resolve_merge(cfg, resume_from)] if line]
     if announce and world.is_main:
         for line in notices:
             info(line)
@@ -159,6 +159,24 @@ def resolve_machine_settings(cfg: RLConfig, world: World = World(), resume_from:
     if announce and world.is_main:
         info(line)
     return notices + ([line] if world.is_main else [])
+
+
+def _resolve_merge(cfg: RLConfig, resume_from: Path | None) -> str | None:
+    """rollout.merge_adapter=auto -> false where the sampler streams a sharded base's layers (train.fsdp_gather=layer:
+    a merged adapter is merged again into every layer in every decode step; unmerged sampling is 1.45x faster,
+    docs/fsdp.md), else true; a resumed run keeps its checkpoint's (its samples depend on it; a run before the key:
+    true). Said only where it chose false. The same on every rank: it reads the config alone."""
+    if cfg.rollout.merge_adapter != "auto":
+        return None
+    if resume_from is not None:
+        saved = saved_setting(resume_from, "rollout", "merge_adapter")
+        cfg.rollout.merge_adapter = saved if isinstance(saved, bool) else True
+    else:
+        cfg.rollout.merge_adapter = not (cfg.train.fsdp and cfg.train.fsdp_gather == "layer")
+    if cfg.rollout.merge_adapter:
+        return None
+    why = "the checkpoint's" if resume_from is not None else "train.fsdp_gather=layer: merging again in every decode step"
+    return f"rollout.merge_adapter=auto -> false ({why})"
 
 
 def _resolve_autocast(cfg: RLConfig, world: World, resume_from: Path | None) -> str | None:

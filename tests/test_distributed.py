@@ -183,6 +183,25 @@ def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_fi
         assert row[key] == pytest.approx(alone[key], rel=1e-9), key
 
 
+@pytest.mark.slow  # 15 s: one torchrun launch
+def test_two_ranks_sample_with_generate(tiny_model_dir, prompts_file, tmp_path):
+    """rollout.engine=hf under torchrun (explicit, as a model the built-in engine does not run falls back to it):
+    each rank samples its share with generate, the run says that its samples depend on the split, and every
+    rank's adapter is the same after every step."""
+    common = {"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
+              "train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4, "train.steps": 2,
+              "train.lr": 0.05, "eval.before": "false", "train.sample_every": 1, "train.threads": 1}
+    out = tmp_path / "hf"
+    done = _run(2, tiny_overrides(tiny_model_dir, prompts_file, str(out), **common))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rollout.engine=hf under torchrun" in done.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["world_size"] == 2 and r["adapter_rank_divergence"] == 0.0 and r["rows"] == 8 for r in rows)
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2 * 8
+    assert json.loads((out / "eval.json").read_text())["after"]["n"] == 4
+
+
 @pytest.mark.slow  # 60 s: five torchrun launches (scripts/test.sh --slow)
 def test_replay_buffers_per_rank_resume_exactly(tiny_model_dir, prompts_file, tmp_path):
     """Experience replay on 2 ranks: each rank stores and replays its own groups, and a checkpoint holds every
@@ -216,8 +235,7 @@ def test_world_checks_and_metric_merging():
     cfg = load_config(None, ["train.prompts_per_step=3", "train.micro_batch_size=8"])
     with pytest.raises(UserError, match="multiple of the 2 ranks"):
         check_launch(cfg, 2)
-    with pytest.raises(UserError, match="rollout.engine=builtin"):
-        check_launch(load_config(None, ["rollout.engine=hf", "rollout.sampler_dtype=model", "algo.sampler_is_cap=null"]), 2)
+    check_launch(load_config(None, ["rollout.engine=hf", "rollout.sampler_dtype=model", "algo.sampler_is_cap=null"]), 2)
     for override in ("algo.adv_scale=batch", "algo.name=reinforce_pp"):  # summed over the ranks, also with dapo's
         check_launch(load_config(None, [override, "algo.dynamic_sampling=true"]), 2)
     check_launch(cfg, 1)  # one process: anything goes

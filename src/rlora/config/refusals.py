@@ -328,9 +328,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg, ranks: f"train.batch_size={cfg.train.batch_size} must be a multiple of the {ranks} ranks: each "
                                "rank trains its share of every batch",
             ("train.batch_size=3", "train.micro_batch_size=1"), launch=True),
-    Refusal("ranks-hf-engine", ("train",), lambda cfg, ranks: ranks > 1 and cfg.rollout.engine != "builtin",
-            "data parallel needs rollout.engine=builtin (its samples do not depend on how the batch is split across "
-            "ranks)", HF, launch=True),
 )
 
 

@@ -60,6 +60,8 @@ def test_every_logged_statistic_has_the_reduction_it_needs():
     assert reduction_of("reward_std") == PooledStd("reward_mean", "reward_count")
     assert reduction_of("completion_len_mean") == Mean("rows") and isinstance(reduction_of("completion_len_max"), Max)
     assert reduction_of("loss") is None  # all-reduced in the update: the same on every rank
+    # rounds a step took (rank 0 drew one, rank 1 three): the most any rank drew, not a mean of 2 rounds
+    assert merge_metrics([{"step": 1, "sampling_rounds": 1}, {"step": 1, "sampling_rounds": 3}])["sampling_rounds"] == 3
 
 
 def test_episode_counters_a_rank_lacks_count_zero():

@@ -57,6 +57,8 @@ REDUCTIONS: dict[str, Reduction] = {
     "reward_mean_sampled": Mean("reward_count_sampled"),
     "value_mean": Mean("value_tokens"), "return_mean": Mean("value_tokens"), "advantage_mean": Mean("value_tokens"),
     "gpu_peak_gb": Max(),
+    # each rank draws its own extra rounds (dynamic sampling): the step took as many as the rank that drew most
+    "sampling_rounds": Max(),
 }
 
 

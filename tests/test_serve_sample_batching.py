@@ -78,3 +78,37 @@ def test_one_sessions_sample_requests_run_as_one_call_and_each_samples_what_it_d
     assert len({tuple(s.tokens) for s in batched[0].sequences}) > 1
     assert [s.tokens for s in batched[0].sequences] == [s.tokens for s in batched[4].sequences]  # same request
     assert batched[5].sequences[0].tokens == first[:3] and batched[5].sequences[0].stop_reason == "stop"
+
+
+def test_top_k_prompt_logprobs_are_the_models_most_likely_tokens(server):
+    """topk_prompt_logprobs through the official SDK: at every prompt position after the first, the k most likely
+    tokens of the served adapter's distribution (temperature 1), most likely first, with their log-probs; the first
+    position is empty (None). Checked against the prompt log-probs (another code path: the prompt's own token, where
+    it is among the k, has the same log-prob; where not, a lower one than the k-th) and, with k = the vocabulary,
+    against a distribution that sums to 1."""
+    client = server.service.create_lora_training_client(base_model=server.model, rank=4, seed=5).result()
+    client.forward_backward([ce_datum([5, 17, 33, 8, 41, 2, 9])], "cross_entropy")
+    client.optim_step(ADAM).result()
+    sampler = client.save_weights_and_get_sampling_client()
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    prompt = [12, 7, 19, 60, 3, 5]
+    params = types.SamplingParams(max_tokens=2, temperature=1.0, seed=1)
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 1, params, include_prompt_logprobs=True,
+                         topk_prompt_logprobs=4).result(timeout=60)
+    top, own = out.topk_prompt_logprobs, out.prompt_logprobs
+    assert len(top) == len(prompt) and top[0] is None and own[0] is None
+    for position in range(1, len(prompt)):
+        ranked = top[position]
+        assert len(ranked) == 4 and [lp for _, lp in ranked] == sorted((lp for _, lp in ranked), reverse=True)
+        listed = dict(ranked)
+        if prompt[position] in listed:
+            assert listed[prompt[position]] == pytest.approx(own[position], abs=TOL)
+        else:
+            assert own[position] <= ranked[-1][1] + TOL
+    vocab = server.worker.vocab_size
+    every = sampler.sample(types.ModelInput.from_ints(prompt), 1, params, include_prompt_logprobs=True,
+                           topk_prompt_logprobs=vocab).result(timeout=60)
+    for position in range(1, len(prompt)):
+        listed = dict(every.topk_prompt_logprobs[position])
+        assert len(listed) == vocab and sum(np.exp(list(listed.values()))) == pytest.approx(1.0, abs=1e-4)
+        assert listed[prompt[position]] == pytest.approx(every.prompt_logprobs[position], abs=TOL)

@@ -36,6 +36,7 @@ from rlora.serve.worker import CPU_MICRO_BATCH_TOKENS, ModelWorker
 API = "/api/v1"
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request
 MAX_SAMPLES = 1024  # num_samples of one sample request
+MAX_TOPK = 1024  # topk_prompt_logprobs of one sample request (at most the vocabulary)
 SAMPLES_BATCHED = 64  # sample requests of one session in one sampler call (an RL step sends one per group)
 SESSION_TIMEOUT = 900.0  # seconds without a heartbeat after which a session is finished
 FINISHED_KEPT = 4096  # finished session ids remembered (their heartbeats get 410, which stops the SDK's)
@@ -344,7 +345,7 @@ def build_app(served: Served) -> FastAPI:
             raise ServeError(400, "asample: give a sampling_session_id (create_sampling_session)")
         served.sampler(body.sampling_session_id)
         unserved = [name for name, on in [
-            ("topk_prompt_logprobs", body.topk_prompt_logprobs), ("topk_sample_logprobs", body.topk_sample_logprobs),
+            ("topk_sample_logprobs", body.topk_sample_logprobs),
             ("target_prompt_logprobs", body.target_prompt_logprobs is not None),
             ("prompt_alt_tokens_k", body.prompt_alt_tokens_k), ("prompt_logprobs_last_n", body.prompt_logprobs_last_n),
         ] if on]
@@ -358,6 +359,9 @@ def build_app(served: Served) -> FastAPI:
         prompt = body.prompt.tokens()
         if not prompt:
             raise ServeError(400, "asample: the prompt has no tokens")
+        top_k = min(MAX_TOPK, worker.vocab_size)
+        if not 0 <= body.topk_prompt_logprobs <= top_k:
+            raise ServeError(400, f"asample: topk_prompt_logprobs {body.topk_prompt_logprobs} is outside 0 .. {top_k}")
         worker.check_tokens(prompt, "prompt")
         if len(prompt) + params.max_tokens > worker.max_length:
             raise ServeError(400, f"asample: {len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed the "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -52,3 +53,22 @@ def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Ten
              for chunk in chunks]
     logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
     return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))
+
+
+# the SDK's empty cell of a top-k matrix (tinker.types.topk_logprobs MASK_LOGPROB, with token id 0)
+EMPTY_LOGPROB = -99999.0
+
+
+@torch.no_grad()
+def prompt_top_logprobs(model: nn.Module, prompt: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens at every prompt position and their log-probs at temperature 1, under the model as it
+    is switched now -> (token ids [N, k] int32, log-probs [N, k] float32), most likely first; position 0, which
+    nothing precedes, is the empty cell. One forward of the prompt with the full output layer."""
+    ids_NK = np.zeros((len(prompt), k), dtype=np.int32)
+    logp_NK = np.full((len(prompt), k), EMPTY_LOGPROB, dtype=np.float32)
+    if len(prompt) > 1:
+        device = next(model.parameters()).device
+        logits_TV = model(input_ids=torch.tensor([prompt[:-1]], device=device), use_cache=False).logits[0]
+        top = torch.log_softmax(logits_TV.float(), dim=-1).topk(k, dim=-1)
+        ids_NK[1:], logp_NK[1:] = top.indices.cpu().numpy(), top.values.cpu().numpy()
+    return ids_NK, logp_NK

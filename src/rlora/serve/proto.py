@@ -115,7 +115,10 @@ class Sequence:
     stop: bool  # False: it ran to max_tokens
 
 
-def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None) -> bytes:
+def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None,
+                    prompt_topk: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
+    """prompt_topk: (token ids [N, k] int32, log-probs [N, k] float32) of every prompt position, the SDK's empty
+    cell (token 0, log-prob -99999.0) where nothing is scored (the first prompt token)."""
     out = pb.SampleResponse()
     for seq in sequences:
         out.sequences.add(stop_reason=pb.STOP_REASON_STOP if seq.stop else pb.STOP_REASON_LENGTH,
@@ -123,4 +126,10 @@ def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | No
                           logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes())
     if prompt_logprobs is not None:  # NaN where nothing is scored (the first prompt token)
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if prompt_topk is not None:
+        ids_NK, logp_NK = prompt_topk
+        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
+            token_ids=np.ascontiguousarray(ids_NK, dtype=np.int32).tobytes(),
+            logprobs=np.ascontiguousarray(logp_NK, dtype=np.float32).tobytes(), k=ids_NK.shape[1],
+            length=ids_NK.shape[0]))
     return out.SerializeToString()

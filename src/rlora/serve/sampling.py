@@ -48,9 +48,12 @@ def sampling_settings(sp: wire.SamplingParams, eos_ids: list[int]) -> tuple[Samp
     return params, ends, seed
 
 
-def responses(rollout: Rollout, logp_BTc, G: int, prompt_logprobs: list[list[float] | None]) -> list[bytes]:
+def responses(rollout: Rollout, logp_BTc, G: int, prompt_logprobs: list[list[float] | None],
+              prompt_topk: list | None = None) -> list[bytes]:
     """The protobuf sample response of each request of a sampler call: its G rows (prompt-major), their tokens up to
-    and with the one that ended them, their log-probs, whether a stop ended them."""
+    and with the one that ended them, their log-probs, whether a stop ended them; its prompt's log-probs and top-k
+    (proto.sample_response) where it asked for them."""
+    prompt_topk = prompt_topk or [None] * len(prompt_logprobs)
     results = []
     # one read back of the rollout (it may sit on a GPU), then plain lists
     lengths, ids, logps = rollout.completion_mask_BTc.sum(-1).tolist(), rollout.completion_ids_BTc.tolist(), logp_BTc.tolist()
@@ -59,5 +62,5 @@ def responses(rollout: Rollout, logp_BTc, G: int, prompt_logprobs: list[list[flo
         for row in range(i * G, (i + 1) * G):
             n = lengths[row]
             sequences.append(proto.Sequence(ids[row][:n], logps[row][:n], rollout.finish_reasons[row] == "stop"))
-        results.append(proto.sample_response(sequences, prompt_lp))
+        results.append(proto.sample_response(sequences, prompt_lp, prompt_topk[i]))
     return results

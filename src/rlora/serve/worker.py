@@ -38,7 +38,7 @@ from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
-from rlora.serve.logprobs import sequence_logprobs, unrouted
+from rlora.serve.logprobs import prompt_top_logprobs, sequence_logprobs, unrouted
 from rlora.serve.losses import LOSSES, TokenLoss
 from rlora.serve.sampling import Sampler, ViewGenerator, responses, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
@@ -412,7 +412,9 @@ class ModelWorker:
                     logp_BT = completion_logprobs(model, rollout.select(slice(None)))[0].float().cpu()
             prompt_logprobs = [self._prompt_logprobs(model, p) if r.prompt_logprobs else None
                                for p, r in zip(prompts, requests)]
-        return responses(rollout, logp_BT, G, prompt_logprobs)
+            prompt_topk = [prompt_top_logprobs(model, p, r.topk_prompt_logprobs) if r.topk_prompt_logprobs else None
+                           for p, r in zip(prompts, requests)]
+        return responses(rollout, logp_BT, G, prompt_logprobs, prompt_topk)
 
     @torch.no_grad()
     def _prompt_logprobs(self, model, prompt: list[int]) -> list[float]:

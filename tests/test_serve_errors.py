@@ -197,6 +197,7 @@ def test_malformed_requests_get_a_4xx_and_the_server_goes_on(server, trainee, mo
     sample["sampling_session_id"] = base
     for update, message in [({"topk_sample_logprobs": 3}, "topk_sample_logprobs not served"),
                             ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs 1000000 is outside 0 .. "),
+                            ({"prompt_logprobs_last_n": 1}, "prompt_logprobs_last_n 1 needs prompt_logprobs"),
                             ({"sampling_params": {}}, "max_tokens is required"),
                             ({"sampling_params": {"max_tokens": 5000}}, "exceed the model's 2048 positions"),
                             ({"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "encoded_text")]:

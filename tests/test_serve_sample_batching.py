@@ -105,6 +105,12 @@ def test_top_k_prompt_logprobs_are_the_models_most_likely_tokens(server):
             assert listed[prompt[position]] == pytest.approx(own[position], abs=TOL)
         else:
             assert own[position] <= ranked[-1][1] + TOL
+    # prompt_logprobs_last_n: the same scores for the last 2 positions, none before (also for the top-k)
+    last = sampler.sample(types.ModelInput.from_ints(prompt), 1, params, include_prompt_logprobs=True,
+                          topk_prompt_logprobs=4, prompt_logprobs_last_n=2).result(timeout=60)
+    assert last.prompt_logprobs[:-2] == [None] * (len(prompt) - 2) and last.topk_prompt_logprobs[:-2] == [None] * 4
+    assert last.prompt_logprobs[-2:] == pytest.approx(own[-2:], abs=TOL)
+    assert [t for t, _ in last.topk_prompt_logprobs[-1]] == [t for t, _ in top[-1]]
     vocab = server.worker.vocab_size
     every = sampler.sample(types.ModelInput.from_ints(prompt), 1, params, include_prompt_logprobs=True,
                            topk_prompt_logprobs=vocab).result(timeout=60)

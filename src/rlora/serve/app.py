@@ -347,7 +347,7 @@ def build_app(served: Served) -> FastAPI:
         unserved = [name for name, on in [
             ("topk_sample_logprobs", body.topk_sample_logprobs),
             ("target_prompt_logprobs", body.target_prompt_logprobs is not None),
-            ("prompt_alt_tokens_k", body.prompt_alt_tokens_k), ("prompt_logprobs_last_n", body.prompt_logprobs_last_n),
+            ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
         ] if on]
         if unserved:
             raise ServeError(400, f"asample: {', '.join(unserved)} not served by rlora serve yet")
@@ -359,6 +359,10 @@ def build_app(served: Served) -> FastAPI:
         prompt = body.prompt.tokens()
         if not prompt:
             raise ServeError(400, "asample: the prompt has no tokens")
+        last_n = body.prompt_logprobs_last_n
+        if last_n is not None and not (body.prompt_logprobs and 1 <= last_n <= len(prompt) - 1):
+            raise ServeError(400, f"asample: prompt_logprobs_last_n {last_n} needs prompt_logprobs and a value in 1 .. "
+                                  f"{len(prompt) - 1} (the prompt's tokens after the first)")
         top_k = min(MAX_TOPK, worker.vocab_size)
         if not 0 <= body.topk_prompt_logprobs <= top_k:
             raise ServeError(400, f"asample: topk_prompt_logprobs {body.topk_prompt_logprobs} is outside 0 .. {top_k}")

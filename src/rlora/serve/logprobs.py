@@ -4,6 +4,7 @@ checkpointed where models/logprobs.recomputes_logits says: on a GPU, or a CPU pa
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import numpy as np
@@ -72,3 +73,15 @@ def prompt_top_logprobs(model: nn.Module, prompt: list[int], k: int) -> tuple[np
         top = torch.log_softmax(logits_TV.float(), dim=-1).topk(k, dim=-1)
         ids_NK[1:], logp_NK[1:] = top.indices.cpu().numpy(), top.values.cpu().numpy()
     return ids_NK, logp_NK
+
+
+def only_last(n: int, logprobs: list[float] | None, top: tuple[np.ndarray, np.ndarray] | None):
+    """Prompt log-probs and top-k with only the last n positions scored (prompt_logprobs_last_n): the earlier ones
+    NaN and the empty cell, as the first position is. The whole prompt is scored all the same (no prefix cache)."""
+    if logprobs is not None:
+        logprobs = [math.nan] * (len(logprobs) - n) + logprobs[len(logprobs) - n:]
+    if top is not None:
+        ids_NK, logp_NK = top[0].copy(), top[1].copy()
+        ids_NK[:len(ids_NK) - n], logp_NK[:len(ids_NK) - n] = 0, EMPTY_LOGPROB
+        top = (ids_NK, logp_NK)
+    return logprobs, top

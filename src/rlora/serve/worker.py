@@ -38,7 +38,7 @@ from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
-from rlora.serve.logprobs import prompt_top_logprobs, sequence_logprobs, unrouted
+from rlora.serve.logprobs import only_last, prompt_top_logprobs, sequence_logprobs, unrouted
 from rlora.serve.losses import LOSSES, TokenLoss
 from rlora.serve.sampling import Sampler, ViewGenerator, responses, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
@@ -414,6 +414,10 @@ class ModelWorker:
                                for p, r in zip(prompts, requests)]
             prompt_topk = [prompt_top_logprobs(model, p, r.topk_prompt_logprobs) if r.topk_prompt_logprobs else None
                            for p, r in zip(prompts, requests)]
+        for i, r in enumerate(requests):  # only the last N positions scored: the others as the first one
+            if r.prompt_logprobs_last_n is not None:
+                prompt_logprobs[i], prompt_topk[i] = only_last(r.prompt_logprobs_last_n, prompt_logprobs[i],
+                                                               prompt_topk[i])
         return responses(rollout, logp_BT, G, prompt_logprobs, prompt_topk)
 
     @torch.no_grad()

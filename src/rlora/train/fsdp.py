@@ -184,7 +184,6 @@ def _as_no_grad_pass(model):
         model.train(was_training)
 
 
-
 def pass_padding(world: World, model, rollout: Rollout, micro_batch_size: int) -> PassPadding:
     """This rank's PassPadding for log-prob phases over `rollout` in micro-batches of `micro_batch_size` rows (a
     collective on a sharded base; no padding without one)."""

@@ -216,11 +216,10 @@ def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
         return [batch]
     G = batch.num_fresh // len(batch.groups)
     parts = []
-    for k in range(num_policies):
-        groups = [i for i, g in enumerate(batch.groups) if g.slot.policy == k]
-        rows = [i * G + j for i in groups for j in range(G)]
-        parts.append(Batch(select_rows(batch.rollout, rows), batch.scores.select(rows), batch.stats_rewards_P_S[groups],
-                           [batch.groups[i] for i in groups]))
+    for first, end in _policy_blocks(batch.groups, num_policies):  # the same blocks as advantages_of's
+        rows = list(range(first * G, end * G))
+        parts.append(Batch(select_rows(batch.rollout, rows), batch.scores.select(rows),
+                           batch.stats_rewards_P_S[first:end], batch.groups[first:end]))
     return parts
 
 

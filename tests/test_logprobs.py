@@ -229,8 +229,8 @@ def test_the_entropy_stays_float32_under_autocast():
     log_softmax64 = torch.log_softmax(x.detach().double(), dim=-1)
     entropy64 = -(log_softmax64.exp() * log_softmax64).sum(-1)
     assert logp.dtype == entropy.dtype == torch.float32
-    for value in (entropy, entropy_e):
-        assert torch.allclose(value.double(), entropy64, atol=1e-4, rtol=0)
+    for value in (entropy, entropy_e):  # seen: 2.6e-6 on AVX512 and on AVX2 kernels (1.2e-4 before session 26)
+        assert torch.allclose(value.double(), entropy64, atol=2e-5, rtol=0)
     assert torch.allclose(logp.double(), log_softmax64.gather(-1, targets[:, None]).squeeze(-1), atol=1e-4, rtol=0)
     (grad,) = torch.autograd.grad(entropy_e.sum(), x)
     assert grad.dtype == torch.bfloat16 and torch.isfinite(grad.float()).all()

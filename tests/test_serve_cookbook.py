@@ -7,9 +7,12 @@ cookbook loads the tokenizer from it), the renderer `qwen3_instruct` (ChatML, as
 - `recipes/math_rl/train.py env=arithmetic` (problems made locally) with `loss_fn=importance_sampling` (the
   recipe's default `stable_reinforce` is not served: docs/serve.md): the reward rises.
 - `recipes/chat_sl/train.py` on the cookbook's own `example_data/conversations.jsonl`: the training NLL falls.
+- `recipes/decisions` (its functions, in this process): a choice's probability read through `target_prompt_logprobs`,
+  and learned with `decision_choice_datums`.
 The numbers of longer runs of both are in docs/serve.md."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -101,3 +104,48 @@ def test_chat_sl_on_the_cookbooks_conversations_lowers_the_nll(server, tmp_path)
     nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
     assert len(nll) == 12  # 128 conversations, 32 a batch, 3 epochs
     assert mean(nll[-4:]) < mean(nll[:4]) - 0.1, nll
+
+
+def test_the_decision_recipe_reads_and_learns_a_choice_through_target_prompt_logprobs(server):
+    """tinker-cookbook's decision recipe (recipes/decisions, its own functions unchanged): `sample_decision` asks for
+    the log-probs of the choices' label tokens at the answer position (`target_prompt_logprobs`, sent sparse); its
+    probabilities are the softmax of those tokens' log-probs in the whole next-token distribution (the top-k with k =
+    the vocabulary: another code path). Trained with `decision_choice_datums` (cross-entropy on the right label's
+    token), the right choice's probability rises."""
+    import asyncio
+
+    import tinker
+    from tinker import types
+    from tinker_cookbook import renderers
+    from tinker_cookbook.recipes.decisions import Decision, DecisionRenderer, decision_choice_datums, sample_decision
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    url, folder = server
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    decision_renderer = DecisionRenderer(renderers.get_renderer(RENDERER, get_tokenizer(folder)))
+    decision = Decision("Which number is the largest?", [("a", "3"), ("b", "71"), ("c", "12"), ("d", "5")])
+    rendering = decision_renderer.render(decision)
+    training = service.create_lora_training_client(base_model=folder, rank=8, seed=0)
+
+    def decide():
+        sampler = training.save_weights_and_get_sampling_client()
+        return sampler, asyncio.run(sample_decision(sampler, rendering))
+
+    sampler, before = decide()
+    assert sum(before.values()) == pytest.approx(1.0, abs=1e-5)
+    out = sampler.sample(types.ModelInput.from_ints(rendering.tokens), 1, types.SamplingParams(max_tokens=1),
+                         topk_prompt_logprobs=min(1024, training.get_tokenizer().vocab_size)).result(timeout=120)
+    listed = dict(out.topk_prompt_logprobs[rendering.choice_pos])
+    label_logps = [listed.get(rendering.label_tokens[label], -math.inf) for label in decision.labels]
+    assert all(math.isfinite(lp) for lp in label_logps), "a label token is not among the 1024 most likely"
+    total = math.log(sum(math.exp(lp) for lp in label_logps))
+    assert [before[label] for label in decision.labels] == pytest.approx(
+        [math.exp(lp - total) for lp in label_logps], abs=1e-4)
+    datums = decision_choice_datums(decision_renderer, [(decision, "b")])
+    for _ in range(4):
+        training.forward_backward(datums, "cross_entropy").result(timeout=120)
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
+    _, after = decide()
+    assert after["b"] > max(0.9, before["b"] + 0.2), (before, after)
+    print(f"decision probabilities before {before}, after {after}")  # docs/serve.md quotes them
+    service.close("success").result(timeout=30)

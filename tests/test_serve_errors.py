@@ -195,7 +195,22 @@ def test_malformed_requests_get_a_4xx_and_the_server_goes_on(server, trainee, mo
     base = http.post(f"{API}/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 52,
                                                               "base_model": model_dir}).json()["sampling_session_id"]
     sample["sampling_session_id"] = base
-    for update, message in [({"topk_sample_logprobs": 3}, "topk_sample_logprobs not served"),
+    def targets(data, shape, **csr):  # a target_prompt_logprobs TensorData (the prompt [5, 6] has one row)
+        return {"target_prompt_logprobs": {"data": data, "dtype": "int64", "shape": shape, **csr}}
+
+    for update, message in [({"topk_sample_logprobs": 10**6}, "topk_sample_logprobs 1000000 is outside 0 .. "),
+                            ({"prompt_alt_tokens_k": 1025}, "prompt_alt_tokens_k 1025 is outside 0 .. 1024"),
+                            (targets([1, 2], [2, 1]), "it must be [1, K]"),
+                            (targets([1.5], [1, 1]), "not a whole number"),
+                            ({"target_prompt_logprobs": {"data": [1], "dtype": "float32", "shape": [1, 1]}},
+                             "must hold int64 token ids"),
+                            (targets([1, 2], [1, 3]), "2 values for shape [1, 3]"),
+                            (targets([10**6], [1, 1]), "token id 1000000 is outside the vocabulary"),
+                            (targets([-2], [1, 1]), "token id -2 is outside the vocabulary"),
+                            (targets([3], [1, 2], sparse_crow_indices=[0, 1], sparse_col_indices=[2]),
+                             "the sparse CSR indices do not describe 1 values"),
+                            (targets([3, 4], [1, 2], sparse_crow_indices=[0, 1], sparse_col_indices=[0, 1]),
+                             "the sparse CSR indices do not describe 2 values"),
                             ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs 1000000 is outside 0 .. "),
                             ({"prompt_logprobs_last_n": 1}, "prompt_logprobs_last_n 1 needs prompt_logprobs"),
                             ({"sampling_params": {}}, "max_tokens is required"),

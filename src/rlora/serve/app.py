@@ -29,6 +29,7 @@ from rlora.serve import proto, wire
 from rlora.serve.jobs import LONG_POLL, MAX_BATCH_TOKENS, RETRIEVED_GRACE, UNRETRIEVED_TTL, Batchable, Jobs
 from rlora.serve.limits import Limits
 from rlora.serve.losses import check_datum, check_loss
+from rlora.serve.prompt_scores import check_asks
 from rlora.serve.sampling import sampling_settings
 from rlora.serve.state import ServeError, StateDir, check_name, check_ttl, parse_path
 from rlora.serve.worker import CPU_MICRO_BATCH_TOKENS, ModelWorker
@@ -36,7 +37,6 @@ from rlora.serve.worker import CPU_MICRO_BATCH_TOKENS, ModelWorker
 API = "/api/v1"
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request
 MAX_SAMPLES = 1024  # num_samples of one sample request
-MAX_TOPK = 1024  # topk_prompt_logprobs of one sample request (at most the vocabulary)
 SAMPLES_BATCHED = 64  # sample requests of one session in one sampler call (an RL step sends one per group)
 SESSION_TIMEOUT = 900.0  # seconds without a heartbeat after which a session is finished
 FINISHED_KEPT = 4096  # finished session ids remembered (their heartbeats get 410, which stops the SDK's)
@@ -344,13 +344,6 @@ def build_app(served: Served) -> FastAPI:
         if body.sampling_session_id is None:
             raise ServeError(400, "asample: give a sampling_session_id (create_sampling_session)")
         served.sampler(body.sampling_session_id)
-        unserved = [name for name, on in [
-            ("topk_sample_logprobs", body.topk_sample_logprobs),
-            ("target_prompt_logprobs", body.target_prompt_logprobs is not None),
-            ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
-        ] if on]
-        if unserved:
-            raise ServeError(400, f"asample: {', '.join(unserved)} not served by rlora serve yet")
         params = body.sampling_params
         if params.max_tokens is None:
             raise ServeError(400, "asample: sampling_params.max_tokens is required")
@@ -363,10 +356,8 @@ def build_app(served: Served) -> FastAPI:
         if last_n is not None and not (body.prompt_logprobs and 1 <= last_n <= len(prompt) - 1):
             raise ServeError(400, f"asample: prompt_logprobs_last_n {last_n} needs prompt_logprobs and a value in 1 .. "
                                   f"{len(prompt) - 1} (the prompt's tokens after the first)")
-        top_k = min(MAX_TOPK, worker.vocab_size)
-        if not 0 <= body.topk_prompt_logprobs <= top_k:
-            raise ServeError(400, f"asample: topk_prompt_logprobs {body.topk_prompt_logprobs} is outside 0 .. {top_k}")
         worker.check_tokens(prompt, "prompt")
+        check_asks(body, len(prompt), worker.vocab_size)
         if len(prompt) + params.max_tokens > worker.max_length:
             raise ServeError(400, f"asample: {len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                                   f"model's {worker.max_length} positions")

@@ -4,10 +4,8 @@ checkpointed where models/logprobs.recomputes_logits says: on a GPU, or a CPU pa
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -54,34 +52,3 @@ def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Ten
              for chunk in chunks]
     logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
     return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))
-
-
-# the SDK's empty cell of a top-k matrix (tinker.types.topk_logprobs MASK_LOGPROB, with token id 0)
-EMPTY_LOGPROB = -99999.0
-
-
-@torch.no_grad()
-def prompt_top_logprobs(model: nn.Module, prompt: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k most likely tokens at every prompt position and their log-probs at temperature 1, under the model as it
-    is switched now -> (token ids [N, k] int32, log-probs [N, k] float32), most likely first; position 0, which
-    nothing precedes, is the empty cell. One forward of the prompt with the full output layer."""
-    ids_NK = np.zeros((len(prompt), k), dtype=np.int32)
-    logp_NK = np.full((len(prompt), k), EMPTY_LOGPROB, dtype=np.float32)
-    if len(prompt) > 1:
-        device = next(model.parameters()).device
-        logits_TV = model(input_ids=torch.tensor([prompt[:-1]], device=device), use_cache=False).logits[0]
-        top = torch.log_softmax(logits_TV.float(), dim=-1).topk(k, dim=-1)
-        ids_NK[1:], logp_NK[1:] = top.indices.cpu().numpy(), top.values.cpu().numpy()
-    return ids_NK, logp_NK
-
-
-def only_last(n: int, logprobs: list[float] | None, top: tuple[np.ndarray, np.ndarray] | None):
-    """Prompt log-probs and top-k with only the last n positions scored (prompt_logprobs_last_n): the earlier ones
-    NaN and the empty cell, as the first position is. The whole prompt is scored all the same (no prefix cache)."""
-    if logprobs is not None:
-        logprobs = [math.nan] * (len(logprobs) - n) + logprobs[len(logprobs) - n:]
-    if top is not None:
-        ids_NK, logp_NK = top[0].copy(), top[1].copy()
-        ids_NK[:len(ids_NK) - n], logp_NK[:len(ids_NK) - n] = 0, EMPTY_LOGPROB
-        top = (ids_NK, logp_NK)
-    return logprobs, top

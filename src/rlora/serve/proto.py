@@ -15,6 +15,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
+from rlora.serve.prompt_scores import PromptScores, TargetCells
 from rlora.serve.state import ServeError
 
 PROTO = "application/x-protobuf"
@@ -113,23 +114,48 @@ class Sequence:
     tokens: list[int]
     logprobs: list[float]
     stop: bool  # False: it ran to max_tokens
+    topk: tuple[np.ndarray, np.ndarray] | None = None  # topk_sample_logprobs: ids [n, k] int32, log-probs [n, k]
+
+
+def _topk(ids_NK: np.ndarray, logp_NK: np.ndarray) -> pb.TopkLogprobs:
+    return pb.TopkLogprobs(token_ids=np.ascontiguousarray(ids_NK, dtype=np.int32).tobytes(),
+                           logprobs=np.ascontiguousarray(logp_NK, dtype=np.float32).tobytes(), k=ids_NK.shape[1],
+                           length=ids_NK.shape[0])
+
+
+def _dense(array: np.ndarray, dtype) -> pb.Tensor:
+    return pb.Tensor(dense=np.ascontiguousarray(array).tobytes(), dtype=dtype, shape=list(array.shape))
+
+
+def _targets(cells: TargetCells, values_N: np.ndarray) -> pb.Tensor:
+    """The target log-probs in the request's layout: dense row-major, or CSR with the request's indices."""
+    if cells.crow is None:
+        return _dense(values_N.astype(np.float32).reshape(cells.shape), pb.DTYPE_FLOAT32)
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(cells.shape), sparse_csr=pb.SparseCsr(
+        values=values_N.astype(np.float32).tobytes(), crow_indices=cells.crow.astype(np.int64).tobytes(),
+        col_indices=cells.col.astype(np.int64).tobytes()))
 
 
 def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None,
-                    prompt_topk: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
-    """prompt_topk: (token ids [N, k] int32, log-probs [N, k] float32) of every prompt position, the SDK's empty
-    cell (token 0, log-prob -99999.0) where nothing is scored (the first prompt token)."""
+                    scores: PromptScores | None = None, targets: TargetCells | None = None) -> bytes:
+    """scores: what the request asked of its prompt beside its log-probs (prompt_scores.py): the top-k of every
+    prompt position (the SDK's empty cell, token 0 and log-prob -99999.0, where nothing is scored), the targets'
+    log-probs (in `targets`' layout), the draws."""
     out = pb.SampleResponse()
     for seq in sequences:
         out.sequences.add(stop_reason=pb.STOP_REASON_STOP if seq.stop else pb.STOP_REASON_LENGTH,
                           tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
-                          logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes())
+                          logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes(),
+                          topk_sampled_logprobs=None if seq.topk is None else _topk(*seq.topk))
     if prompt_logprobs is not None:  # NaN where nothing is scored (the first prompt token)
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
-    if prompt_topk is not None:
-        ids_NK, logp_NK = prompt_topk
-        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
-            token_ids=np.ascontiguousarray(ids_NK, dtype=np.int32).tobytes(),
-            logprobs=np.ascontiguousarray(logp_NK, dtype=np.float32).tobytes(), k=ids_NK.shape[1],
-            length=ids_NK.shape[0]))
+    scores = scores or PromptScores()
+    if scores.topk is not None:
+        out.topk_prompt_logprobs.CopyFrom(_topk(*scores.topk))
+    if scores.target_values_N is not None:
+        out.target_prompt_logprobs.CopyFrom(_targets(targets, scores.target_values_N))
+    if scores.draws is not None:
+        tokens, logprobs = scores.draws
+        out.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(tokens=_dense(tokens.astype(np.int64), pb.DTYPE_INT64),
+                                                          logprobs=_dense(logprobs.astype(np.float32), pb.DTYPE_FLOAT32)))
     return out.SerializeToString()

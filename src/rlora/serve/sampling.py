@@ -6,9 +6,12 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
+
 from rlora.rollout.decoder import DecoderView
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.serve import proto, wire
+from rlora.serve.prompt_scores import PromptScores, TargetCells
 from rlora.serve.state import Snapshot
 from rlora.types import Rollout, SamplingParams
 
@@ -48,19 +51,33 @@ def sampling_settings(sp: wire.SamplingParams, eos_ids: list[int]) -> tuple[Samp
     return params, ends, seed
 
 
-def responses(rollout: Rollout, logp_BTc, G: int, prompt_logprobs: list[list[float] | None],
-              prompt_topk: list | None = None) -> list[bytes]:
+@dataclass
+class Asked:
+    """What one sample request asked beside its samples, computed (serve/prompt_scores.py)."""
+
+    prompt_logprobs: list[float] | None = None
+    scores: PromptScores | None = None
+    targets: TargetCells | None = None
+    sample_topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # per sample: ids [n, k], log-probs [n, k]
+
+
+def completions(rollout: Rollout) -> list[list[int]]:
+    """Each row's tokens up to and with the one that ended it (one read back of the rollout, which may sit on a GPU)."""
+    lengths, ids = rollout.completion_mask_BTc.sum(-1).tolist(), rollout.completion_ids_BTc.tolist()
+    return [row[:n] for row, n in zip(ids, lengths)]
+
+
+def responses(rollout: Rollout, logp_BTc, G: int, asked: list[Asked]) -> list[bytes]:
     """The protobuf sample response of each request of a sampler call: its G rows (prompt-major), their tokens up to
-    and with the one that ended them, their log-probs, whether a stop ended them; its prompt's log-probs and top-k
-    (proto.sample_response) where it asked for them."""
-    prompt_topk = prompt_topk or [None] * len(prompt_logprobs)
+    and with the one that ended them, their log-probs, whether a stop ended them; what else it asked for
+    (proto.sample_response)."""
+    tokens, logps = completions(rollout), logp_BTc.tolist()
     results = []
-    # one read back of the rollout (it may sit on a GPU), then plain lists
-    lengths, ids, logps = rollout.completion_mask_BTc.sum(-1).tolist(), rollout.completion_ids_BTc.tolist(), logp_BTc.tolist()
-    for i, prompt_lp in enumerate(prompt_logprobs):
+    for i, ask in enumerate(asked):
         sequences = []
-        for row in range(i * G, (i + 1) * G):
-            n = lengths[row]
-            sequences.append(proto.Sequence(ids[row][:n], logps[row][:n], rollout.finish_reasons[row] == "stop"))
-        results.append(proto.sample_response(sequences, prompt_lp, prompt_topk[i]))
+        for j, row in enumerate(range(i * G, (i + 1) * G)):
+            n = len(tokens[row])
+            topk = None if ask.sample_topk is None else ask.sample_topk[j]
+            sequences.append(proto.Sequence(tokens[row], logps[row][:n], rollout.finish_reasons[row] == "stop", topk))
+        results.append(proto.sample_response(sequences, ask.prompt_logprobs, ask.scores, ask.targets))
     return results

@@ -144,6 +144,15 @@ class SamplingParams(Request):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
+class TensorData(Request):
+    """tinker's TensorData: a flat list of values with a shape, dense or sparse CSR (the listed values only)."""
+    data: list[int] | list[float]
+    dtype: str
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 class Sample(Request):
     num_samples: int = Field(1, ge=1)
     prompt: ModelInput
@@ -155,7 +164,7 @@ class Sample(Request):
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
-    target_prompt_logprobs: dict | None = None
+    target_prompt_logprobs: TensorData | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
 

@@ -38,9 +38,10 @@ from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
-from rlora.serve.logprobs import only_last, prompt_top_logprobs, sequence_logprobs, unrouted
+from rlora.serve.logprobs import sequence_logprobs, unrouted
+from rlora.serve.prompt_scores import Draws, check_asks, only_last, sampled_topk, score_prompt
 from rlora.serve.losses import LOSSES, TokenLoss
-from rlora.serve.sampling import Sampler, ViewGenerator, responses, sampling_settings
+from rlora.serve.sampling import Asked, Sampler, ViewGenerator, completions, responses, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
 from rlora.train.optim import optimizer_step
@@ -410,15 +411,29 @@ class ModelWorker:
             if logp_BT is None:  # transformers generate keeps no log-probs: the trainer's, at the same temperature
                 with torch.no_grad():
                     logp_BT = completion_logprobs(model, rollout.select(slice(None)))[0].float().cpu()
-            prompt_logprobs = [self._prompt_logprobs(model, p) if r.prompt_logprobs else None
-                               for p, r in zip(prompts, requests)]
-            prompt_topk = [prompt_top_logprobs(model, p, r.topk_prompt_logprobs) if r.topk_prompt_logprobs else None
-                           for p, r in zip(prompts, requests)]
-        for i, r in enumerate(requests):  # only the last N positions scored: the others as the first one
-            if r.prompt_logprobs_last_n is not None:
-                prompt_logprobs[i], prompt_topk[i] = only_last(r.prompt_logprobs_last_n, prompt_logprobs[i],
-                                                               prompt_topk[i])
-        return responses(rollout, logp_BT, G, prompt_logprobs, prompt_topk)
+            samples = completions(rollout)
+            asked = [self._asked(model, r, p, params, seed, samples[i * G:(i + 1) * G])
+                     for i, (r, p, (params, _, seed)) in enumerate(zip(requests, prompts, settings))]
+        return responses(rollout, logp_BT, G, asked)
+
+    def _asked(self, model, r: wire.Sample, prompt: list[int], params, seed: int, samples: list[list[int]]
+               ) -> Asked:
+        """What a request asked beside its samples (app.py checked it): its prompt's log-probs, its prompt's top-k,
+        targets and draws (one forward of the prompt), its samples' top-k (one forward of its samples)."""
+        targets = check_asks(r, len(prompt), self.vocab_size)
+        draws = Draws(r.prompt_alt_tokens_k, params.temperature, params.greedy, seed) if r.prompt_alt_tokens_k else None
+        asked = Asked(prompt_logprobs=self._prompt_logprobs(model, prompt) if r.prompt_logprobs else None,
+                      targets=targets)
+        if r.topk_prompt_logprobs or targets is not None or draws is not None:
+            asked.scores = score_prompt(model, prompt, r.topk_prompt_logprobs, targets, draws)
+        if r.topk_sample_logprobs:
+            asked.sample_topk = sampled_topk(model, prompt, samples, params.temperature, r.topk_sample_logprobs)
+        if r.prompt_logprobs_last_n is not None:  # only the last N positions scored: the others as the first one
+            top = asked.scores.topk if asked.scores is not None else None
+            asked.prompt_logprobs, top = only_last(r.prompt_logprobs_last_n, asked.prompt_logprobs, top)
+            if asked.scores is not None:
+                asked.scores.topk = top
+        return asked
 
     @torch.no_grad()
     def _prompt_logprobs(self, model, prompt: list[int]) -> list[float]:

@@ -69,28 +69,28 @@ def parse_targets(tensor, prompt_length: int, vocab_size: int) -> TargetCells:
     if tensor.shape is None or len(tensor.shape) != 2 or tensor.shape[0] != rows or not 1 <= tensor.shape[1] <= MAX_K:
         raise ServeError(400, f"{what} has shape {tensor.shape}: it must be [{rows}, K] (a row per prompt position after "
                               f"the first) with 1 <= K <= {MAX_K}")
-    if any(not float(value).is_integer() for value in tensor.data):
+    # float64 first: any JSON number converts (an int64 conversion of 10**30 would raise), and ids are exact in it
+    values_N = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    if not (values_N == np.round(values_N)).all():
         raise ServeError(400, f"{what} holds a value that is not a whole number: it holds token ids")
-    ids_N = np.asarray(tensor.data, dtype=np.int64).reshape(-1)
-    width = tensor.shape[1]
-    if tensor.sparse_crow_indices is None and tensor.sparse_col_indices is None:
-        if len(ids_N) != rows * width:
-            raise ServeError(400, f"{what}: {len(ids_N)} values for shape [{rows}, {width}]")
-        cells = TargetCells((rows, width), np.repeat(np.arange(rows), width), ids_N)
-    else:
-        crow = np.asarray(tensor.sparse_crow_indices or [], dtype=np.int64)
-        col = np.asarray(tensor.sparse_col_indices or [], dtype=np.int64)
-        if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(ids_N) or len(col) != len(ids_N)
-                or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)):
-            raise ServeError(400, f"{what}: the sparse CSR indices do not describe {len(ids_N)} values of a "
-                                  f"[{rows}, {width}] tensor (sparse_crow_indices: {rows + 1} non-decreasing row pointers "
-                                  f"from 0 to the value count; sparse_col_indices: a column below {width} per value)")
-        cells = TargetCells((rows, width), np.repeat(np.arange(rows), np.diff(crow)), ids_N, crow, col)
-    bad = ids_N[(ids_N != -1) & ((ids_N < 0) | (ids_N >= vocab_size))]
+    bad = values_N[(values_N != -1) & ((values_N < 0) | (values_N >= vocab_size))]
     if len(bad):
         raise ServeError(400, f"{what}: token id {int(bad[0])} is outside the vocabulary (0 .. {vocab_size - 1}; -1 asks "
                               "nothing)")
-    return cells
+    ids_N, width = values_N.astype(np.int64), tensor.shape[1]
+    if tensor.sparse_crow_indices is None and tensor.sparse_col_indices is None:
+        if len(ids_N) != rows * width:
+            raise ServeError(400, f"{what}: {len(ids_N)} values for shape [{rows}, {width}]")
+        return TargetCells((rows, width), np.repeat(np.arange(rows), width), ids_N)
+    crow = np.asarray(tensor.sparse_crow_indices or [], dtype=np.float64)
+    col = np.asarray(tensor.sparse_col_indices or [], dtype=np.float64)
+    if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(ids_N) or len(col) != len(ids_N)
+            or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)):
+        raise ServeError(400, f"{what}: the sparse CSR indices do not describe {len(ids_N)} values of a "
+                              f"[{rows}, {width}] tensor (sparse_crow_indices: {rows + 1} non-decreasing row pointers "
+                              f"from 0 to the value count; sparse_col_indices: a column below {width} per value)")
+    crow, col = crow.astype(np.int64), col.astype(np.int64)
+    return TargetCells((rows, width), np.repeat(np.arange(rows), np.diff(crow)), ids_N, crow, col)
 
 
 def check_asks(body, prompt_length: int, vocab_size: int) -> TargetCells | None:

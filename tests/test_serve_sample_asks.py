@@ -13,6 +13,9 @@ import pytest
 import torch
 from test_serve_batching import ADAM, ce_datum, server  # noqa: F401 - server: the module's fixture
 from tinker import types
+from transformers import AutoModelForCausalLM
+
+from rlora.serve import prompt_scores
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")
 TOL, SAMPLER_TOL = 1e-5, 1e-4
@@ -109,9 +112,15 @@ def test_prompt_alt_tokens_are_draws_of_the_next_token_distribution(sampler, dis
     np.testing.assert_allclose(greedy.prompt_alt_tokens.logprobs.to_numpy()[:, 0], distribution.max(-1), atol=1e-4)
 
 
-def test_topk_sample_logprobs_rank_the_distribution_each_sampled_token_came_from(sampler, server):
+def test_topk_sample_logprobs_rank_the_distribution_each_sampled_token_came_from(sampler, server, monkeypatch):
     params = types.SamplingParams(max_tokens=5, temperature=0.8, seed=3, stop=[])
     out = sample(sampler, n=3, params=params, topk_sample_logprobs=4)
+    monkeypatch.setattr(prompt_scores, "SAMPLE_TOPK_TOKENS", 1)  # one sample a forward: the same top-k
+    for seq, alone in zip(out.sequences, sample(sampler, n=3, params=params, topk_sample_logprobs=4).sequences):
+        assert [[t for t, _ in r] for r in seq.topk_logprobs] == [[t for t, _ in r] for r in alone.topk_logprobs]
+        np.testing.assert_allclose([[lp for _, lp in r] for r in seq.topk_logprobs],
+                                   [[lp for _, lp in r] for r in alone.topk_logprobs], atol=TOL)
+    monkeypatch.undo()
     again = sample(sampler, n=3, params=params)
     for seq, plain in zip(out.sequences, again.sequences):
         assert seq.tokens == plain.tokens and len(seq.topk_logprobs) == len(seq.tokens) == 5  # asking changes no draw
@@ -136,3 +145,16 @@ def test_topk_sample_logprobs_rank_the_distribution_each_sampled_token_came_from
     greedy = sample(sampler, params=types.SamplingParams(max_tokens=5, temperature=0.0, stop=[]), topk_sample_logprobs=2)
     for token, ranked in zip(greedy.sequences[0].tokens, greedy.sequences[0].topk_logprobs):
         assert ranked[0][0] == token
+
+
+def test_an_empty_sample_takes_no_position_of_the_others(tiny_model_dir):
+    """sampled_topk with an empty sample (transformers generate can return one) beside others: each other sample's
+    top-k is what it gets alone."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompt, samples = [12, 7, 19], [[5, 6, 7], [], [8, 9]]
+    together = prompt_scores.sampled_topk(model, prompt, samples, 1.0, 3)
+    assert [len(ids) for ids, _ in together] == [3, 0, 2]
+    for sample_ids, (ids, logp) in zip([samples[0], samples[2]], [together[0], together[2]]):
+        [(ids_alone, logp_alone)] = prompt_scores.sampled_topk(model, prompt, [sample_ids], 1.0, 3)
+        assert (ids == ids_alone).all()
+        np.testing.assert_allclose(logp, logp_alone, atol=TOL)

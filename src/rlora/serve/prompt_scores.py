@@ -27,6 +27,9 @@ from rlora.serve.state import ServeError
 from rlora.tensors import position_ids_from_mask
 
 MAX_K = 1024  # the most columns of any top-k, target or draw matrix (and at most the vocabulary for a top-k)
+# topk_sample_logprobs entries of one request (8 bytes each: 128 MiB, well under protobuf's 2 GiB message)
+MAX_SAMPLE_TOPK_CELLS = 1 << 24
+SAMPLE_TOPK_TOKENS = 4096  # padded positions of one teacher-forced forward of samples (rows are split to stay under)
 EMPTY_LOGPROB = -99999.0  # the SDK's empty cell of a top-k matrix (tinker.types.topk_logprobs MASK_LOGPROB, id 0)
 
 
@@ -69,8 +72,7 @@ def parse_targets(tensor, prompt_length: int, vocab_size: int) -> TargetCells:
     if tensor.shape is None or len(tensor.shape) != 2 or tensor.shape[0] != rows or not 1 <= tensor.shape[1] <= MAX_K:
         raise ServeError(400, f"{what} has shape {tensor.shape}: it must be [{rows}, K] (a row per prompt position after "
                               f"the first) with 1 <= K <= {MAX_K}")
-    # float64 first: any JSON number converts (an int64 conversion of 10**30 would raise), and ids are exact in it
-    values_N = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    values_N = _float64(tensor.data, what)
     if not (values_N == np.round(values_N)).all():
         raise ServeError(400, f"{what} holds a value that is not a whole number: it holds token ids")
     bad = values_N[(values_N != -1) & ((values_N < 0) | (values_N >= vocab_size))]
@@ -82,15 +84,32 @@ def parse_targets(tensor, prompt_length: int, vocab_size: int) -> TargetCells:
         if len(ids_N) != rows * width:
             raise ServeError(400, f"{what}: {len(ids_N)} values for shape [{rows}, {width}]")
         return TargetCells((rows, width), np.repeat(np.arange(rows), width), ids_N)
-    crow = np.asarray(tensor.sparse_crow_indices or [], dtype=np.float64)
-    col = np.asarray(tensor.sparse_col_indices or [], dtype=np.float64)
+    crow, col = _float64(tensor.sparse_crow_indices or [], what), _float64(tensor.sparse_col_indices or [], what)
     if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(ids_N) or len(col) != len(ids_N)
-            or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)):
+            or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)
+            or not _ascending_in_rows(crow.astype(np.int64), col)):
         raise ServeError(400, f"{what}: the sparse CSR indices do not describe {len(ids_N)} values of a "
                               f"[{rows}, {width}] tensor (sparse_crow_indices: {rows + 1} non-decreasing row pointers "
-                              f"from 0 to the value count; sparse_col_indices: a column below {width} per value)")
+                              f"from 0 to the value count; sparse_col_indices: a column below {width} per value, "
+                              "ascending and distinct within a row)")
     crow, col = crow.astype(np.int64), col.astype(np.int64)
     return TargetCells((rows, width), np.repeat(np.arange(rows), np.diff(crow)), ids_N, crow, col)
+
+
+def _float64(values: list, what: str) -> np.ndarray:
+    """JSON numbers as float64 (exact for any index or token id; an int64 conversion of 10**30 would raise)."""
+    try:
+        return np.asarray(values, dtype=np.float64).reshape(-1)
+    except OverflowError:  # an integer past float64's range (10**400): nothing a tensor index or token id can be
+        raise ServeError(400, f"{what}: a number too large to be a token id or an index") from None
+
+
+def _ascending_in_rows(crow: np.ndarray, col: np.ndarray) -> bool:
+    """Whether each CSR row's columns ascend strictly (the SDK's to_torch() checks it and fails on anything else)."""
+    within = np.ones(max(len(col) - 1, 0), dtype=bool)
+    starts = crow[1:-1][(crow[1:-1] > 0) & (crow[1:-1] < len(col))]
+    within[starts - 1] = False  # between the last column of one row and the first of the next
+    return bool((np.diff(col)[within] > 0).all())
 
 
 def check_asks(body, prompt_length: int, vocab_size: int) -> TargetCells | None:
@@ -101,6 +120,11 @@ def check_asks(body, prompt_length: int, vocab_size: int) -> TargetCells | None:
                           ("prompt_alt_tokens_k", body.prompt_alt_tokens_k, MAX_K)]:
         if not 0 <= k <= most:
             raise ServeError(400, f"asample: {name} {k} is outside 0 .. {most}")
+    cells = body.topk_sample_logprobs * body.num_samples * body.sampling_params.max_tokens
+    if cells > MAX_SAMPLE_TOPK_CELLS:
+        raise ServeError(400, f"asample: topk_sample_logprobs {body.topk_sample_logprobs} x num_samples "
+                              f"{body.num_samples} x max_tokens {body.sampling_params.max_tokens} = {cells} entries, "
+                              f"over {MAX_SAMPLE_TOPK_CELLS}: ask for a smaller k or fewer samples or tokens")
     if body.target_prompt_logprobs is None:
         return None
     return parse_targets(body.target_prompt_logprobs, prompt_length, vocab_size)
@@ -173,9 +197,16 @@ def score_prompt(model: nn.Module, prompt: list[int], topk: int = 0, targets: Ta
 @torch.no_grad()
 def sampled_topk(model: nn.Module, prompt: list[int], samples: list[list[int]], temperature: float, k: int
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The k most likely tokens at every position of each sample (each sample's tokens are teacher-forced after the
-    prompt, in one padded forward), log-probs at `temperature` as the sample's own -> per sample (ids [n, k] int32,
-    log-probs [n, k] float32)."""
+    """The k most likely tokens at every position of each sample (its tokens teacher-forced after the prompt,
+    padded forwards of up to SAMPLE_TOPK_TOKENS positions), log-probs at `temperature` as the sample's own -> per
+    sample (ids [n, k] int32, log-probs [n, k] float32)."""
+    width = len(prompt) + max(map(len, samples)) - 1
+    per_pass = max(1, SAMPLE_TOPK_TOKENS // width)
+    return [top for lo in range(0, len(samples), per_pass)
+            for top in _sampled_topk(model, prompt, samples[lo:lo + per_pass], temperature, k)]
+
+
+def _sampled_topk(model, prompt, samples, temperature, k):
     device = next(model.parameters()).device
     rows = [prompt + sample[:-1] for sample in samples]
     width = max(map(len, rows))
@@ -184,8 +215,9 @@ def sampled_topk(model: nn.Module, prompt: list[int], samples: list[list[int]], 
     keep_BT = torch.zeros((len(rows), width), dtype=torch.bool)
     for b, (row, sample) in enumerate(zip(rows, samples)):
         ids_BT[b, :len(row)], mask_BT[b, :len(row)] = torch.tensor(row), 1
-        keep_BT[b, len(prompt) - 1:len(row)] = True  # the positions that predict the sample's tokens
-    ids_parts, logp_parts = [], []
+        # the positions that predict the sample's tokens (none for an empty sample)
+        keep_BT[b, len(prompt) - 1:len(prompt) - 1 + len(sample)] = True
+    ids_parts, logp_parts = [np.zeros((0, k), np.int32)], [np.zeros((0, k), np.float32)]
     for _, logits_CV in _position_logits(model, ids_BT.to(device), mask_BT.to(device), keep_BT.to(device)):
         ids_CK, logp_CK = _top(torch.log_softmax(logits_CV / temperature, dim=-1), k)
         ids_parts.append(ids_CK)

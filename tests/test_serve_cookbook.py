@@ -111,13 +111,15 @@ def test_the_decision_recipe_reads_and_learns_a_choice_through_target_prompt_log
     the log-probs of the choices' label tokens at the answer position (`target_prompt_logprobs`, sent sparse); its
     probabilities are the softmax of those tokens' log-probs in the whole next-token distribution (the top-k with k =
     the vocabulary: another code path). Trained with `decision_choice_datums` (cross-entropy on the right label's
-    token), the right choice's probability rises."""
+    token), the right choice's probability rises; with `decision_dist_datums` and `probability_loss` (soft labels:
+    [n, K] target_tokens and weights through forward_backward_custom) the probability moves to the labelled ones."""
     import asyncio
 
     import tinker
     from tinker import types
     from tinker_cookbook import renderers
     from tinker_cookbook.recipes.decisions import Decision, DecisionRenderer, decision_choice_datums, sample_decision
+    from tinker_cookbook.recipes.decisions.train import decision_dist_datums, probability_loss
     from tinker_cookbook.tokenizer_utils import get_tokenizer
 
     url, folder = server
@@ -147,5 +149,15 @@ def test_the_decision_recipe_reads_and_learns_a_choice_through_target_prompt_log
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
     _, after = decide()
     assert after["b"] > max(0.9, before["b"] + 0.2), (before, after)
-    print(f"decision probabilities before {before}, after {after}")  # docs/serve.md quotes them
+    # soft labels: the recipe's decision_dist_datums ([n, K] target_tokens and weights) with its probability_loss,
+    # through forward_backward_custom (the loss in this process, on the server's [n, K] log-probs)
+    datums = decision_dist_datums(decision_renderer, [(decision, {"c": 0.5, "d": 0.5})])
+    # cross-entropy to the target distribution (a squared error's gradient vanishes where p(b) is ~1 by now)
+    soft_ce = probability_loss(lambda probs, target: -(target * probs.clamp(min=1e-30).log()).sum())
+    for _ in range(6):
+        training.forward_backward_custom(datums, soft_ce).result(timeout=120)
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
+    _, soft = decide()
+    assert soft["c"] + soft["d"] > 0.8 and soft["b"] < 0.2, soft
+    print(f"decision probabilities before {before}, after hard labels {after}, after soft ones {soft}")  # docs
     service.close("success").result(timeout=30)

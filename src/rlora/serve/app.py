@@ -243,14 +243,18 @@ def build_app(served: Served) -> FastAPI:
                 raise ServeError(400, f"datum {i}: loss_fn_inputs['target_tokens'] holds non-integer values: token ids "
                                       "are integers")
             worker.check_tokens(datum.tokens, f"datum {i}")
-            worker.check_tokens(datum.inputs["target_tokens"].astype(np.int64).tolist(), f"datum {i} target_tokens")
+            worker.check_tokens(datum.inputs["target_tokens"].astype(np.int64).reshape(-1).tolist(),
+                                f"datum {i} target_tokens", positions=False)  # [n] or [n, K]: n is checked above
             for name, values in datum.inputs.items():
                 if values.dtype.kind == "f" and not np.isfinite(values).all():
                     raise ServeError(400, f"datum {i}: loss_fn_inputs['{name}'] holds a NaN or an infinity")
             check_datum(fb.loss_fn, i, datum.inputs)
         # other clients' forward_backward queued right behind it run in the same pass (serve/batched.py)
-        batch = Batchable(("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,
-                          tokens=sum(len(d.tokens) for d in fb.data), max_tokens=fb_batch_tokens)
+        # (not a request with K targets per token: its rows are [n, K], other clients' [n])
+        columns = any(values.ndim == 2 for d in fb.data for values in d.inputs.values())
+        batch = None if columns else Batchable(
+            ("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,
+            tokens=sum(len(d.tokens) for d in fb.data), max_tokens=fb_batch_tokens)
         job = jobs.submit(lambda: worker.forward_backward(fb, config), key=resent(fb.model_id, fb.seq_id, "fb"),
                           batch=batch)
         return wire.untyped_future(job, fb.model_id)

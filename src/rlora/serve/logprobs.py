@@ -24,17 +24,17 @@ def unrouted(lo: int, hi: int):
 
 def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor,
                       head_routed=unrouted) -> torch.Tensor:
-    """log p(targets_BT[b, t] | ids_BT[b, :t + 1]), [B, T] float32 (0 on padding), at temperature 1. Right padding;
-    positions from the mask. head_routed(lo, hi): the context in which the output layer runs kept positions lo..hi
-    (serve/batched.py routes each to its client's adapter); entered inside the checkpointed chunk, which backward
-    runs again."""
+    """log p(targets_BT[b, t] | ids_BT[b, :t + 1]), [B, T] float32 (0 on padding), at temperature 1; for targets
+    [B, T, K] (K targets at each position) [B, T, K]. Right padding; positions from the mask. head_routed(lo, hi):
+    the context in which the output layer runs kept positions lo..hi (serve/batched.py routes each to its client's
+    adapter); entered inside the checkpointed chunk, which backward runs again."""
     hf = causal_lm(model)
     position_ids = position_ids_from_mask(mask_BT)
     keep_BT = mask_BT.bool()
     if not supports_chunked(model):
         logits = model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids, use_cache=False).logits
-        logp_BT, _ = token_logprobs(logits, targets_BT, None, False)
-        return logp_BT * mask_BT
+        logp_BT = _targets_logprobs(logits, targets_BT)
+        return logp_BT * (mask_BT if logp_BT.dim() == 2 else mask_BT[..., None])
     hidden_BTH = hf.get_decoder()(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids,
                                   use_cache=False).last_hidden_state
     hidden_NH, targets_N = hidden_BTH[keep_BT], targets_BT[keep_BT]
@@ -42,7 +42,7 @@ def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Ten
 
     def chunk_logp(h_CH, t_C, lo):
         with head_routed(lo, lo + len(t_C)):
-            return token_logprobs(head(h_CH), t_C, None, False)[0]
+            return _targets_logprobs(head(h_CH), t_C)
 
     recompute = (torch.is_grad_enabled() and hidden_NH.requires_grad
                  and recomputes_logits(len(targets_N), hf.config.get_text_config().vocab_size, hidden_NH.device))
@@ -50,5 +50,14 @@ def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Ten
               for lo in range(0, len(targets_N), HEAD_CHUNK)]
     parts = [checkpoint(chunk_logp, *chunk, use_reentrant=False) if recompute else chunk_logp(*chunk)
              for chunk in chunks]
-    logp_BT = torch.zeros(keep_BT.shape, dtype=torch.float32, device=ids_BT.device)
+    logp_BT = torch.zeros(targets_BT.shape, dtype=torch.float32, device=ids_BT.device)
     return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))
+
+
+def _targets_logprobs(logits_NV: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probs of one target per position (targets [N]: models/logprobs.py token_logprobs, its lean backward) or
+    of K per position (targets [N, K]: a gather and the logsumexp, through autograd)."""
+    if targets.dim() == logits_NV.dim() - 1:
+        return token_logprobs(logits_NV, targets, None, False)[0]
+    logits_NV = logits_NV.float()
+    return logits_NV.gather(-1, targets) - torch.logsumexp(logits_NV, dim=-1, keepdim=True)

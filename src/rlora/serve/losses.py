@@ -4,7 +4,7 @@ Tinker's losses are sums over every token of every datum (tinker-docs.thinkingma
 with logp the training model's log-prob of target_tokens[i] and, for the RL losses, q the sampler's log-prob
 (loss_fn_inputs['logprobs']) and A the advantage:
 
-    cross_entropy        -sum(weights * logp)
+    cross_entropy        -sum(weights * logp); target_tokens and weights may be [n, K]: K targets at each position
     importance_sampling  -sum(exp(logp - q) * A)
     ppo                  -sum(min(r * A, clip(r, clip_low_threshold, clip_high_threshold) * A)),  r = exp(logp - q)
                          (loss_fn_config thresholds; default 0.8 and 1.2)
@@ -44,7 +44,8 @@ class TokenLoss:
                config: dict[str, float]) -> torch.Tensor:
         """The loss of these rows: its per-token values summed over the real positions (mask_BT 1)."""
         loss_BT = self.fn(logp_BT, mask_BT.float(), inputs, config)
-        return torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT)).sum()
+        keep = mask_BT.bool() if loss_BT.dim() == 2 else mask_BT.bool()[..., None]  # [B, T, K]: K targets a token
+        return torch.where(keep, loss_BT, torch.zeros_like(loss_BT)).sum()
 
 
 def _cross_entropy(logp_BT, mask_BT, inputs, config) -> torch.Tensor:
@@ -103,8 +104,18 @@ LOSSES = {
 
 
 def check_datum(name: str, index: int, inputs: dict) -> None:
-    """What one datum's loss inputs must hold beyond their names (ServeError 400): gspo's sequence ratio needs at least
-    one marked token (its mean over none is undefined)."""
+    """What one datum's loss inputs must hold beyond their names (ServeError 400): K values per token ([n, K]) only
+    in cross_entropy's target_tokens and weights, both of one shape (K targets at each position, each with its
+    weight); gspo's sequence ratio needs at least one marked token (its mean over none is undefined)."""
+    columns = sorted(key for key, values in inputs.items() if values.ndim == 2)
+    if columns and (name != "cross_entropy" or set(columns) - {"target_tokens", "weights"}):
+        raise ServeError(400, f"datum {index}: loss_fn_inputs {', '.join(columns)} hold K values per token; only "
+                              "cross_entropy's target_tokens and weights may ([n, K]: K targets at each position)")
+    if columns and (inputs["target_tokens"].ndim != 2
+                    or ("weights" in inputs and inputs["weights"].shape != inputs["target_tokens"].shape)):
+        raise ServeError(400, f"datum {index}: target_tokens {list(inputs['target_tokens'].shape)} and weights "
+                              f"{list(inputs['weights'].shape) if 'weights' in inputs else None}: K targets per token need "
+                              "weights of the same [n, K] shape (or none: weight 1 each)")
     if name == "gspo" and not (inputs["sequence_ratio_mask"] != 0).any():
         raise ServeError(400, f"datum {index}: loss_fn_inputs['sequence_ratio_mask'] marks no token: gspo's sequence "
                               "ratio is the mean over the marked (sampled) tokens")

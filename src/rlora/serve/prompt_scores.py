@@ -87,7 +87,7 @@ def parse_targets(tensor, prompt_length: int, vocab_size: int) -> TargetCells:
     crow, col = _float64(tensor.sparse_crow_indices or [], what), _float64(tensor.sparse_col_indices or [], what)
     if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(ids_N) or len(col) != len(ids_N)
             or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)
-            or not _ascending_in_rows(crow.astype(np.int64), col)):
+            or not csr_rows_ascend(crow.astype(np.int64), col)):
         raise ServeError(400, f"{what}: the sparse CSR indices do not describe {len(ids_N)} values of a "
                               f"[{rows}, {width}] tensor (sparse_crow_indices: {rows + 1} non-decreasing row pointers "
                               f"from 0 to the value count; sparse_col_indices: a column below {width} per value, "
@@ -104,8 +104,8 @@ def _float64(values: list, what: str) -> np.ndarray:
         raise ServeError(400, f"{what}: a number too large to be a token id or an index") from None
 
 
-def _ascending_in_rows(crow: np.ndarray, col: np.ndarray) -> bool:
-    """Whether each CSR row's columns ascend strictly (the SDK's to_torch() checks it and fails on anything else)."""
+def csr_rows_ascend(crow: np.ndarray, col: np.ndarray) -> bool:
+    """Whether each CSR row's columns ascend strictly (torch's invariants, which the SDK's to_torch() checks)."""
     within = np.ones(max(len(col) - 1, 0), dtype=bool)
     starts = crow[1:-1][(crow[1:-1] > 0) & (crow[1:-1] < len(col))]
     within[starts - 1] = False  # between the last column of one row and the first of the next

@@ -15,7 +15,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from rlora.serve.prompt_scores import PromptScores, TargetCells
+from rlora.serve.prompt_scores import PromptScores, TargetCells, csr_rows_ascend
 from rlora.serve.state import ServeError
 
 PROTO = "application/x-protobuf"
@@ -41,20 +41,50 @@ class ForwardBackward:
     data: list[Datum]
 
 
-def _tensor(msg: pb.Tensor, name: str) -> np.ndarray:
-    """A loss input: dense, 1-D ([n] or no shape). Anything else is refused before anything is allocated (a
-    sparse tensor's declared shape could be any size)."""
+MAX_COLUMNS = 1024  # K of a [n, K] loss input (several targets at a position: cross_entropy's target_tokens, weights)
+
+
+def _tensor(msg: pb.Tensor, name: str, rows: int) -> np.ndarray:
+    """A loss input of a datum of `rows` input tokens: dense [n] (or no shape), or [n, K] (K values at each
+    position) dense or sparse CSR (what the SDK sends for a mostly-zero [n, K] tensor, e.g. forward_backward_custom's
+    weights), densified with 0. A sparse tensor's declared shape is checked against the datum before anything is
+    allocated (it could be any size)."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise ServeError(400, f"loss_fn_inputs['{name}']: dtype {msg.dtype} is not float32, int64 or int32")
+    shape = list(msg.shape)
     if msg.HasField("sparse_csr"):
-        raise ServeError(400, f"loss_fn_inputs['{name}']: a sparse tensor; loss inputs are dense, one value per token")
+        if len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= MAX_COLUMNS:
+            raise ServeError(400, f"loss_fn_inputs['{name}']: a sparse tensor of shape {shape}: it must be [{rows}, K] "
+                                  f"(K values per input token, 1 <= K <= {MAX_COLUMNS})")
+        return _dense_from_csr(msg.sparse_csr, dtype, shape, name)
     size, rest = divmod(len(msg.dense), np.dtype(dtype).itemsize)
     if rest:
         raise ServeError(400, f"loss_fn_inputs['{name}']: {len(msg.dense)} bytes are not whole {np.dtype(dtype).name} values")
-    if list(msg.shape) not in ([], [size]):
-        raise ServeError(400, f"loss_fn_inputs['{name}']: shape {list(msg.shape)}, not [{size}] (one value per input token)")
+    if len(shape) == 2 and 1 <= shape[1] <= MAX_COLUMNS and shape[0] * shape[1] == size:
+        return np.frombuffer(msg.dense, dtype=dtype).reshape(shape)
+    if shape not in ([], [size]):
+        raise ServeError(400, f"loss_fn_inputs['{name}']: shape {shape} with {size} values: it must be [n] (a value per "
+                              f"input token) or [n, K] (K values per input token, 1 <= K <= {MAX_COLUMNS})")
     return np.frombuffer(msg.dense, dtype=dtype)
+
+
+def _dense_from_csr(csr: pb.SparseCsr, dtype, shape: list[int], name: str) -> np.ndarray:
+    rows, width = shape
+    item = np.dtype(dtype).itemsize
+    if len(csr.values) % item or len(csr.crow_indices) % 8 or len(csr.col_indices) % 8:
+        raise ServeError(400, f"loss_fn_inputs['{name}']: sparse values or indices are not whole values")
+    values = np.frombuffer(csr.values, dtype=dtype)
+    crow, col = np.frombuffer(csr.crow_indices, dtype=np.int64), np.frombuffer(csr.col_indices, dtype=np.int64)
+    if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(values) or len(col) != len(values)
+            or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)
+            or not csr_rows_ascend(crow, col)):
+        raise ServeError(400, f"loss_fn_inputs['{name}']: the sparse CSR indices do not describe {len(values)} values of "
+                              f"a [{rows}, {width}] tensor (crow_indices: {rows + 1} non-decreasing row pointers from 0 "
+                              f"to the value count; col_indices: a column below {width} per value, ascending within a row)")
+    dense = np.zeros((rows, width), dtype=dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return dense
 
 
 def parse_forward_backward(body: bytes) -> ForwardBackward:
@@ -81,11 +111,11 @@ def parse_forward_backward(body: bytes) -> ForwardBackward:
             tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
         if not tokens:
             raise ServeError(400, f"datum {i}: no input tokens")
-        inputs = {name: _tensor(tensor, name) for name, tensor in datum.loss_fn_inputs.items()}
+        inputs = {name: _tensor(tensor, name, len(tokens)) for name, tensor in datum.loss_fn_inputs.items()}
         for name, array in inputs.items():
-            if array.ndim != 1 or len(array) != len(tokens):
+            if len(array) != len(tokens):
                 raise ServeError(400, f"datum {i}: loss_fn_inputs['{name}'] has shape {list(array.shape)}, not "
-                                      f"[{len(tokens)}] (one value per input token)")
+                                      f"[{len(tokens)}] or [{len(tokens)}, K] (values per input token)")
         data.append(Datum(tokens, inputs))
     if not data:
         raise ServeError(400, "forward_backward: no data")
@@ -100,12 +130,21 @@ def _batched(arrays: list[np.ndarray], dtype: np.dtype, proto_dtype) -> pb.Batch
 
 
 def forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:
-    """The SDK's ForwardBackwardOutput: per datum {'logprobs': [N] float32}; metric names 'NAME:REDUCTION' (the
-    SDK splits every key at ':' to combine chunks)."""
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
-    record.fields["logprobs"].CopyFrom(_batched(logprobs, np.float32, pb.DTYPE_FLOAT32))
+    """The SDK's ForwardBackwardOutput: per datum {'logprobs': [N] or [N, K] float32}, one ArrayRecord per run of
+    consecutive data with the same trailing shape (the SDK joins the records in order); metric names
+    'NAME:REDUCTION' (the SDK splits every key at ':' to combine chunks)."""
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
-    out.loss_fn_outputs.append(record)
+    start = 0
+    while start < len(logprobs):
+        end = start + 1
+        while end < len(logprobs) and logprobs[end].shape[1:] == logprobs[start].shape[1:]:
+            end += 1
+        record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=end - start)
+        field = _batched(logprobs[start:end], np.float32, pb.DTYPE_FLOAT32)
+        field.trailing_shape.extend(logprobs[start].shape[1:])
+        record.fields["logprobs"].CopyFrom(field)
+        out.loss_fn_outputs.append(record)
+        start = end
     return out.SerializeToString()
 
 

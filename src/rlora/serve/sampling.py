@@ -11,7 +11,9 @@ import numpy as np
 from rlora.rollout.decoder import DecoderView
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.serve import proto, wire
-from rlora.serve.prompt_scores import PromptScores, TargetCells
+from rlora.serve.prompt_scores import (
+    Draws, PromptScores, TargetCells, check_asks, only_last, sampled_topk, score_prompt,
+)
 from rlora.serve.state import Snapshot
 from rlora.types import Rollout, SamplingParams
 
@@ -59,6 +61,26 @@ class Asked:
     scores: PromptScores | None = None
     targets: TargetCells | None = None
     sample_topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # per sample: ids [n, k], log-probs [n, k]
+
+
+def asked_of(model, r: wire.Sample, prompt: list[int], params: SamplingParams, seed: int, samples: list[list[int]],
+             vocab_size: int, prompt_logprobs) -> Asked:
+    """What a request asked beside its samples (app.py checked it), under the model as it is switched now: its
+    prompt's log-probs (prompt_logprobs(model, prompt)), its prompt's top-k, targets and draws (one forward of the
+    prompt), its samples' top-k (one forward of its samples)."""
+    targets = check_asks(r, len(prompt), vocab_size)
+    draws = Draws(r.prompt_alt_tokens_k, params.temperature, params.greedy, seed) if r.prompt_alt_tokens_k else None
+    asked = Asked(prompt_logprobs=prompt_logprobs(model, prompt) if r.prompt_logprobs else None, targets=targets)
+    if r.topk_prompt_logprobs or targets is not None or draws is not None:
+        asked.scores = score_prompt(model, prompt, r.topk_prompt_logprobs, targets, draws)
+    if r.topk_sample_logprobs:
+        asked.sample_topk = sampled_topk(model, prompt, samples, params.temperature, r.topk_sample_logprobs)
+    if r.prompt_logprobs_last_n is not None:  # only the last N positions scored: the others as the first one
+        top = asked.scores.topk if asked.scores is not None else None
+        asked.prompt_logprobs, top = only_last(r.prompt_logprobs_last_n, asked.prompt_logprobs, top)
+        if asked.scores is not None:
+            asked.scores.topk = top
+    return asked
 
 
 def completions(rollout: Rollout) -> list[list[int]]:

@@ -39,9 +39,8 @@ from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
 from rlora.serve.logprobs import sequence_logprobs, unrouted
-from rlora.serve.prompt_scores import Draws, check_asks, only_last, sampled_topk, score_prompt
 from rlora.serve.losses import LOSSES, TokenLoss
-from rlora.serve.sampling import Asked, Sampler, ViewGenerator, completions, responses, sampling_settings
+from rlora.serve.sampling import Sampler, ViewGenerator, asked_of, completions, responses, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
 from rlora.train.optim import optimizer_step
@@ -54,6 +53,12 @@ UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one
 IDLE_ADAPTER = "idle"  # the adapter that keeps the peft model from ever having none (_add_adapter)
 MAX_TRAINEES = 64  # training clients at once (each an adapter and its AdamW state in memory)
 MAX_SAMPLERS = 1024  # sampling sessions on saved snapshots or the base at once (each a config and a path)
+
+
+def _columns(datum: proto.Datum) -> int:
+    """K of a datum with K targets per token ([n, K] target_tokens), 1 for one of one ([n])."""
+    targets = datum.inputs["target_tokens"]
+    return targets.shape[1] if targets.ndim == 2 else 1
 
 
 class _NoSchedule:
@@ -179,21 +184,27 @@ class ModelWorker:
 
     def padded_rows(self, data: list[proto.Datum], loss: TokenLoss, width: int):
         """The data as rows right-padded to `width`, on the model's device: (ids, mask, targets [B, W], the loss
-        inputs it reads {name: [B, W]}; an optional one a datum lacks takes its default)."""
+        inputs it reads {name: [B, W]}; an optional one a datum lacks takes its default). Where a datum has K
+        targets per token ([n, K]: cross_entropy only), targets and inputs are [B, W, K] for the largest K: a datum
+        with fewer fills its first columns, the others get weight 0."""
         device = next(self.model.parameters()).device
+        columns = max((_columns(d) for d in data if d.inputs["target_tokens"].ndim == 2), default=None)
+        trailing = () if columns is None else (columns,)
         ids_BT = torch.full((len(data), width), self.tok.pad_id, dtype=torch.long)
         mask_BT = torch.zeros(len(data), width, dtype=torch.long)
         names = set(loss.inputs) | set(loss.optional)  # the ones it reads (the app checked they are there)
-        inputs = {name: torch.zeros(len(data), width, dtype=torch.float32) for name in names}
-        targets_BT = torch.zeros(len(data), width, dtype=torch.long)
+        inputs = {name: torch.zeros(len(data), width, *trailing, dtype=torch.float32) for name in names}
+        targets_BT = torch.zeros(len(data), width, *trailing, dtype=torch.long)
         for row, datum in enumerate(data):
-            n = len(datum.tokens)
+            n, k = len(datum.tokens), _columns(datum)
+            here = (row, slice(0, n)) + ((slice(0, k),) if trailing else ())
+            shape = (n, k) if trailing else (n,)
             ids_BT[row, :n], mask_BT[row, :n] = torch.tensor(datum.tokens), 1
-            targets_BT[row, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+            targets_BT[here] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64)).reshape(shape)
             for name in names:
                 value = datum.inputs.get(name)
-                inputs[name][row, :n] = (torch.full((n,), loss.optional[name]) if value is None
-                                         else torch.from_numpy(value.astype(np.float32)))
+                inputs[name][here] = (torch.full(shape, loss.optional[name]) if value is None
+                                      else torch.from_numpy(value.astype(np.float32)).reshape(shape))
         return ids_BT.to(device), mask_BT.to(device), targets_BT.to(device), {k: v.to(device) for k, v in inputs.items()}
 
     def token_logprobs(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor,
@@ -201,8 +212,9 @@ class ModelWorker:
         """serve/logprobs.py sequence_logprobs under the model as it is switched now."""
         return sequence_logprobs(self.model, ids_BT, mask_BT, targets_BT, head_routed)
 
-    def check_tokens(self, tokens: list[int], what: str) -> None:
-        if len(tokens) > self.max_length:
+    def check_tokens(self, tokens: list[int], what: str, positions: bool = True) -> None:
+        """The ids within the vocabulary; positions: also no more of them than the model has positions."""
+        if positions and len(tokens) > self.max_length:
             raise ServeError(400, f"{what}: {len(tokens)} tokens, more than the model's {self.max_length} positions")
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             raise ServeError(400, f"{what}: a token id outside the vocabulary (0 .. {self.vocab_size - 1})")
@@ -244,7 +256,11 @@ class ModelWorker:
             total += float(summed.detach())
             logp = logp_BT.detach().float().cpu().numpy()
             for row, i in enumerate(group):
-                outputs[i] = logp[row, :len(request.data[i].tokens)].copy()
+                datum = request.data[i]
+                kept = logp[row, :len(datum.tokens)]
+                # [n] for a datum of one target per token, [n, K] for one of K (its own columns)
+                outputs[i] = (kept if kept.ndim == 1 else kept[:, :_columns(datum)].reshape(
+                    datum.inputs["target_tokens"].shape)).copy()
         return total
 
     def optim_step(self, model_id: str, adam: wire.Adam) -> dict:
@@ -412,28 +428,10 @@ class ModelWorker:
                 with torch.no_grad():
                     logp_BT = completion_logprobs(model, rollout.select(slice(None)))[0].float().cpu()
             samples = completions(rollout)
-            asked = [self._asked(model, r, p, params, seed, samples[i * G:(i + 1) * G])
+            asked = [asked_of(model, r, p, params, seed, samples[i * G:(i + 1) * G], self.vocab_size,
+                              self._prompt_logprobs)
                      for i, (r, p, (params, _, seed)) in enumerate(zip(requests, prompts, settings))]
         return responses(rollout, logp_BT, G, asked)
-
-    def _asked(self, model, r: wire.Sample, prompt: list[int], params, seed: int, samples: list[list[int]]
-               ) -> Asked:
-        """What a request asked beside its samples (app.py checked it): its prompt's log-probs, its prompt's top-k,
-        targets and draws (one forward of the prompt), its samples' top-k (one forward of its samples)."""
-        targets = check_asks(r, len(prompt), self.vocab_size)
-        draws = Draws(r.prompt_alt_tokens_k, params.temperature, params.greedy, seed) if r.prompt_alt_tokens_k else None
-        asked = Asked(prompt_logprobs=self._prompt_logprobs(model, prompt) if r.prompt_logprobs else None,
-                      targets=targets)
-        if r.topk_prompt_logprobs or targets is not None or draws is not None:
-            asked.scores = score_prompt(model, prompt, r.topk_prompt_logprobs, targets, draws)
-        if r.topk_sample_logprobs:
-            asked.sample_topk = sampled_topk(model, prompt, samples, params.temperature, r.topk_sample_logprobs)
-        if r.prompt_logprobs_last_n is not None:  # only the last N positions scored: the others as the first one
-            top = asked.scores.topk if asked.scores is not None else None
-            asked.prompt_logprobs, top = only_last(r.prompt_logprobs_last_n, asked.prompt_logprobs, top)
-            if asked.scores is not None:
-                asked.scores.topk = top
-        return asked
 
     @torch.no_grad()
     def _prompt_logprobs(self, model, prompt: list[int]) -> list[float]:

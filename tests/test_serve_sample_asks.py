@@ -8,13 +8,18 @@ test_serve_sample_batching.py), and a sample's own log-probs from rlora's sample
 within 1e-5 (float32 rounding of another output-layer chunk shape); sampler against a teacher-forced pass within 1e-4,
 the tolerance the server's sample log-probs are tested to (docs/serve.md)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import tinker
 import torch
+from serve_helpers import KEY, running_server
 from test_serve_batching import ADAM, ce_datum, server  # noqa: F401 - server: the module's fixture
 from tinker import types
 from transformers import AutoModelForCausalLM
 
+from rlora.models.tiny import build_random_model
 from rlora.serve import prompt_scores
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")
@@ -158,3 +163,41 @@ def test_an_empty_sample_takes_no_position_of_the_others(tiny_model_dir):
         [(ids_alone, logp_alone)] = prompt_scores.sampled_topk(model, prompt, [sample_ids], 1.0, 3)
         assert (ids == ids_alone).all()
         np.testing.assert_allclose(logp, logp_alone, atol=TOL)
+
+
+@pytest.fixture(scope="module")
+def fallback(tmp_path_factory):
+    """A server on a model rlora's sampler refuses (attention logit soft-capping: transformers generate samples it)
+    and whose logits are not the output layer's (final soft-capping: every score comes from the full logits)."""
+    model_dir = str(build_random_model(tmp_path_factory.mktemp("fallback") / "model", family="gemma3_text", seed=0,
+                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    with running_server(model_dir, tmp_path_factory.mktemp("fallback-state")) as (url, served):
+        assert served.worker.engine_refusal is not None
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        yield SimpleNamespace(model=model_dir, served=served, service=service)
+        service.close("success").result(timeout=30)
+
+
+def test_every_ask_on_a_model_sampled_by_transformers_generate(fallback):
+    """The same asks where transformers generate samples (its log-probs: the trainer's recomputed) and the scores come
+    from the model's full logits: each sample's own log-prob is its top-k entry (one pass of each kind: 1e-5); the
+    targets are the top-k over the vocabulary; the draws come with the scaled distribution's log-probs."""
+    training = fallback.service.create_lora_training_client(base_model=fallback.model, rank=4, seed=1).result()
+    sampler = training.save_weights_and_get_sampling_client()
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    vocab = fallback.served.worker.vocab_size
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[])
+    targets = torch.tensor([[3, 9], [-1, 40], [7, 7], [100, 2], [5, -1], [1, 0]], dtype=torch.int64)
+    out = sample(sampler, n=2, params=params, topk_sample_logprobs=vocab, topk_prompt_logprobs=vocab,
+                 target_prompt_logprobs=types.TensorData.from_torch(targets), prompt_alt_tokens_k=5)
+    for seq in out.sequences:
+        assert len(seq.tokens) == 4
+        for token, own, ranked in zip(seq.tokens, seq.logprobs, seq.topk_logprobs):
+            assert dict(ranked)[token] == pytest.approx(own, abs=TOL)
+    distribution = np.array([[lp for _, lp in sorted(row)] for row in out.topk_prompt_logprobs[1:]])
+    got = out.target_prompt_logprobs.to_numpy()
+    want = np.where(targets.numpy() >= 0, np.take_along_axis(distribution, targets.clamp(min=0).numpy(), 1), 0.0)
+    np.testing.assert_allclose(got, want, atol=TOL)
+    draws = out.prompt_alt_tokens
+    np.testing.assert_allclose(draws.logprobs.to_numpy(),
+                               np.take_along_axis(distribution, draws.tokens.to_numpy(), 1), atol=TOL)

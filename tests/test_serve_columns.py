@@ -115,19 +115,28 @@ def test_k_targets_are_refused_where_they_mean_nothing(server):
         "target_tokens": TOKENS[1:], "weights": types.TensorData.from_numpy(np.ones((n, 2), np.float32))})
     with pytest.raises(tinker.BadRequestError, match="need weights of the same"):
         client.forward_backward([one_column_targets], "cross_entropy").result()
-    # a sparse [n, K] loss input whose shape is not the datum's (a 400 before anything is allocated)
-    message = pb.ForwardBackwardRequest()
-    message.ParseFromString(fb_body(client.model_id, [columns_datum(np.ones((n, 2)), np.ones((n, 2)))]))
-    weights = message.data[0].loss_fn_inputs["weights"]
-    weights.ClearField("dense")
-    del weights.shape[:]
-    weights.shape.extend([1 << 40, 2])
-    weights.sparse_csr.values = np.ones(1, np.float32).tobytes()
-    weights.sparse_csr.crow_indices = np.array([0, 1], np.int64).tobytes()
-    weights.sparse_csr.col_indices = np.zeros(1, np.int64).tobytes()
-    response = httpx.post(f"{server.url}/api/v1/forward_backward", content=message.SerializeToString(),
+    def sparse_weights(shape, crow, copies: int = 1) -> httpx.Response:
+        """A request whose datum's weights are sparse with this shape and these row pointers (no values)."""
+        message = pb.ForwardBackwardRequest()
+        message.ParseFromString(fb_body(client.model_id, [columns_datum(np.ones((n, 2)), np.ones((n, 2)))] * copies))
+        for datum in message.data:
+            weights = datum.loss_fn_inputs["weights"]
+            weights.ClearField("dense")
+            del weights.shape[:]
+            weights.shape.extend(shape)
+            weights.sparse_csr.crow_indices = np.array(crow, np.int64).tobytes()
+        return httpx.post(f"{server.url}/api/v1/forward_backward", content=message.SerializeToString(),
                           headers={"X-API-Key": KEY, "content-type": "application/x-protobuf"})
+
+    # a shape that is not the datum's: refused before anything is allocated
+    response = sparse_weights([1 << 40, 2], [0, 0])
     assert response.status_code == 400 and f"a sparse tensor of shape [{1 << 40}, 2]: it must be [{n}, K]" in response.text
+    # row pointers whose int64 differences wrap around (they made numpy's repeat crash the process)
+    response = sparse_weights([n, 2], [0, 2**63 - 1, -2**63, -1, 0, 0, 0])
+    assert response.status_code == 400 and "the sparse CSR indices do not describe 0 values" in response.text
+    # [n, K] inputs past 2^24 values in one request (made dense, answered as [n, K]): refused, whatever the body's size
+    response = sparse_weights([n, 1024], [0] * (n + 1), copies=(1 << 24) // (n * 1024) + 1)
+    assert response.status_code == 400 and "hold more than 16777216 values together" in response.text
     outside = columns_datum(np.full((n, 2), 10**6), None)
     with pytest.raises(tinker.BadRequestError, match="a token id outside the vocabulary"):
         client.forward_backward([outside], "cross_entropy").result()

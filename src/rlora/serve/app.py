@@ -238,13 +238,12 @@ def build_app(served: Served) -> FastAPI:
         given = [set(d.inputs) for d in fb.data]
         config = check_loss(fb.loss_fn, set.intersection(*given), fb.config, set.union(*given))
         for i, datum in enumerate(fb.data):
+            worker.check_tokens(datum.tokens, f"datum {i}")  # first: its length bounds every loss input's
             targets = datum.inputs["target_tokens"]
             if targets.dtype.kind == "f" and not (np.isfinite(targets).all() and (targets == np.round(targets)).all()):
                 raise ServeError(400, f"datum {i}: loss_fn_inputs['target_tokens'] holds non-integer values: token ids "
                                       "are integers")
-            worker.check_tokens(datum.tokens, f"datum {i}")
-            worker.check_tokens(datum.inputs["target_tokens"].astype(np.int64).reshape(-1).tolist(),
-                                f"datum {i} target_tokens", positions=False)  # [n] or [n, K]: n is checked above
+            worker.check_tokens(targets.reshape(-1), f"datum {i} target_tokens", positions=False)  # [n] or [n, K]
             for name, values in datum.inputs.items():
                 if values.dtype.kind == "f" and not np.isfinite(values).all():
                     raise ServeError(400, f"datum {i}: loss_fn_inputs['{name}'] holds a NaN or an infinity")

@@ -24,8 +24,8 @@ _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT3
 
 @dataclass
 class Datum:
-    """One sequence of a forward_backward: its input tokens and its loss inputs, each a 1-D array of the
-    same length (position i of the input predicts target_tokens[i])."""
+    """One sequence of a forward_backward: its input tokens and its loss inputs, each an array of the same length
+    ([n], or [n, K] for K targets per position; position i of the input predicts target_tokens[i])."""
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
@@ -42,9 +42,24 @@ class ForwardBackward:
 
 
 MAX_COLUMNS = 1024  # K of a [n, K] loss input (several targets at a position: cross_entropy's target_tokens, weights)
+# n x K of a request's [n, K] loss inputs together (a sparse one is made dense; its log-probs answer as [n, K] too)
+MAX_COLUMN_CELLS = 1 << 24
 
 
-def _tensor(msg: pb.Tensor, name: str, rows: int) -> np.ndarray:
+class _CellBudget:
+    """What is left of MAX_COLUMN_CELLS for a request's [n, K] loss inputs."""
+
+    def __init__(self):
+        self.left = MAX_COLUMN_CELLS
+
+    def spend(self, cells: int, name: str) -> None:
+        self.left -= cells
+        if self.left < 0:
+            raise ServeError(400, f"loss_fn_inputs['{name}']: the request's [n, K] loss inputs hold more than "
+                                  f"{MAX_COLUMN_CELLS} values together: send fewer targets per token or fewer data")
+
+
+def _tensor(msg: pb.Tensor, name: str, rows: int, budget: _CellBudget) -> np.ndarray:
     """A loss input of a datum of `rows` input tokens: dense [n] (or no shape), or [n, K] (K values at each
     position) dense or sparse CSR (what the SDK sends for a mostly-zero [n, K] tensor, e.g. forward_backward_custom's
     weights), densified with 0. A sparse tensor's declared shape is checked against the datum before anything is
@@ -57,11 +72,13 @@ def _tensor(msg: pb.Tensor, name: str, rows: int) -> np.ndarray:
         if len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= MAX_COLUMNS:
             raise ServeError(400, f"loss_fn_inputs['{name}']: a sparse tensor of shape {shape}: it must be [{rows}, K] "
                                   f"(K values per input token, 1 <= K <= {MAX_COLUMNS})")
+        budget.spend(shape[0] * shape[1], name)  # before it is made dense
         return _dense_from_csr(msg.sparse_csr, dtype, shape, name)
     size, rest = divmod(len(msg.dense), np.dtype(dtype).itemsize)
     if rest:
         raise ServeError(400, f"loss_fn_inputs['{name}']: {len(msg.dense)} bytes are not whole {np.dtype(dtype).name} values")
     if len(shape) == 2 and 1 <= shape[1] <= MAX_COLUMNS and shape[0] * shape[1] == size:
+        budget.spend(size, name)
         return np.frombuffer(msg.dense, dtype=dtype).reshape(shape)
     if shape not in ([], [size]):
         raise ServeError(400, f"loss_fn_inputs['{name}']: shape {shape} with {size} values: it must be [n] (a value per "
@@ -76,9 +93,10 @@ def _dense_from_csr(csr: pb.SparseCsr, dtype, shape: list[int], name: str) -> np
         raise ServeError(400, f"loss_fn_inputs['{name}']: sparse values or indices are not whole values")
     values = np.frombuffer(csr.values, dtype=dtype)
     crow, col = np.frombuffer(csr.crow_indices, dtype=np.int64), np.frombuffer(csr.col_indices, dtype=np.int64)
-    if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(values) or len(col) != len(values)
-            or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)
-            or not csr_rows_ascend(crow, col)):
+    # bounds before any difference of row pointers (an int64 difference can wrap around)
+    if (len(crow) != rows + 1 or len(col) != len(values) or ((crow < 0) | (crow > len(values))).any()
+            or crow[0] != 0 or crow[-1] != len(values) or (crow[1:] < crow[:-1]).any()
+            or (len(col) and not 0 <= col.min() <= col.max() < width) or not csr_rows_ascend(crow, col)):
         raise ServeError(400, f"loss_fn_inputs['{name}']: the sparse CSR indices do not describe {len(values)} values of "
                               f"a [{rows}, {width}] tensor (crow_indices: {rows + 1} non-decreasing row pointers from 0 "
                               f"to the value count; col_indices: a column below {width} per value, ascending within a row)")
@@ -99,7 +117,7 @@ def parse_forward_backward(body: bytes) -> ForwardBackward:
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():  # the newer map wins where both are set
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
-    data = []
+    data, budget = [], _CellBudget()
     for i, datum in enumerate(msg.data):
         tokens: list[int] = []
         for chunk in datum.model_input:
@@ -111,7 +129,7 @@ def parse_forward_backward(body: bytes) -> ForwardBackward:
             tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
         if not tokens:
             raise ServeError(400, f"datum {i}: no input tokens")
-        inputs = {name: _tensor(tensor, name, len(tokens)) for name, tensor in datum.loss_fn_inputs.items()}
+        inputs = {name: _tensor(tensor, name, len(tokens), budget) for name, tensor in datum.loss_fn_inputs.items()}
         for name, array in inputs.items():
             if len(array) != len(tokens):
                 raise ServeError(400, f"datum {i}: loss_fn_inputs['{name}'] has shape {list(array.shape)}, not "

@@ -212,11 +212,11 @@ class ModelWorker:
         """serve/logprobs.py sequence_logprobs under the model as it is switched now."""
         return sequence_logprobs(self.model, ids_BT, mask_BT, targets_BT, head_routed)
 
-    def check_tokens(self, tokens: list[int], what: str, positions: bool = True) -> None:
+    def check_tokens(self, tokens: list[int] | np.ndarray, what: str, positions: bool = True) -> None:
         """The ids within the vocabulary; positions: also no more of them than the model has positions."""
         if positions and len(tokens) > self.max_length:
             raise ServeError(400, f"{what}: {len(tokens)} tokens, more than the model's {self.max_length} positions")
-        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
+        if len(tokens) and not 0 <= np.min(tokens) <= np.max(tokens) < self.vocab_size:
             raise ServeError(400, f"{what}: a token id outside the vocabulary (0 .. {self.vocab_size - 1})")
 
     def forward_backward(self, request: proto.ForwardBackward, config: dict[str, float]) -> bytes:

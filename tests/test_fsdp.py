@@ -99,6 +99,25 @@ def test_several_policies_on_a_sharded_base_train_as_on_a_whole_one(tiny_model_d
         assert evals[0] == evals[1]
 
 
+@pytest.mark.slow  # ~30 s on a 2-core CPU: the default suite has PPO on a sharded base (below) and PPO's policies alone
+def test_ppo_with_several_policies_on_a_sharded_base_trains_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
+    """PPO with 2 policies on 2 ranks, the base streamed: each policy's critic passes (values, value gradient) go
+    through the sharded layers with its value adapter, every rank holding as many rows of each policy. Against the
+    same run with the base whole on each rank: every policy's adapter and critic within 1e-6."""
+    from rlora.train.policies import POLICIES_FOLDER
+
+    common = {"algo.name": "ppo", "ppo.value_head_init_std": 0.1, "data.shuffle": "false", "train.lr": 0.05,
+              "train.micro_batch_size": 2, "train.threads": 1, "algo.beta": 0.04, "eval.before": "false",
+              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.weight_packs": "false",
+              "policies": "[{name: a, seed: 1}, {name: b, lr: 0.01, seed: 2}]"}
+    outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
+    for name in ("a", "b"):
+        for folder, file in [("adapter", "adapter_model.safetensors"), ("value_model", "adapter_model.safetensors"),
+                             ("value_model", "value_head.safetensors")]:
+            one, two = (load_file(str(out / POLICIES_FOLDER / name / folder / file)) for out in outs.values())
+            assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-6, (name, folder, file)
+
+
 # ~30 s each on a 2-core CPU: streaming (a collective per pass over the layers) by default, whole-base gathering slow
 @pytest.mark.parametrize("gather", ["layer", pytest.param("model", marks=pytest.mark.slow)])
 def test_episodes_on_a_sharded_base_train_as_on_a_whole_one(gather, tiny_model_dir, prompts_file, tmp_path):

@@ -117,14 +117,15 @@ def test_a_ppo_step_computes_gae_from_the_values_at_those_positions(tiny_model_d
     seen = {}
     real_values, real_gae = ppo_step.batched_values, ppo_step.ppo_advantages
 
-    def values_spy(critic, rollout, micro_batch_size, prefix=None):
+    def values_spy(critic, rollout, micro_batch_size, prefix=None, block=None):
+        assert block in (None, (0, rollout.num_completions))  # one policy: all its rows
         real_ids = lambda ids, mask: [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         prompts = real_ids(rollout.prompt_ids_BTp, rollout.prompt_mask_BTp)
         completions = real_ids(rollout.completion_ids_BTc, rollout.completion_mask_BTc)
         seen["expected"] = reference_values(critic.model, critic.head, prompts, completions,
                                             rollout.completion_ids_BTc.shape[1])
         seen["prompt_lengths"] = sorted({len(p) for p in prompts})
-        return real_values(critic, rollout, micro_batch_size, prefix)
+        return real_values(critic, rollout, micro_batch_size, prefix, block)
 
     def gae_spy(rewards_B, values_BT, mask_BT, *args, **kwargs):
         seen["values"], seen["mask"] = values_BT.clone(), mask_BT.clone()

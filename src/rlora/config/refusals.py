@@ -300,8 +300,6 @@ REFUSALS: tuple[Refusal, ...] = (
             ("policies=[{name: a}, {name: a}]",)),
     _policies(lambda cfg: cfg.molora is not None, "a molora section", "remove molora (each policy is a plain LoRA "
               "adapter)", MOLORA, "policies-molora"),
-    _policies(lambda cfg: _traits(cfg).critic, "algo.name=ppo", "use a group algorithm such as grpo",
-              ("algo.name=ppo",), "policies-ppo"),
     # the output layer by name, before the model loads (models/multi_lora.attach_policies checks the modules too)
     Refusal("policies-output-layer", ("train",),
             lambda cfg: cfg.policies is not None and isinstance(cfg.lora.target_modules, list)

@@ -89,10 +89,11 @@ class Critic:
             self.head.bias.copy_(saved.bias)
 
 
-def attach_critic(model, rank: int, alpha: float, head_init_std: float = 0.0, adapter_name: str = ADAPTER) -> Critic:
-    """A fresh value adapter (the policy's LoRA placement with this rank/alpha; B = 0, so it starts as the base)
-    beside the policy's on `model`, frozen until `Critic.active()`, and a new value head."""
-    config = dataclasses.replace(model.peft_config["default"], r=rank, lora_alpha=alpha, inference_mode=False)
+def attach_critic(model, rank: int, alpha: float, head_init_std: float = 0.0, adapter_name: str = ADAPTER,
+                  like: str = "default") -> Critic:
+    """A fresh value adapter (the LoRA placement of the policy adapter `like` with this rank/alpha; B = 0, so it
+    starts as the base) beside the policy's on `model`, frozen until `Critic.active()`, and a new value head."""
+    config = dataclasses.replace(model.peft_config[like], r=rank, lora_alpha=alpha, inference_mode=False)
     model.add_adapter(adapter_name, config)
     for name, param in model.named_parameters():
         if f".{adapter_name}." in name:

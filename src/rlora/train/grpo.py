@@ -87,8 +87,8 @@ def save_final(s: Session, name: str = "adapter") -> None:
     each in its own OUTPUT/policies/NAME."""
     for policy in s.policies:
         policy.run_dir.write_folder(name, lambda folder, k=policy.index: s.adapter.save(folder, k))
-    if s.critic is not None:  # adapter -> value_model, adapter-stepN -> value_model-stepN
-        s.run_dir.write_folder(name.replace("adapter", "value_model"), s.critic.save)
+    for policy, critic in zip(s.policies, s.critics):  # PPO: adapter -> value_model, adapter-stepN -> value_model-stepN
+        policy.run_dir.write_folder(name.replace("adapter", "value_model"), critic.save)
 
 
 def start(s: Session, replay) -> tuple[int, float, dict]:
@@ -104,7 +104,7 @@ def start(s: Session, replay) -> tuple[int, float, dict]:
         barrier(s.world)
         return 0, 0.0, {"before": before}
     state = check_same_run(cfg, s.resume_from)
-    restore_training_state(s.resume_from, s.adapter, s.policies, replay, s.critic, s.world.size, s.world.rank)
+    restore_training_state(s.resume_from, s.adapter, s.policies, replay, s.critics, s.world.size, s.world.rank)
     for run_dir, names in [(s.run_dir, ("metrics.jsonl", "samples.jsonl"))] + [(p.run_dir, ("metrics.jsonl",))
                                                                                 for p in pol.own_folders(s.policies)]:
         run_dir.drop_steps_after(state["step"], names)
@@ -140,7 +140,7 @@ def _run(cfg: RLConfig, world: World) -> dict:
         with progress_bar("train", cfg.train.steps) as update:
             update(first_step, "")
             for step in range(first_step, cfg.train.steps):
-                metrics, samples = (ppo_step if s.critic is not None else grpo_step)(s, step, replay)
+                metrics, samples = (ppo_step if s.critics else grpo_step)(s, step, replay)
                 last = summary["last_metrics"] = log_step(s, step, metrics, samples, sinks)
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                     save_final(s, f"adapter-step{step + 1}")
@@ -164,7 +164,8 @@ def _run(cfg: RLConfig, world: World) -> dict:
 def _announce(s: Session) -> int:
     """The run's first line -> the number of trainable adapter parameters."""
     n_trainable = sum(p.numel() for p in trainable_parameters(s.model))
-    critic = f" (+ {sum(p.numel() for p in s.critic.parameters()):,} in the critic)" if s.critic is not None else ""
+    in_critics = sum(p.numel() for critic in s.critics for p in critic.parameters())
+    critic = f" (+ {in_critics:,} in the critic{'s' if len(s.critics) > 1 else ''})" if s.critics else ""
     info(f"rlora train: {s.cfg.model.path}, {n_trainable:,} adapter parameters{critic}, {len(s.train_ids)} prompts "
          f"-> {s.cfg.train.output_dir}")
     return n_trainable
@@ -175,7 +176,7 @@ def log_step(s: Session, step: int, metrics: dict, samples: list[dict], sinks: S
     metrics of the step."""
     if s.world.active:
         metrics, samples = gather_step(s.world, metrics, samples, trainable_parameters(s.model) +
-                                       ([] if s.critic is None else s.critic.parameters()))
+                                       [p for critic in s.critics for p in critic.parameters()])
     last, per_policy = pol.split_metrics(metrics, s.policies)
     for policy in pol.own_folders(s.policies):
         policy.run_dir.append_jsonl("metrics.jsonl", per_policy[policy.name])
@@ -197,7 +198,7 @@ def write_checkpoint(s: Session, done: int, replay: list[ReplayBuffer] | None, t
     if s.world.is_main:
         try:
             save_training_state(s.run_dir.path, done, s.cfg, s.adapter, s.policies, buffers, train_s, eval_before,
-                                s.critic, rngs)
+                                s.critics, rngs)
         except OSError as err:  # a full disk, a lost mount: the previous checkpoint is untouched
             cause = err.strerror or str(err)
     if all_reduce_sums(s.world, [float(cause is not None)])[0]:  # every rank stops with the same line

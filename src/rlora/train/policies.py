@@ -41,7 +41,11 @@ class Policy:
 
     def adapter_in(self, checkpoint: Path) -> Path:
         """Its adapter's folder in a checkpoint (train/resume.py)."""
-        return checkpoint / "adapter" if not self.own_folder else checkpoint / POLICIES_FOLDER / self.name / "adapter"
+        return self.folder_in(checkpoint) / "adapter"
+
+    def folder_in(self, checkpoint: Path) -> Path:
+        """Where its files go in a checkpoint: the checkpoint itself for a run's only policy, else policies/NAME."""
+        return checkpoint if not self.own_folder else checkpoint / POLICIES_FOLDER / self.name
 
     def metric_name(self, key: str) -> str:
         """Its metric `key` among the run's (metrics.jsonl, the sinks): 'NAME/key' beside other policies'."""
@@ -52,22 +56,26 @@ def names_and_seeds(cfg: RLConfig) -> tuple[list[str], list[int]]:
     return [p.name for p in cfg.policies], [cfg.train.seed if p.seed is None else p.seed for p in cfg.policies]
 
 
-def build_policies(cfg: RLConfig, adapter: PolicyAdapter, run_dir: RunDir, critic_group: dict | None = None
+def build_policies(cfg: RLConfig, adapter: PolicyAdapter, run_dir: RunDir, critic_groups: list[dict] | None = None
                    ) -> list[Policy]:
-    """One optimizer and schedule per policy, over its adapter's parameters; critic_group (PPO's value adapter and
-    head, with its own lr) joins the only policy's optimizer as a second parameter group."""
+    """One optimizer and schedule per policy, over its adapter's parameters; critic_groups (PPO: each policy's value
+    adapter and head, with their own lr) join their policy's optimizer as a second parameter group."""
     total_updates = cfg.train.steps * cfg.algo.num_iterations
     params_per_policy = adapter.parameters_per_policy()
+    critic_groups = critic_groups or [None] * len(params_per_policy)
+
+    def groups(index: int) -> list[dict]:
+        return [{"params": params_per_policy[index]}] + ([critic_groups[index]] if critic_groups[index] else [])
+
     if cfg.policies is None:
-        params = params_per_policy[0]
-        groups = [{"params": params}] + ([critic_group] if critic_group is not None else [])
-        optimizer, scheduler = build_optimizer(groups, cfg.train, total_updates)
-        return [Policy(LONE_POLICY, 0, cfg.train.seed, cfg.algo.beta, params, optimizer, scheduler, run_dir, False)]
+        optimizer, scheduler = build_optimizer(groups(0), cfg.train, total_updates)
+        return [Policy(LONE_POLICY, 0, cfg.train.seed, cfg.algo.beta, params_per_policy[0], optimizer, scheduler,
+                       run_dir, False)]
     policies = []
     for index, (spec, seed) in enumerate(zip(cfg.policies, names_and_seeds(cfg)[1])):
         params = params_per_policy[index]
         train = cfg.train.model_copy(update={"lr": spec.lr or cfg.train.lr})
-        optimizer, scheduler = build_optimizer(params, train, total_updates)
+        optimizer, scheduler = build_optimizer(groups(index), train, total_updates)
         folder = RunDir(str(run_dir.path / POLICIES_FOLDER / spec.name), overwrite=True, writer=run_dir.writer)
         beta = cfg.algo.beta if spec.beta is None else spec.beta
         policies.append(Policy(spec.name, index, seed, beta, params, optimizer, scheduler, folder, True))

@@ -1,6 +1,7 @@
-"""One PPO step with a critic on the policy's base: collect -> reference/old log-probs -> the critic's values
--> GAE advantages and value targets -> per update: policy gradient (step.py/update.py's machinery, per-token
-advantages) + value gradient (value adapter active) -> one optimizer step over both param groups.
+"""One PPO step with a critic per policy on the policies' base: collect -> reference/old log-probs -> each critic's
+values of its policy's rows -> GAE advantages and value targets, policy by policy -> per update: the policies'
+gradients (step.py/update.py's machinery, per-token advantages, one pass for all) + each critic's value gradient
+on its policy's rows (its value adapter active) -> each policy's optimizer step over both its param groups.
 
 The critic's gradient comes from its own backward passes with the value adapter active, the policy's from
 passes with the policy adapter active: each loss reaches only its own parameters (tested). The two are
@@ -25,7 +26,10 @@ from rlora.models.frozen_prefix import FrozenPrefix
 from rlora.models.precision import trainer_precision
 from rlora.models.value_model import Critic
 from rlora.batching import trim
-from rlora.train.step import collect_metrics, reward_metrics, rollout_metrics, sample_rows, behaviour, loss_mask
+from rlora.train.policies import row_policies
+from rlora.train.step import (
+    policy_batches, policy_blocks, behaviour, collect_metrics, loss_mask, reward_metrics, rollout_metrics, sample_rows,
+)
 from rlora.train.step_batch import Timings, collect_batch, step_params
 from rlora.train.distributed import World, all_reduce_gradients, all_reduce_sums
 from rlora.train.fsdp import passes_to_add
@@ -33,7 +37,7 @@ from rlora.train.optim import optimizer_step
 from rlora.train.passes import logprob_passes
 from rlora.train.session import Session
 from rlora.train.update import (
-    ScoredRollout, on_device, accumulate_policy_gradient, batch_totals, global_totals,
+    ScoredRollout, on_device, accumulate_gradient_per_policy, batch_totals, global_totals,
 )
 from rlora.tensors import pad_right
 from rlora.types import Rollout
@@ -41,15 +45,16 @@ from rlora.types import Rollout
 
 @torch.no_grad()
 def batched_values(critic: Critic, rollout: Rollout, micro_batch_size: int,
-                   prefix: FrozenPrefix | None = None) -> torch.Tensor:
-    """V(s_t) of every completion position (no gradient, eval mode: no dropout), micro-batch by micro-batch
-    -> values_BTc on the CPU, 0 on padding."""
+                   prefix: FrozenPrefix | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """V(s_t) of every completion position of the rows in `block` (first, end; None: every row), no gradient, eval
+    mode (no dropout), micro-batch by micro-batch -> values [end - first, Tc] on the rollout's device, 0 on padding."""
     width = rollout.completion_ids_BTc.shape[1]
-    parts = []
+    first, end = block or (0, rollout.num_completions)
+    parts = [torch.zeros(0, width, device=rollout.completion_ids_BTc.device)]
     with critic.active(trainable=False):
         critic.model.eval()  # the training flags come back when active() ends
-        for start in range(0, rollout.num_completions, micro_batch_size):
-            rows = slice(start, start + micro_batch_size)
+        for start in range(first, end, micro_batch_size):
+            rows = slice(start, min(start + micro_batch_size, end))
             micro = trim(rollout.select(rows))
             values = critic.values(micro, None if prefix is None else prefix.rows(rows, micro))
             parts.append(pad_right(values, width))  # on the model's device, as the rollout
@@ -110,73 +115,100 @@ def _masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float | None
 
 
 def ppo_step(s: Session, step: int, replay=None) -> tuple[dict, list[dict]]:
-    """grpo_step's counterpart for algo.name=ppo (one policy, no replay: the config refuses both). Its metrics are
-    grpo_step's: the shared ones, and the policy's (with the critic's) under 'policies'."""
-    cfg, ppo, critic = s.cfg, s.cfg.ppo, s.critic
-    [policy] = s.policies
-    optimizer, scheduler = policy.optimizer, policy.scheduler
+    """grpo_step's counterpart for algo.name=ppo (no replay: the config refuses it). Every policy of the run (K >= 1)
+    has its own critic: its rows' values, GAE advantages and returns (whitened over its own rows), value loss and
+    optimizer step, as in a run of that policy alone; the policies' gradients come from one shared update pass. Its
+    metrics are grpo_step's: the shared ones, and each policy's (with its critic's) under 'policies'."""
+    cfg, ppo = s.cfg, s.cfg.ppo
     t_start, timings = time.perf_counter(), Timings()
     collected = collect_batch(s, step, None, timings)
     batch, stats = collected.batch, collected.stats
-    sampled = s.source.take_metrics().get(policy.index, {})  # episodes: turns, tool calls, ... of this step
+    sampled = s.source.take_metrics()  # episodes: turns, tool calls, ... of this step, per policy
     if batch is None:  # only dynamic sampling drops groups, and the config refuses it with ppo
         raise RuntimeError("ppo collected no samples")
     t_collected = time.perf_counter()
     rollout, mask_BT = batch.rollout, loss_mask(s, batch)
-    mb, chunk, beta = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens, cfg.algo.beta
+    mb, chunk, G = cfg.train.micro_batch_size, cfg.train.logprob_chunk_tokens, cfg.rollout.num_generations
     algo = dataclasses.replace(s.algo, kl_in_reward=ppo.kl_mode == "reward")  # the loss then has no KL term
-    need_old = cfg.algo.num_iterations > 1 or (algo.kl_in_reward and beta > 0)
+    betas = [p.beta for p in s.policies]
+    need_ref = max(betas) > 0
+    need_old = cfg.algo.num_iterations > 1 or (algo.kl_in_reward and need_ref)
+    # each policy's rows: its groups come policy by policy, and every rank holds as many of each (the config refuses
+    # dynamic sampling and replay with ppo), so no phase adds padding passes on a sharded base
+    blocks = [(first * G, end * G) for first, end in policy_blocks(batch.groups, len(s.policies))]
+    policy_B = row_policies([g.slot for g in batch.groups], G).to(mask_BT.device)
     # every log-prob and value pass and its backward under one precision; the optimizer steps outside it
     precision = functools.partial(trainer_precision, s.model, cfg.train.autocast)
     with precision():
-        # the values' and the policy's passes share the prefix; every rank holds as many rows (the config refuses
-        # dynamic sampling and replay with ppo), so no phase adds padding passes on a sharded base
-        passes = logprob_passes(s, rollout, None, beta > 0, need_old, update_shares_prefix=True)
+        # the values' and the policies' passes share the prefix
+        passes = logprob_passes(s, rollout, policy_B, need_ref, need_old, update_shares_prefix=True)
         prefix, ref_logp, old_logp = passes.prefix, passes.ref_logp_BTc, passes.old_logp_BTc
-        old_values_BT = batched_values(critic, rollout, mb, prefix) * mask_BT
+        old_values_BT = torch.cat([batched_values(critic, rollout, mb, prefix, block)
+                                   for critic, block in zip(s.critics, blocks)]) * mask_BT
         t_values = time.perf_counter()
 
         kl_BT = old_logp - ref_logp if algo.kl_in_reward and ref_logp is not None else None  # k1 per token
-        rewards_B = batch.stats_rewards_P_S[:, :cfg.rollout.num_generations].reshape(-1).to(mask_BT.device)
-        targets = ppo_advantages(rewards_B, old_values_BT, mask_BT, ppo.gamma, ppo.lam, ppo.whiten_advantages,
-                                 cfg.algo.adv_eps, kl_BT, beta, all_sum=lambda values: all_reduce_sums(s.world, values))
+        rewards_B = batch.stats_rewards_P_S[:, :G].reshape(-1).to(mask_BT.device)
+        targets = [ppo_advantages(rewards_B[lo:hi], old_values_BT[lo:hi], mask_BT[lo:hi], ppo.gamma, ppo.lam,
+                                  ppo.whiten_advantages, cfg.algo.adv_eps, None if kl_BT is None else kl_BT[lo:hi],
+                                  policy.beta, all_sum=lambda values: all_reduce_sums(s.world, values))
+                   for policy, (lo, hi) in zip(s.policies, blocks)]  # each over its own rows, all ranks' (whitening)
+        advantages_BT = torch.cat([t.advantages_BT for t in targets])
+        returns_BT = torch.cat([t.returns_BT for t in targets])
         behaviour_BT, cap_B = behaviour(s, batch)
-        scored = ScoredRollout(rollout, targets.advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B)
-    policy_params, value_params = policy.params, critic.parameters()
+        scored = ScoredRollout(rollout, advantages_BT, mask_BT, old_logp, ref_logp, behaviour_BT, cap_B,
+                               policy_B=policy_B, betas=betas)
     for _ in range(cfg.algo.num_iterations):
-        lr, value_lr = scheduler.get_last_lr()  # the policy's and the critic's param groups
+        lrs = [p.scheduler.get_last_lr() for p in s.policies]  # each policy's and its critic's param groups
         with precision():
-            update = accumulate_policy_gradient(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk, s.world,
-                                                prefix, s.adapter)
-            update |= accumulate_value_gradient(critic, rollout, targets.returns_BT, old_values_BT, mask_BT, mb,
-                                                ppo.value_clip, prefix, s.world)
-        value_grad_norm = _clip(value_params, cfg.train.max_grad_norm)
-        # a non-finite value loss or gradient skips the whole update, as a non-finite policy one does
-        finite = math.isfinite(update["value_loss"]) and math.isfinite(value_grad_norm)
-        update |= optimizer_step(policy_params, optimizer, scheduler, cfg.train.max_grad_norm,
-                                 update["loss"] if finite else math.nan)
-        update["value_grad_norm"] = value_grad_norm
+            updates = accumulate_gradient_per_policy(s.model, algo, cfg.algo, scored, mb, cfg.constant_norm(), chunk,
+                                                     s.world, prefix, s.adapter)
+            for update, critic, block in zip(updates, s.critics, blocks):
+                update |= accumulate_value_gradient(critic, rollout, returns_BT, old_values_BT,
+                                                    _only_rows(mask_BT, block), mb, ppo.value_clip, prefix, s.world)
+        for update, policy, critic in zip(updates, s.policies, s.critics):
+            value_grad_norm = _clip(critic.parameters(), cfg.train.max_grad_norm)
+            # a non-finite value loss or gradient skips the whole update, as a non-finite policy one does
+            finite = math.isfinite(update["value_loss"]) and math.isfinite(value_grad_norm)
+            update |= optimizer_step(policy.params, policy.optimizer, policy.scheduler, cfg.train.max_grad_norm,
+                                     update["loss"] if finite else math.nan)
+            update["value_grad_norm"] = value_grad_norm
     t_end = time.perf_counter()
 
-    metrics = {
-        "step": step + 1, **reward_metrics(batch), **update, **rollout_metrics(batch), **collect_metrics(stats, cfg),
-        "lr": lr, "value_lr": value_lr, "temperature": step_params(cfg, step).temperature,
-        "explained_variance": explained_variance(old_values_BT, targets.returns_BT, mask_BT,  # all ranks' tokens
-                                                 all_sum=lambda values: all_reduce_sums(s.world, values)),
-        "value_mean": _masked_mean(old_values_BT, mask_BT), "return_mean": _masked_mean(targets.returns_BT, mask_BT),
-        "advantage_mean": _masked_mean(targets.advantages_BT, mask_BT), "value_tokens": int(mask_BT.sum()),
-        "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
-        "values_s": t_values - t_collected, "train_s": t_end - t_values, **sampled,
-    }
-    if cfg.rollout.num_generations == 1:  # one sample per prompt: every "group" is trivially flat
-        for key in ("frac_groups_zero_std", "frac_zero_var_first"):
-            metrics.pop(key, None)
-    if policy_params and policy_params[0].is_cuda:
-        metrics["gpu_peak_gb"] = torch.cuda.max_memory_allocated(policy_params[0].device) / 2**30
+    shared = {"step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
+              "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
+              "values_s": t_values - t_collected, "train_s": t_end - t_values}
+    if policy_B.is_cuda:
+        shared["gpu_peak_gb"] = torch.cuda.max_memory_allocated(policy_B.device) / 2**30
     if batch.scores.errors:
-        metrics["reward_errors"] = batch.scores.errors[:5]
-    # one policy: every metric is its own (train/policies.py split_metrics gives them their plain names)
-    return {"step": metrics.pop("step"), "policies": {policy.name: metrics}}, sample_rows(s, batch, targets.advantages_BT, step)
+        shared["reward_errors"] = batch.scores.errors[:5]
+    per_policy = {}
+    for policy, part, draw, update, (lo, hi), (lr, value_lr) in zip(
+            s.policies, policy_batches(batch, len(s.policies)), collected.policy_stats, updates, blocks, lrs):
+        values, returns, mask = old_values_BT[lo:hi], returns_BT[lo:hi], mask_BT[lo:hi]
+        metrics = {**reward_metrics(part), **update, **rollout_metrics(part), **collect_metrics(draw, cfg),
+                   "lr": lr, "value_lr": value_lr,
+                   "explained_variance": explained_variance(values, returns, mask,  # all ranks' tokens
+                                                            all_sum=lambda v: all_reduce_sums(s.world, v)),
+                   "value_mean": _masked_mean(values, mask), "return_mean": _masked_mean(returns, mask),
+                   "advantage_mean": _masked_mean(advantages_BT[lo:hi], mask), "value_tokens": int(mask.sum()),
+                   **sampled.get(policy.index, {})}
+        per_policy[policy.name] = metrics
+    if len(s.policies) == 1:  # one policy: every metric is its own (train/policies.py split_metrics: plain names)
+        per_policy[s.policies[0].name] |= {k: v for k, v in shared.items() if k != "step"}
+        shared = {"step": shared["step"]}
+    if G == 1:  # one sample per prompt: every "group" is trivially flat
+        for metrics in [shared, *per_policy.values()]:
+            for key in ("frac_groups_zero_std", "frac_zero_var_first"):
+                metrics.pop(key, None)
+    return {**shared, "policies": per_policy}, sample_rows(s, batch, advantages_BT, step)
+
+
+def _only_rows(mask_BT: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The loss mask of one policy's rows (first, end), the others' zeroed."""
+    only_BT = torch.zeros_like(mask_BT)
+    only_BT[block[0]:block[1]] = mask_BT[block[0]:block[1]]
+    return only_BT
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

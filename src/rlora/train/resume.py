@@ -7,7 +7,8 @@
     replay.pt         the experience-replay buffers, when the run uses them: each policy's, of every rank
     value_model/      PPO's critic (value adapter + head, models/value_model.py), when the run has one; its
                       optimizer state is the second param group of trainer.pt's optimizer
-    policies/NAME/adapter/   with several policies (docs/policies.md), each one's adapter instead of adapter/
+    policies/NAME/adapter/   with several policies (docs/policies.md), each one's adapter instead of adapter/ (and
+                      with PPO its critic, policies/NAME/value_model/, the second param group of its optimizer)
     trainer.pt        (also) one optimizer and one scheduler state per policy, in policy order
     state.json        step, training time so far, the evaluation before training, the run's config
 
@@ -121,8 +122,8 @@ def _stored_advantages(group: dict) -> torch.Tensor:
 
 
 def save_training_state(run_path: Path, step: int, cfg, adapter: PolicyAdapter, policies: list[Policy],
-                        replay: list[list[list[dict]]] | None, train_s: float, eval_before: dict | None, critic=None,
-                        rng_ranks: list[dict] | None = None) -> Path:
+                        replay: list[list[list[dict]]] | None, train_s: float, eval_before: dict | None,
+                        critics: list | None = None, rng_ranks: list[dict] | None = None) -> Path:
     """Checkpoint after `step` completed steps (keeps the last train.keep_checkpoints): every policy's adapter
     (train/policies.py), optimizer and schedule. replay: each policy's replay_state of every rank; rng_ranks: every rank's
     rng_state (None: this process's)."""
@@ -136,9 +137,9 @@ def save_training_state(run_path: Path, step: int, cfg, adapter: PolicyAdapter, 
         torch.save(trainer | {"rng": rngs[0], "rng_ranks": rngs}, folder / "trainer.pt")
         if replay is not None:
             torch.save({"policies": [{"ranks": ranks} for ranks in replay]}, folder / "replay.pt")
-        if critic is not None:
-            (folder / "value_model").mkdir()
-            critic.save(folder / "value_model")
+        for policy, critic in zip(policies, critics or []):  # PPO: each policy's critic beside its adapter
+            (policy.folder_in(folder) / "value_model").mkdir(parents=True)
+            critic.save(policy.folder_in(folder) / "value_model")
         state = {"command": "train", "step": step, "train_s": train_s, "eval_before": eval_before,
                  "config": to_yaml(cfg)}
         (folder / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
@@ -259,7 +260,7 @@ def check_fresh_folder(cfg, run_dir) -> None:
 
 def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[Policy],
                            replay: list[ReplayBuffer] | None,
-                           critic=None, world_size: int = 1, rank: int = 0) -> None:
+                           critics: list | None = None, world_size: int = 1, rank: int = 0) -> None:
     trainer = safe_load(folder / "trainer.pt")
     # a checkpoint of one policy from before every run had a list of policies holds its states under these keys
     optimizers = trainer["optimizers"] if "optimizers" in trainer else [trainer["optimizer"]]
@@ -270,8 +271,8 @@ def restore_training_state(folder: Path, adapter: PolicyAdapter, policies: list[
         except UserError as err:
             raise UserError(f"train.resume: {err}") from None
         load_optimizer_state(policy.optimizer, policy.scheduler, opt_state, sched_state)
-    if critic is not None:
-        critic.restore(folder / "value_model")
+    for policy, critic in zip(policies, critics or []):
+        critic.restore(policy.folder_in(folder) / "value_model")
     restore_rng(trainer, rank, world_size)
     if replay is not None and (folder / "replay.pt").is_file():
         saved = _replay_policies(safe_load(folder / "replay.pt"))

@@ -11,7 +11,7 @@ import inspect
 import random
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 from pathlib import Path
 
@@ -37,10 +37,10 @@ from rlora.models.loading import (
     load_base_model, load_tokenizer, max_positions, model_device, quantization_config, resolve_device,
     resolve_model_path,
 )
-from rlora.models.multi_lora import attach_policies
+from rlora.models.multi_lora import PEFT_NAME, attach_policies
 from rlora.models.packed_groups import set_group_packing
 from rlora.models.shared_prompts import set_prompt_sharing
-from rlora.models.value_model import Critic, attach_critic
+from rlora.models.value_model import ADAPTER as CRITIC_ADAPTER, Critic, attach_critic
 from rlora.rewards.reward_adapter import RewardAdapter, attach_reward_adapters, check_reward_adapters
 from rlora.rewards.builtin import ANSWER_FORMS, BUILTIN_REWARDS
 from rlora.rewards.scoring import RewardFn, resolve_rewards
@@ -79,7 +79,7 @@ class Session:
     resume_from: Path | None = None  # checkpoint this run continues from
     world: World = World()  # data-parallel ranks (one process: rank 0 of 1)
     num_frozen: int = 0  # decoder layers below the lowest adapter layer, run once per step (0: not shared)
-    critic: Critic | None = None  # PPO's value adapter + head on the same base (algo.name=ppo)
+    critics: list[Critic] = field(default_factory=list)  # PPO: each policy's value adapter + head; else none
     sharded: ShardedBase | None = None  # train.fsdp: the base's decoder layers split across the ranks
     sampling_scope: Callable[[], AbstractContextManager] = nullcontext  # around a step's sampling (train/fsdp.py)
 
@@ -307,10 +307,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     set_prompt_sharing(model, cfg.train.share_prompts)
     set_group_packing(model, cfg.train.pack_groups)
     model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
-    critic = None
-    if get_algorithm(cfg.algo.name).critic:  # beside the policy's, on its layers: frozen outside Critic.active()
-        critic = attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
-                               cfg.ppo.value_head_init_std)
+    critics = attach_critics(cfg, model) if get_algorithm(cfg.algo.name).critic else []
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -339,9 +336,11 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     # algo.sampler_is_cap there has nothing to correct: generate samples in the model's dtype, as the trainer
     # computes (step.behaviour gives no weights without sampler log-probs); build_generator's notice says so
     adapter = adapter_of(model)  # of the model that holds everything (reward adapters may wrap a MoLoRA base)
-    # PPO's critic trains with the policy's optimizer, as a second parameter group with its own learning rate
-    critic_group = None if critic is None else {"params": critic.parameters(), "lr": cfg.ppo.value_lr or cfg.train.lr}
-    policies = pol.build_policies(cfg, adapter, run_dir, critic_group)
+    # PPO: each policy's critic trains with its optimizer, as a second parameter group with its own learning rate
+    specs = cfg.policies or [None]
+    critic_groups = [{"params": critic.parameters(), "lr": cfg.ppo.value_lr or (spec and spec.lr) or cfg.train.lr}
+                     for critic, spec in zip(critics, specs)] or None
+    policies = pol.build_policies(cfg, adapter, run_dir, critic_groups)
     source = rollout_source(cfg, generator, tok, rewards, make_env, renderer)
     eval_source = rollout_source(cfg, eval_generator, tok, rewards, make_env, renderer)  # main_eval holds the scope
     # episodes take their own turns on each rank, adaptive resamples each rank's failing groups, dynamic sampling
@@ -351,7 +350,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     scope = step_sampling_scope(sharded, make_env is not None or cfg.algo.adaptive.enabled or cfg.algo.dynamic_sampling
                                 or any(isinstance(reward.fn, RewardAdapter) for reward in rewards))
     return Session(cfg, run_dir, tokenizer, tok, model, adapter, policies, get_algorithm(cfg.algo.name), generator,
-                   eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critic, sharded,
+                   eval_generator, rewards, source, eval_source, prompts, train_ids, eval_ids, resume_from, world, num_frozen, critics, sharded,
                    scope)
 
 
@@ -376,6 +375,22 @@ def attach_molora_policy(base, cfg: RLConfig):
     info(f"molora policy: {cfg.molora.num_experts} experts, top {cfg.molora.top_k}, {cfg.molora.router} router, "
          f"{len(ml.molora_modules(base))} modules")
     return base
+
+
+def attach_critics(cfg: RLConfig, model) -> list[Critic]:
+    """PPO: a critic per policy beside the policies, on their layers (frozen outside Critic.active()), each made from
+    its policy's seed, so that it starts as the critic of a run of that policy alone."""
+    names, seeds = pol.names_and_seeds(cfg) if cfg.policies is not None else ([None], [cfg.train.seed])
+    like = "default" if cfg.policies is None else PEFT_NAME.format(names[0])  # the policies' one LoRA placement
+    device = model_device(model)
+    critics = []
+    for name, seed in zip(names, seeds):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's stream untouched
+            torch.manual_seed(seed)
+            critics.append(attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
+                                         cfg.ppo.value_head_init_std, CRITIC_ADAPTER if name is None else f"value_{name}",
+                                         like))
+    return critics
 
 
 def attach_policy(base, cfg: RLConfig):

@@ -50,7 +50,7 @@ def advantages_of(s: Session, batch: Batch, mask_BT, old_logp, ref_logp) -> torc
     if s.algo.kl_in_reward and ref_logp is not None:
         kl_BT = old_logp - ref_logp  # k1 estimate of KL(pi_old || ref) per token
     parts = []
-    for policy, (first, end) in zip(s.policies, _policy_blocks(batch.groups, len(s.policies))):
+    for policy, (first, end) in zip(s.policies, policy_blocks(batch.groups, len(s.policies))):
         rows = slice(first * G, end * G)
         parts.append(_policy_advantages(s, policy, batch.stats_rewards_P_S[first:end], mask_BT[rows],
                                         None if kl_BT is None else kl_BT[rows]))
@@ -78,7 +78,7 @@ def _statistics_without_rows(s: Session) -> None:
         _policy_advantages(s, policy, no_rewards_P_S, no_tokens_BT, no_tokens_BT if s.algo.kl_in_reward else None)
 
 
-def _policy_blocks(groups: list[Group], num_policies: int) -> list[tuple[int, int]]:
+def policy_blocks(groups: list[Group], num_policies: int) -> list[tuple[int, int]]:
     """(first, end) group indices of each policy's groups, which come policy by policy (Collector.collect's order)."""
     policy_G = [g.slot.policy for g in groups]
     if policy_G != sorted(policy_G):
@@ -176,7 +176,7 @@ def grpo_step(s: Session, step: int, replay: list[ReplayBuffer] | None = None) -
 
     # every policy's metrics from this rank's share of its groups (merge_metrics joins the ranks' shares); a policy
     # without groups on this rank has its sampling statistics and the update's (over every rank)
-    parts = _policy_batches(batch, len(s.policies))
+    parts = policy_batches(batch, len(s.policies))
     metrics = {
         "step": step + 1, **collect_metrics(stats, cfg), "temperature": step_params(cfg, step).temperature,
         "step_s": t_end - t_start, "rollout_s": timings.rollout_s, "reward_s": timings.reward_s,
@@ -209,14 +209,14 @@ def _phases(s: Session) -> tuple[bool, bool]:
     return need_ref, s.cfg.algo.num_iterations > 1 or (s.algo.kl_in_reward and need_ref)
 
 
-def _policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
+def policy_batches(batch: Batch, num_policies: int) -> list[Batch]:
     """Each policy's part of a step's batch, for its metrics: its fresh groups (its replayed ones count in its
     replay_* metrics; a run's only policy's part is the batch, whose metrics are over its fresh groups too)."""
     if num_policies == 1:
         return [batch]
     G = batch.num_fresh // len(batch.groups)
     parts = []
-    for first, end in _policy_blocks(batch.groups, num_policies):  # the same blocks as advantages_of's
+    for first, end in policy_blocks(batch.groups, num_policies):  # the same blocks as advantages_of's
         rows = list(range(first * G, end * G))
         parts.append(Batch(select_rows(batch.rollout, rows), batch.scores.select(rows),
                            batch.stats_rewards_P_S[first:end], batch.groups[first:end]))

@@ -138,7 +138,7 @@ def test_the_passes_run_under_autocast_and_the_optimizer_steps_outside_it(algo, 
             return real(*args, **kwargs)
         return wrapped
 
-    for module, passes in ((step, "accumulate_gradient_per_policy"), (ppo_step, "accumulate_policy_gradient")):
+    for module, passes in ((step, "accumulate_gradient_per_policy"), (ppo_step, "accumulate_gradient_per_policy")):
         monkeypatch.setattr(module, passes, recording(getattr(module, passes), "passes"))
         monkeypatch.setattr(module, "optimizer_step", recording(module.optimizer_step, "optimizer"))
     args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"), **{

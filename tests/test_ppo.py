@@ -439,3 +439,23 @@ def test_not_a_value_model_is_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match="was built for a base with hidden size 32") as err:
         load_value_model(tmp_path / "vm", model, adapter_name="other")
     assert "\n" not in str(err.value)
+
+
+def test_a_critic_does_not_start_as_a_copy_of_its_policys_down_projection(tiny_model_dir):
+    """Each critic is made from its policy's seed + an offset: made from the seed itself, its value adapter's lora_A
+    draws were those of the policy's (the same shapes in the same order), every matrix a copy (seen before the
+    offset: 14 of 14)."""
+    from rlora.config import RLConfig, apply_presets
+    from rlora.models.loading import attach_lora, load_base_model
+    from rlora.train.session import attach_critics
+
+    cfg = RLConfig.model_validate({"model": {"path": tiny_model_dir}, "algo": {"name": "ppo"}, "lora": {"rank": 4},
+                                   "data": {"task": "chain_sum"}})
+    apply_presets(cfg)
+    torch.manual_seed(cfg.train.seed)  # as loading.attach_lora is called for a run
+    model = attach_lora(load_base_model(cfg.model, tiny_model_dir), cfg.lora)
+    attach_critics(cfg, model)
+    policy = {n: p for n, p in model.named_parameters() if "lora_A.default" in n}
+    critic = {n.replace("lora_A.value", "lora_A.default"): p for n, p in model.named_parameters() if "lora_A.value" in n}
+    assert policy.keys() == critic.keys() and policy
+    assert not any(torch.equal(policy[n], critic[n]) for n in policy)

@@ -274,7 +274,7 @@ class PPOConfig(Section):
     value_rank: int | None = Field(None, gt=0, description="Rank of the value adapter (null: lora.rank)")
     value_alpha: float | None = Field(None, gt=0, description="Alpha of the value adapter (null: lora.alpha)")
     value_lr: float | None = Field(None, gt=0, description="Learning rate of the value adapter and head (null: "
-                                   "train.lr); same warmup/schedule")
+                                   "train.lr; with policies: each policy's lr); same warmup/schedule")
     value_head_init_std: float = Field(0.0, ge=0, description="Normal std of the value head's initial weight (0: zeros)")
 
 
@@ -388,7 +388,8 @@ class PolicySpec(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Names the policy's folder OUTPUT/policies/NAME and "
                       "its metrics (letters, digits, '_', '-')")
-    lr: float | None = Field(None, gt=0, description="Its learning rate (null: train.lr)")
+    lr: float | None = Field(None, gt=0, description="Its learning rate (null: train.lr); with algo.name=ppo its "
+                             "critic's too, unless ppo.value_lr is set")
     seed: int | None = Field(None, description="Its adapter's initialisation and sampling seed (null: train.seed)")
     beta: float | None = Field(None, ge=0, description="Its KL coefficient in the loss (null: algo.beta)")
 

@@ -344,7 +344,7 @@ def _check_role(path: Path, key: str, command: str | None = None) -> None:
         elif role == "reward model":
             use = f"score with it through `rewards: [{{fn: reward_model, args: {{path: {path}}}}}]`"
         else:
-            use = "it is the critic of a PPO run; its policy is the run's adapter/"
+            use = "it is the critic of a PPO run; its policy is the adapter/ beside it"
         raise UserError(f"{key} '{path}' is a {role} (it holds {role.replace(' ', '_')}.json), not a policy adapter: "
                         f"{use}")
 

@@ -377,16 +377,20 @@ def attach_molora_policy(base, cfg: RLConfig):
     return base
 
 
+CRITIC_SEED_OFFSET = 7919  # a critic is made from its policy's seed + this
+
+
 def attach_critics(cfg: RLConfig, model) -> list[Critic]:
     """PPO: a critic per policy beside the policies, on their layers (frozen outside Critic.active()), each made from
-    its policy's seed, so that it starts as the critic of a run of that policy alone."""
+    its policy's seed (+ CRITIC_SEED_OFFSET), so that it starts as the critic of a run of that policy alone."""
     names, seeds = pol.names_and_seeds(cfg) if cfg.policies is not None else ([None], [cfg.train.seed])
     like = "default" if cfg.policies is None else PEFT_NAME.format(names[0])  # the policies' one LoRA placement
     device = model_device(model)
     critics = []
     for name, seed in zip(names, seeds):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's stream untouched
-            torch.manual_seed(seed)
+            # not the policy's own seed: the value adapter's lora_A would then be a copy of the policy's
+            torch.manual_seed(seed + CRITIC_SEED_OFFSET)
             critics.append(attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
                                          cfg.ppo.value_head_init_std, CRITIC_ADAPTER if name is None else f"value_{name}",
                                          like))

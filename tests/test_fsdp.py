@@ -143,6 +143,9 @@ def test_episodes_on_a_sharded_base_train_as_on_a_whole_one(gather, tiny_model_d
     assert evals[0] == evals[1]
 
 
+# ~33 s on a 2-core CPU: the default suite keeps the step's sampling scope with ranks that sample unequally in the
+# episodes test above and the policies' dynamic sampling below (the same scope, session.step_sampling_scope)
+@pytest.mark.slow
 def test_adaptive_resampling_on_a_sharded_base_trains_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
     """adaptive_grpo resamples groups whose rewards are all equal: rank 0's prompt 0 (flat_for_zero) in step 1, twice
     (algo.adaptive.max_retries), while rank 1 samples once, so the ranks call the sampler a different number of

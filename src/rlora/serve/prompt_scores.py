@@ -85,9 +85,7 @@ def parse_targets(tensor, prompt_length: int, vocab_size: int) -> TargetCells:
             raise ServeError(400, f"{what}: {len(ids_N)} values for shape [{rows}, {width}]")
         return TargetCells((rows, width), np.repeat(np.arange(rows), width), ids_N)
     crow, col = _float64(tensor.sparse_crow_indices or [], what), _float64(tensor.sparse_col_indices or [], what)
-    if (len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(ids_N) or len(col) != len(ids_N)
-            or (np.diff(crow) < 0).any() or (len(col) and not 0 <= col.min() <= col.max() < width)
-            or not csr_rows_ascend(crow.astype(np.int64), col)):
+    if not csr_fits(crow, col, len(ids_N), rows, width):
         raise ServeError(400, f"{what}: the sparse CSR indices do not describe {len(ids_N)} values of a "
                               f"[{rows}, {width}] tensor (sparse_crow_indices: {rows + 1} non-decreasing row pointers "
                               f"from 0 to the value count; sparse_col_indices: a column below {width} per value, "
@@ -104,10 +102,15 @@ def _float64(values: list, what: str) -> np.ndarray:
         raise ServeError(400, f"{what}: a number too large to be a token id or an index") from None
 
 
-def csr_rows_ascend(crow: np.ndarray, col: np.ndarray) -> bool:
-    """Whether each CSR row's columns ascend strictly (torch's invariants, which the SDK's to_torch() checks)."""
-    within = np.ones(max(len(col) - 1, 0), dtype=bool)
-    starts = crow[1:-1][(crow[1:-1] > 0) & (crow[1:-1] < len(col))]
+def csr_fits(crow: np.ndarray, col: np.ndarray, count: int, rows: int, width: int) -> bool:
+    """Whether CSR row pointers and columns describe `count` values of a [rows, width] tensor: rows + 1 pointers from
+    0 to count, non-decreasing (compared, never subtracted: an int64 difference can wrap around), a column below
+    width per value, ascending and distinct within each row (torch's invariants, which the SDK's to_torch checks)."""
+    if (len(crow) != rows + 1 or len(col) != count or ((crow < 0) | (crow > count)).any() or crow[0] != 0
+            or crow[-1] != count or (crow[1:] < crow[:-1]).any() or (count and not 0 <= col.min() <= col.max() < width)):
+        return False
+    within = np.ones(max(count - 1, 0), dtype=bool)
+    starts = crow[1:-1][(crow[1:-1] > 0) & (crow[1:-1] < count)].astype(np.int64)
     within[starts - 1] = False  # between the last column of one row and the first of the next
     return bool((np.diff(col)[within] > 0).all())
 

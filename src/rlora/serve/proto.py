@@ -15,7 +15,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from rlora.serve.prompt_scores import PromptScores, TargetCells, csr_rows_ascend
+from rlora.serve.prompt_scores import PromptScores, TargetCells, csr_fits
 from rlora.serve.state import ServeError
 
 PROTO = "application/x-protobuf"
@@ -93,10 +93,7 @@ def _dense_from_csr(csr: pb.SparseCsr, dtype, shape: list[int], name: str) -> np
         raise ServeError(400, f"loss_fn_inputs['{name}']: sparse values or indices are not whole values")
     values = np.frombuffer(csr.values, dtype=dtype)
     crow, col = np.frombuffer(csr.crow_indices, dtype=np.int64), np.frombuffer(csr.col_indices, dtype=np.int64)
-    # bounds before any difference of row pointers (an int64 difference can wrap around)
-    if (len(crow) != rows + 1 or len(col) != len(values) or ((crow < 0) | (crow > len(values))).any()
-            or crow[0] != 0 or crow[-1] != len(values) or (crow[1:] < crow[:-1]).any()
-            or (len(col) and not 0 <= col.min() <= col.max() < width) or not csr_rows_ascend(crow, col)):
+    if not csr_fits(crow, col, len(values), rows, width):
         raise ServeError(400, f"loss_fn_inputs['{name}']: the sparse CSR indices do not describe {len(values)} values of "
                               f"a [{rows}, {width}] tensor (crow_indices: {rows + 1} non-decreasing row pointers from 0 "
                               f"to the value count; col_indices: a column below {width} per value, ascending within a row)")

@@ -446,7 +446,7 @@ def test_a_critic_does_not_start_as_a_copy_of_its_policys_down_projection(tiny_m
     draws were those of the policy's (the same shapes in the same order), every matrix a copy (seen before the
     offset: 14 of 14)."""
     from rlora.config import RLConfig, apply_presets
-    from rlora.models.loading import attach_lora, load_base_model
+    from rlora.models.loading import attach_lora, load_base_model, model_device
     from rlora.train.session import attach_critics
 
     cfg = RLConfig.model_validate({"model": {"path": tiny_model_dir}, "algo": {"name": "ppo"}, "lora": {"rank": 4},
@@ -454,7 +454,7 @@ def test_a_critic_does_not_start_as_a_copy_of_its_policys_down_projection(tiny_m
     apply_presets(cfg)
     torch.manual_seed(cfg.train.seed)  # as loading.attach_lora is called for a run
     model = attach_lora(load_base_model(cfg.model, tiny_model_dir), cfg.lora)
-    attach_critics(cfg, model)
+    attach_critics(cfg, model, model_device(model))
     policy = {n: p for n, p in model.named_parameters() if "lora_A.default" in n}
     critic = {n.replace("lora_A.value", "lora_A.default"): p for n, p in model.named_parameters() if "lora_A.value" in n}
     assert policy.keys() == critic.keys() and policy

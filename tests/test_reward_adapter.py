@@ -284,6 +284,26 @@ def test_reward_adapter_is_not_in_the_optimizer_and_stays_frozen(tiny_model_dir,
     assert {id(p) for p in trainable_parameters(s.model)} == in_optimizer
 
 
+def test_the_value_and_reward_heads_are_made_on_the_runs_device(tiny_model_dir, rm_folder, prompts_file, tmp_path,
+                                                               monkeypatch):
+    """train.fsdp loads the base on the CPU and moves it to the run's device only as it shards it, after the heads
+    are made; the heads sit beside the model, so a head made where the model was stayed on the CPU (on a GPU, PPO or
+    a reward model under train.fsdp would have failed at its first value or score). prepare() makes them on the
+    run's device. "meta" stands in for a GPU the model is not on (train.fsdp=false here: load_base_model resolves
+    the device itself and keeps the model on the CPU)."""
+    import rlora.train.session as session
+    from rlora.models.loading import model_device
+
+    monkeypatch.setattr(session, "resolve_device", lambda _name: torch.device("meta"))
+    args = tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o"), rewards=(
+        f"[{{fn: reward_model, args: {{path: {rm_folder}}}}}]"), **{"algo.name": "ppo", "rollout.sampler_dtype": "model"})
+    s = prepare(load_config(None, args))
+    [reward] = [r for r in s.rewards if isinstance(r.fn, RewardAdapter)]
+    assert model_device(s.model).type == "cpu"
+    heads = [s.critics[0].head, reward.fn.head]
+    assert [p.device.type for head in heads for p in head.parameters()] == ["meta"] * 4
+
+
 def test_frozen_lower_layers_stay_shared_beside_a_reward_adapter(tiny_model_dir, rm_folder, prompts_file, tmp_path):
     """Policy on the top layer only, reward adapter on every layer: the lower layer is still shared (the reward
     adapter is never active in a log-prob pass), and the shared path computes what the plain forward does."""

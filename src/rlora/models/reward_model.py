@@ -128,12 +128,13 @@ def load_score_head(folder: str, size: int, device: torch.device | str = "cpu",
     return head
 
 
-def load_reward_model(folder: str, base_model, adapter_name: str = "reward"):
+def load_reward_model(folder: str, base_model, adapter_name: str = "reward", device: torch.device | None = None):
     """(model, head): the reward adapter of `folder` attached to `base_model` under `adapter_name`, frozen.
 
     `base_model` is a plain transformers causal LM (-> a new PeftModel whose active adapter is the reward one)
     or an existing peft model, e.g. the policy (-> `load_adapter` adds it beside the others; call
-    `model.set_adapter(adapter_name)` before `score`). A folder built for another base: one-line UserError."""
+    `model.set_adapter(adapter_name)` before `score`). A folder built for another base: one-line UserError.
+    The head goes to `device` (default: the model's)."""
     size = check_hidden_size(read_reward_meta(folder), base_model, folder, "reward model")
     try:
         if isinstance(base_model, PeftModel):
@@ -143,5 +144,4 @@ def load_reward_model(folder: str, base_model, adapter_name: str = "reward"):
             model = PeftModel.from_pretrained(base_model, folder, adapter_name=adapter_name, is_trainable=False)
     except Exception as err:  # noqa: BLE001 - shape/name mismatch with this base
         raise UserError(f"reward model '{folder}' does not fit this base model: {first_line(err)}") from None
-    device = next(model.parameters()).device
-    return model, load_score_head(folder, size, device)
+    return model, load_score_head(folder, size, device or next(model.parameters()).device)

@@ -90,15 +90,16 @@ class Critic:
 
 
 def attach_critic(model, rank: int, alpha: float, head_init_std: float = 0.0, adapter_name: str = ADAPTER,
-                  like: str = "default") -> Critic:
+                  like: str = "default", device: torch.device | None = None) -> Critic:
     """A fresh value adapter (the LoRA placement of the policy adapter `like` with this rank/alpha; B = 0, so it
-    starts as the base) beside the policy's on `model`, frozen until `Critic.active()`, and a new value head."""
+    starts as the base) beside the policy's on `model`, frozen until `Critic.active()`, and a new value head on
+    `device` (default: the model's)."""
     config = dataclasses.replace(model.peft_config[like], r=rank, lora_alpha=alpha, inference_mode=False)
     model.add_adapter(adapter_name, config)
     for name, param in model.named_parameters():
         if f".{adapter_name}." in name:
             param.requires_grad_(False)
-    head = new_score_head(hidden_size(model), head_init_std, model_device(model))
+    head = new_score_head(hidden_size(model), head_init_std, device or model_device(model))
     return Critic(model, head, adapter_name)
 
 

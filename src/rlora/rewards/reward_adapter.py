@@ -125,13 +125,15 @@ class RewardAdapter:
 
     # ---- with the model -------------------------------------------------------------------------------------
 
-    def attach(self, model, tokenizer, pad_id: int, eos_id: int, data_cfg, batch_size: int, examples):
+    def attach(self, model, tokenizer, pad_id: int, eos_id: int, data_cfg, batch_size: int, examples,
+               device: torch.device | None = None):
         """Load the reward adapter beside the policy's on `model` (frozen; the policy's trainable parameters,
         the modules' training flags and the random stream are left as they were) -> the peft model that holds
-        it: `model` itself, or a new one around a plain transformers model (`rlora eval` of the base alone)."""
-        device = next(model.parameters()).device
+        it: `model` itself, or a new one around a plain transformers model (`rlora eval` of the base alone).
+        device: where its head goes (default: the model's; train.fsdp: the run's, the model being on the CPU)."""
+        device = device or next(model.parameters()).device
         with kept_flags(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            model, self.head = load_reward_model(self.folder, model, adapter_name=self.adapter_name)
+            model, self.head = load_reward_model(self.folder, model, adapter_name=self.adapter_name, device=device)
         for name, param in model.named_parameters():
             if f".{self.adapter_name}." in name:
                 param.requires_grad_(False)
@@ -208,12 +210,13 @@ def check_reward_adapters(rewards, model_path: str) -> None:
         adapter.check_base(model_path)
 
 
-def attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompt_sets, batch_size: int | None = None):
+def attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompt_sets, batch_size: int | None = None,
+                           device: torch.device | None = None):
     """Load every reward adapter of the run onto the policy's peft model (or a plain base: wrapped in a new peft
     model) -> the model that holds them. batch_size: the scoring batch where args.batch_size is not set
-    (default train.micro_batch_size)."""
+    (default train.micro_batch_size). device: where their heads go (default: the model's)."""
     examples = list(prompt_sets.train) + list(prompt_sets.eval)
     for adapter in reward_adapters(rewards):
         model = adapter.attach(model, tokenizer, tok.pad_id, tok.eos_ids[0], cfg.data,
-                               batch_size or cfg.train.micro_batch_size, examples)
+                               batch_size or cfg.train.micro_batch_size, examples, device)
     return model

@@ -301,17 +301,20 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     for line in notices if world.is_main else []:  # every input check has passed: say what `auto` chose
         info(line)
     base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp, no_dropout=True)  # fsdp: placed later
+    # the run's device: where the base is, or (fsdp) where shard_base puts it. The value and reward heads are made
+    # there, not on the model's device: they sit beside the model, so shard_base would leave them on the CPU
+    device = resolve_device(cfg.model.device)
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
     set_prompt_sharing(model, cfg.train.share_prompts)
     set_group_packing(model, cfg.train.pack_groups)
-    model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts)  # beside the policy's, frozen
-    critics = attach_critics(cfg, model) if get_algorithm(cfg.algo.name).critic else []
+    model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts, device=device)  # beside the policy's
+    critics = attach_critics(cfg, model, device) if get_algorithm(cfg.algo.name).critic else []
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    sharded = shard_base(model, world, resolve_device(cfg.model.device), cfg.train.fsdp_gather) if cfg.train.fsdp else None
+    sharded = shard_base(model, world, device, cfg.train.fsdp_gather) if cfg.train.fsdp else None
 
     longest = longest_context(cfg, renderer, train_ids + eval_ids)
     generator = build_generator(cfg.rollout, model, tokenizer, tok.eos_ids, tok.pad_id, longest, cfg.eval.batch_size)
@@ -380,12 +383,12 @@ def attach_molora_policy(base, cfg: RLConfig):
 CRITIC_SEED_OFFSET = 7919  # a critic is made from its policy's seed + this
 
 
-def attach_critics(cfg: RLConfig, model) -> list[Critic]:
+def attach_critics(cfg: RLConfig, model, device: torch.device) -> list[Critic]:
     """PPO: a critic per policy beside the policies, on their layers (frozen outside Critic.active()), each made from
-    its policy's seed (+ CRITIC_SEED_OFFSET), so that it starts as the critic of a run of that policy alone."""
+    its policy's seed (+ CRITIC_SEED_OFFSET), so that it starts as the critic of a run of that policy alone. Its head
+    goes to `device`, the run's (train.fsdp: the model is still on the CPU here)."""
     names, seeds = pol.names_and_seeds(cfg) if cfg.policies is not None else ([None], [cfg.train.seed])
     like = "default" if cfg.policies is None else PEFT_NAME.format(names[0])  # the policies' one LoRA placement
-    device = model_device(model)
     critics = []
     for name, seed in zip(names, seeds):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's stream untouched
@@ -393,7 +396,7 @@ def attach_critics(cfg: RLConfig, model) -> list[Critic]:
             torch.manual_seed(seed + CRITIC_SEED_OFFSET)
             critics.append(attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
                                          cfg.ppo.value_head_init_std, CRITIC_ADAPTER if name is None else f"value_{name}",
-                                         like))
+                                         like, device))
     return critics
 
 

@@ -454,7 +454,7 @@ def test_a_critic_does_not_start_as_a_copy_of_its_policys_down_projection(tiny_m
     apply_presets(cfg)
     torch.manual_seed(cfg.train.seed)  # as loading.attach_lora is called for a run
     model = attach_lora(load_base_model(cfg.model, tiny_model_dir), cfg.lora)
-    attach_critics(cfg, model, model_device(model))
+    attach_critics(cfg, model, model_device(model))  # in place: a LoRA policy's peft model
     policy = {n: p for n, p in model.named_parameters() if "lora_A.default" in n}
     critic = {n.replace("lora_A.value", "lora_A.default"): p for n, p in model.named_parameters() if "lora_A.value" in n}
     assert policy.keys() == critic.keys() and policy

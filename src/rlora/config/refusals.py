@@ -177,9 +177,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("molora-reward-model", ("train",), lambda cfg: cfg.molora is not None and _reward_model(cfg),
             "rewards fn: reward_model puts a PEFT reward adapter on the base, which a molora policy cannot share yet: "
             "use another reward function or train a LoRA policy", MOLORA + ("rewards=[{fn: reward_model}]",)),
-    Refusal("molora-ppo", ("train",), lambda cfg: cfg.molora is not None and _traits(cfg).critic,
-            "algo.name=ppo puts a PEFT value adapter on the base, which a molora policy cannot share yet: use a group "
-            "algorithm (e.g. grpo) or train a LoRA policy", MOLORA + ("algo.name=ppo",)),
     Refusal("full-finetune-with-adapter-options", ("sft",),
             lambda cfg: cfg.train.full_finetune and bool(cfg.lora.init_from or cfg.model.quantization != "none"),
             "train.full_finetune trains the model itself: unset lora.init_from and model.quantization",

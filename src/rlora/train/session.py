@@ -310,7 +310,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     set_prompt_sharing(model, cfg.train.share_prompts)
     set_group_packing(model, cfg.train.pack_groups)
     model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts, device=device)  # beside the policy's
-    critics = attach_critics(cfg, model, device) if get_algorithm(cfg.algo.name).critic else []
+    model, critics = attach_critics(cfg, model, device) if get_algorithm(cfg.algo.name).critic else (model, [])
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -383,21 +383,25 @@ def attach_molora_policy(base, cfg: RLConfig):
 CRITIC_SEED_OFFSET = 7919  # a critic is made from its policy's seed + this
 
 
-def attach_critics(cfg: RLConfig, model, device: torch.device) -> list[Critic]:
+def attach_critics(cfg: RLConfig, model, device: torch.device) -> tuple[torch.nn.Module, list[Critic]]:
     """PPO: a critic per policy beside the policies, on their layers (frozen outside Critic.active()), each made from
     its policy's seed (+ CRITIC_SEED_OFFSET), so that it starts as the critic of a run of that policy alone. Its head
-    goes to `device`, the run's (train.fsdp: the model is still on the CPU here)."""
+    goes to `device`, the run's (train.fsdp: the model is still on the CPU here). -> (the model that holds them all:
+    a new peft model around a MoLoRA policy's, else `model`; the critics)."""
     names, seeds = pol.names_and_seeds(cfg) if cfg.policies is not None else ([None], [cfg.train.seed])
     like = "default" if cfg.policies is None else PEFT_NAME.format(names[0])  # the policies' one LoRA placement
+    # the value adapter's size where ppo.value_rank / value_alpha leave it: the policy's (a mixture's: one expert's)
+    policy_lora = cfg.molora if cfg.molora is not None else cfg.lora
     critics = []
     for name, seed in zip(names, seeds):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's stream untouched
             # not the policy's own seed: the value adapter's lora_A would then be a copy of the policy's
             torch.manual_seed(seed + CRITIC_SEED_OFFSET)
-            critics.append(attach_critic(model, cfg.ppo.value_rank or cfg.lora.rank, cfg.ppo.value_alpha or cfg.lora.alpha,
-                                         cfg.ppo.value_head_init_std, CRITIC_ADAPTER if name is None else f"value_{name}",
-                                         like, device))
-    return critics
+            critics.append(attach_critic(model, cfg.ppo.value_rank or policy_lora.rank,
+                                         cfg.ppo.value_alpha or policy_lora.alpha, cfg.ppo.value_head_init_std,
+                                         CRITIC_ADAPTER if name is None else f"value_{name}", like, device))
+            model = critics[-1].model
+    return model, critics
 
 
 def attach_policy(base, cfg: RLConfig):

@@ -265,16 +265,18 @@ def test_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(router, tiny
     assert evals[0] == evals[1]
 
 
-@pytest.mark.slow  # ~35 s on a 2-core CPU; the default suite has PPO with a MoLoRA policy in one process (test_molora_ppo)
-def test_ppo_with_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(tiny_model_dir, prompts_file, tmp_path):
-    """PPO beside a MoLoRA policy (token router): the value adapter on the mixture's base maps stays whole beside the
-    sharded layers. Rank 0's prompts fail a reward, so it trains neither the policy nor the critic and pads both
-    updates (and the routing pass) with zero passes. The same completions, mixture, value adapter and head as with
-    the base whole on each rank."""
+@pytest.mark.slow  # ~35 s on a 2-core CPU; the default suite has PPO with a MoLoRA policy in one process (test_molora_roles)
+def test_ppo_with_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(rm_folder, tiny_model_dir, prompts_file,
+                                                                              tmp_path):
+    """PPO beside a MoLoRA policy (token router) with a reward model among the rewards: the value and reward adapters
+    on the mixture's base maps stay whole beside the sharded layers. Rank 0's prompts fail a reward, so it trains
+    neither the policy nor the critic and pads both updates (and the routing pass) with zero passes. The same
+    completions, reward-model scores, mixture, value adapter and head as with the base whole on each rank."""
     from test_molora_grpo import MOLORA
 
-    common = {"algo.name": "ppo", "rewards": "[{fn: rewards_for_tests.fails_on_even_prompts}, "
-              "{fn: rewards_for_tests.char_count}]", "train.max_reward_failure_frac": 1.0, "data.shuffle": "false",
+    rewards = (f"[{{fn: rewards_for_tests.fails_on_even_prompts}}, {{fn: reward_model, args: {{path: {rm_folder}}}}}, "
+               "{fn: rewards_for_tests.char_count}]")
+    common = {"algo.name": "ppo", "rewards": rewards, "train.max_reward_failure_frac": 1.0, "data.shuffle": "false",
               "lora.rank": 16, "molora": json.dumps({**MOLORA, "router": "token"}), "ppo.value_head_init_std": 0.1,
               "algo.beta": 0.04, "train.lr": 0.05, "train.micro_batch_size": 2, "train.threads": 1,
               "eval.before": "false", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
@@ -282,6 +284,8 @@ def test_ppo_with_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(tin
     outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")
     rows = [json.loads(line) for line in (outs["sharded"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_failures"] for r in rows] == [4, 4]  # prompts 0 and 2: rank 0's
+    samples = [json.loads(line) for line in (outs["sharded"] / "samples.jsonl").read_text().splitlines()]
+    assert len({s["reward/reward_model"] for s in samples}) > 1  # the reward model's scores, equal in both runs
     for folder, name in (("adapter", "molora_model.safetensors"), ("value_model", "adapter_model.safetensors"),
                          ("value_model", "value_head.safetensors")):
         one, two = (load_file(str(out / folder / name)) for out in outs.values())

@@ -298,7 +298,6 @@ def test_a_molora_run_resumes_exactly(router, tiny_model_dir, prompts_file, tmp_
 @pytest.mark.parametrize("extra, message", [
     ({"train.gradient_checkpointing": "true"}, "train.gradient_checkpointing"),
     ({"lora.rank": 4}, "lora.rank does not apply with molora"),
-    ({"rewards": "[{fn: reward_model, args: {path: nowhere}}]"}, "fn: reward_model puts a PEFT reward adapter"),
 ])
 def test_bad_grpo_combinations_are_one_line(extra, message, tiny_model_dir, prompts_file, tmp_path, capsys):
     assert main(["train", *molora_overrides(tiny_model_dir, prompts_file, tmp_path / "run", "sequence", **extra)]) == 2

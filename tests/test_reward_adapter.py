@@ -471,20 +471,6 @@ def test_rlora_eval_of_the_base_alone_with_a_reward_adapter(tiny_model_dir, rm_f
     assert [r["reward"] for r in rows["rm"]] == pytest.approx(expected, abs=1e-5)
 
 
-def test_rlora_eval_refuses_a_reward_adapter_beside_a_molora_candidate(tiny_model_dir, rm_folder, prompts_file,
-                                                                      tmp_path, capsys):
-    from rlora.evaluation import Candidate, check_reward_adapters_fit
-    from rlora.models import molora as ml
-
-    molora = tmp_path / "molora"
-    molora.mkdir()
-    (molora / ml.CONFIG_FILE).write_text("{}")  # what marks a MoLoRA folder; the refusal comes before it is read
-    [reward] = resolve_rewards([RewardSpec(fn="reward_model", args={"path": rm_folder})], has_task=False)
-    with pytest.raises(UserError, match="cannot score beside the molora adapter"):
-        check_reward_adapters_fit([reward], [Candidate("base", None), Candidate("mix", str(molora))])
-    check_reward_adapters_fit([reward], [Candidate("base", None)])  # LoRA candidates (or none) are fine
-
-
 def test_a_reward_model_is_refused_where_a_policy_adapter_is_expected(tiny_model_dir, rm_folder, tmp_path, capsys):
     """chat --adapter, merge and lora.init_from took a reward model's folder as a policy (its score head dropped)."""
     from rlora.models.loading import check_adapter_folder

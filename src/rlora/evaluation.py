@@ -22,8 +22,8 @@ from rlora.data.prompts import PromptSets, load_prompt_sets, prompt_text, render
 from rlora.errors import UserError
 from rlora.logging.console import info, progress_bar
 from rlora.models.loading import add_model_eos_ids, load_base_model, load_tokenizer, max_positions, resolve_model_path
-from rlora.models.named_adapters import activated, attach_named, is_molora_folder, parse_named_adapters
-from rlora.rewards.reward_adapter import attach_reward_adapters, reward_adapters
+from rlora.models.named_adapters import activated, attach_named, parse_named_adapters
+from rlora.rewards.reward_adapter import attach_reward_adapters
 from rlora.rollout.backends import build_generator
 from rlora.envs.registry import env_factory
 from rlora.train.evaluate import eval_sampling, evaluate
@@ -107,15 +107,6 @@ def _load_model(cfg: RLConfig, candidates: list[Candidate], rewards, prompt_sets
     return model, tokenizer, tok
 
 
-def check_reward_adapters_fit(rewards, candidates: list[Candidate]) -> None:
-    """A reward adapter goes beside the candidates' LoRA adapters on the base; a MoLoRA candidate is a mixture
-    that peft's adapter switching does not cover (as in `rlora train`)."""
-    molora = [c.adapter for c in candidates if c.adapter is not None and is_molora_folder(c.adapter)]
-    if molora and reward_adapters(rewards):
-        raise UserError(f"rewards fn: reward_model cannot score beside the molora adapter '{molora[0]}': evaluate "
-                        "it with other rewards, or the reward model with LoRA adapters only")
-
-
 def write_outputs(folder: Path, cfg: RLConfig, report: dict, samples: dict[str, list[dict]]) -> None:
     """All files at the end (a failed evaluation writes nothing); eval.json last, as the mark of a complete
     one. Files of an earlier evaluation in the folder are replaced."""
@@ -133,7 +124,6 @@ def run_eval_command(cfg: RLConfig, candidates: list[Candidate], output: str | N
     """Evaluate every candidate; -> {name: metrics}."""
     rewards = check_data_and_rewards(cfg)
     make_env = env_factory(cfg.env) if cfg.env is not None else None  # a bad env fails before the model loads
-    check_reward_adapters_fit(rewards, candidates)
     folder = Path(output or default_output_dir("eval"))
     check_eval_output(folder, overwrite)
     prompt_sets = load_prompt_sets(cfg.data)

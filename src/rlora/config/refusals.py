@@ -114,10 +114,6 @@ def _traits(cfg) -> Traits:
     return TRAITS[cfg.algo.name]
 
 
-def _reward_model(cfg) -> bool:
-    return any(spec.fn == "reward_model" for spec in cfg.rewards)
-
-
 def _ppo_group_option(cfg) -> str | None:
     algo = cfg.algo
     options = (("algo.dynamic_sampling", algo.dynamic_sampling), ("algo.adaptive", algo.adaptive.enabled),
@@ -174,9 +170,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "train.gradient_checkpointing re-runs the decoder outside the prompt routing of a molora sequence router: "
             "set train.gradient_checkpointing=false (or molora.router=token)",
             MOLORA + ("train.gradient_checkpointing=true",)),
-    Refusal("molora-reward-model", ("train",), lambda cfg: cfg.molora is not None and _reward_model(cfg),
-            "rewards fn: reward_model puts a PEFT reward adapter on the base, which a molora policy cannot share yet: "
-            "use another reward function or train a LoRA policy", MOLORA + ("rewards=[{fn: reward_model}]",)),
     Refusal("full-finetune-with-adapter-options", ("sft",),
             lambda cfg: cfg.train.full_finetune and bool(cfg.lora.init_from or cfg.model.quantization != "none"),
             "train.full_finetune trains the model itself: unset lora.init_from and model.quantization",

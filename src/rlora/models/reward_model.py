@@ -15,6 +15,8 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
 from rlora.errors import UserError, first_line
+from rlora.models import molora as ml
+from rlora.models.beside_mixture import load_beside_mixture
 from rlora.models.loading import causal_lm, check_adapter_folder, read_format_file
 
 FORMAT = "rlora-reward-model"
@@ -133,11 +135,14 @@ def load_reward_model(folder: str, base_model, adapter_name: str = "reward", dev
 
     `base_model` is a plain transformers causal LM (-> a new PeftModel whose active adapter is the reward one)
     or an existing peft model, e.g. the policy (-> `load_adapter` adds it beside the others; call
-    `model.set_adapter(adapter_name)` before `score`). A folder built for another base: one-line UserError.
-    The head goes to `device` (default: the model's)."""
+    `model.set_adapter(adapter_name)` before `score`), or a MoLoRA model or a peft model around one (-> the adapter
+    on the mixture's base maps, models/beside_mixture.py: score inside `adapter_switched` with the mixture off).
+    A folder built for another base: one-line UserError. The head goes to `device` (default: the model's)."""
     size = check_hidden_size(read_reward_meta(folder), base_model, folder, "reward model")
     try:
-        if isinstance(base_model, PeftModel):
+        if ml.has_molora(base_model):  # beside a MoLoRA policy: on the mixture's base maps, off until scoring
+            model = load_beside_mixture(base_model, folder, adapter_name)
+        elif isinstance(base_model, PeftModel):
             base_model.load_adapter(folder, adapter_name=adapter_name, is_trainable=False)
             model = base_model
         else:

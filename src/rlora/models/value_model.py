@@ -14,20 +14,21 @@ base model, how values are read)."""
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft import LoraConfig, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from rlora.errors import UserError, first_line
+from rlora.models.beside_mixture import add_beside_mixture, mixture_off
 from rlora.models.frozen_prefix import PrefixSlice
 from rlora.models.loading import check_adapter_folder, model_device, read_format_file
 from rlora.models.logprobs import completion_hidden
 from rlora.models import molora as ml
-from rlora.models.named_adapters import adapter_switched, kept_flags
+from rlora.models.named_adapters import adapter_switched
 from rlora.models.reward_model import (
     check_hidden_size, hidden_size, load_score_head, new_score_head, save_adapter_and_head,
 )
@@ -60,8 +61,7 @@ class Critic:
         again, with every requires_grad and training flag as before. Run forward and backward inside. Beside a
         MoLoRA policy the mixture is off inside: the value model is the base plus the value adapter, as beside a
         LoRA policy, whose adapter the switch turns off."""
-        mixture_off = ml.molora_disabled(self.model) if ml.has_molora(self.model) else nullcontext()
-        with adapter_switched(self.model, self.adapter_name, trainable=trainable), mixture_off:
+        with adapter_switched(self.model, self.adapter_name, trainable=trainable), mixture_off(self.model):
             yield self
 
     def values(self, batch: RolloutSlice, prefix: PrefixSlice | None = None) -> torch.Tensor:
@@ -97,10 +97,11 @@ def attach_critic(model, rank: int, alpha: float, head_init_std: float = 0.0, ad
                   like: str = "default", device: torch.device | None = None) -> Critic:
     """A fresh value adapter (the LoRA placement of the policy adapter `like` with this rank/alpha; B = 0, so it
     starts as the base) beside the policy's on `model`, frozen until `Critic.active()`, and a new value head on
-    `device` (default: the model's). Beside a MoLoRA policy (`model` then holds no peft adapter) the adapter goes
-    on the mixture's layers and `Critic.model` is a new peft model around `model`: hold on to that one."""
-    if ml.has_molora(model) and not hasattr(model, "peft_config"):
-        model = _beside_mixture(model, rank, alpha, adapter_name)
+    `device` (default: the model's). Beside a MoLoRA policy the adapter goes on the mixture's base maps
+    (models/beside_mixture.py), and `Critic.model` may be a new peft model around `model`: hold on to that one."""
+    if ml.has_molora(model):  # the mixture's maps: the policy's placement
+        placement = LoraConfig(r=rank, lora_alpha=alpha, target_modules=[name for name, _ in ml.molora_modules(model)])
+        model = add_beside_mixture(model, placement, adapter_name)
     else:
         config = dataclasses.replace(model.peft_config[like], r=rank, lora_alpha=alpha, inference_mode=False)
         model.add_adapter(adapter_name, config)
@@ -109,19 +110,6 @@ def attach_critic(model, rank: int, alpha: float, head_init_std: float = 0.0, ad
             param.requires_grad_(False)
     head = new_score_head(hidden_size(model), head_init_std, device or model_device(model))
     return Critic(model, head, adapter_name)
-
-
-def _beside_mixture(model, rank: int, alpha: float, adapter_name: str):
-    """A peft model around a MoLoRA model with the value adapter on the base linear map inside each MoLoRA layer (the
-    maps the mixture adapts: the policy's placement). The adapter layers are switched off outside Critic.active(),
-    so the mixture's forward, which calls its base map, computes the policy alone; the sampler calls MoLoRA layers
-    as modules (never merged), so it samples the policy alone too."""
-    targets = [f"{name}.base_layer" for name, _ in ml.molora_modules(model)]
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets)
-    with kept_flags(model):  # get_peft_model freezes every parameter but the new adapter's: the mixture's too
-        peft_model = get_peft_model(model, config, adapter_name=adapter_name)
-    peft_model.base_model.disable_adapter_layers()
-    return peft_model
 
 
 # ---- saving and loading --------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import yaml
 from rlora.data.pref_data import encode_parts
 from rlora.data.prompts import prompt_text
 from rlora.errors import UserError
+from rlora.models.beside_mixture import mixture_off
 from rlora.models.loading import resolve_model_path
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.models.reward_model import META_FILE, load_reward_model, load_score_head, read_reward_meta, score
@@ -192,8 +193,9 @@ def _same_model(recorded: str, model_path: str) -> bool:
 @contextlib.contextmanager
 def reward_adapter_active(model, adapter_name: str):
     """The model with `adapter_name` active, in eval mode; then the adapter that was active before (the
-    policy's), with the parameters' requires_grad and the modules' training flags as they were."""
-    with adapter_switched(model, adapter_name):
+    policy's), with the parameters' requires_grad and the modules' training flags as they were. Beside a MoLoRA
+    policy the mixture is off inside: the reward model is the base plus its adapter."""
+    with adapter_switched(model, adapter_name), mixture_off(model):
         model.eval()
         yield model
 

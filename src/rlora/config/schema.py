@@ -271,8 +271,10 @@ class PPOConfig(Section):
     kl_mode: Literal["reward", "loss"] = Field(
         "reward", description="reward: -algo.beta x (old - ref log-prob) on every token's reward (k1, as InstructGPT); "
         "loss: algo.beta x k3 KL in the policy loss")
-    value_rank: int | None = Field(None, gt=0, description="Rank of the value adapter (null: lora.rank)")
-    value_alpha: float | None = Field(None, gt=0, description="Alpha of the value adapter (null: lora.alpha)")
+    value_rank: int | None = Field(None, gt=0, description="Rank of the value adapter (null: lora.rank; beside a "
+                                   "MoLoRA policy molora.rank)")
+    value_alpha: float | None = Field(None, gt=0, description="Alpha of the value adapter (null: lora.alpha; beside "
+                                      "a MoLoRA policy molora.alpha)")
     value_lr: float | None = Field(None, gt=0, description="Learning rate of the value adapter and head (null: "
                                    "train.lr; with policies: each policy's lr); same warmup/schedule")
     value_head_init_std: float = Field(0.0, ge=0, description="Normal std of the value head's initial weight (0: zeros)")

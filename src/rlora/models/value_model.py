@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, set_peft_model_state_dict
-from safetensors.torch import load_file
+from peft import LoraConfig
 
 from rlora.errors import UserError, first_line
-from rlora.models.beside_mixture import add_beside_mixture, mixture_off
+from rlora.models.beside_mixture import (
+    add_beside_mixture, load_beside_mixture, load_plain_weights, mixture_off, save_plain,
+)
 from rlora.models.frozen_prefix import PrefixSlice
 from rlora.models.loading import check_adapter_folder, model_device, read_format_file
 from rlora.models.logprobs import completion_hidden
@@ -83,10 +84,7 @@ class Critic:
     def restore(self, folder: Path | str) -> None:
         """Put a saved value model's adapter and head weights into this critic (checkpoint resume)."""
         read_value_meta(folder)
-        weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter_name)
-        if getattr(result, "unexpected_keys", None):
-            raise UserError(f"value model '{folder}' does not fit this model ({result.unexpected_keys[0]})")
+        load_plain_weights(self.model, folder, self.adapter_name)  # beside a mixture: into the moved maps
         saved = load_score_head(str(folder), self.head.in_features, model_device(self.model), HEAD_FILE)
         with torch.no_grad():
             self.head.weight.copy_(saved.weight)
@@ -115,9 +113,11 @@ def attach_critic(model, rank: int, alpha: float, head_init_std: float = 0.0, ad
 # ---- saving and loading --------------------------------------------------------------------------------
 
 def save_value_model(folder: Path | str, model, head: torch.nn.Linear, adapter_name: str = ADAPTER) -> None:
-    """Write the value model into `folder` (the caller makes it atomic, e.g. RunDir.write_folder)."""
+    """Write the value model into `folder` (the caller makes it atomic, e.g. RunDir.write_folder), under the plain
+    base's names also where the adapter sits beside a mixture (it then loads beside a LoRA policy too)."""
     save_adapter_and_head(Path(folder), model, head, adapter_name, HEAD_FILE, META_FILE,
                           {"format": FORMAT, "version": VERSION, "values": READS})
+    save_plain(folder, model, adapter_name)
 
 
 def read_value_meta(folder: Path | str) -> dict:
@@ -133,10 +133,14 @@ def read_value_meta(folder: Path | str) -> dict:
 
 def load_value_model(folder: Path | str, model, adapter_name: str = ADAPTER, trainable: bool = False) -> Critic:
     """The value model of `folder` attached beside the adapters of the peft `model` (e.g. a policy on the same
-    base), frozen outside `Critic.active()`. A folder built for another base: one-line UserError."""
+    base; beside a MoLoRA policy on the mixture's maps, and `Critic.model` may then be a new peft model around
+    `model`), frozen outside `Critic.active()`. A folder built for another base: one-line UserError."""
     size = check_hidden_size(read_value_meta(folder), model, folder, "value model")
     try:
-        model.load_adapter(str(folder), adapter_name=adapter_name, is_trainable=trainable)
+        if ml.has_molora(model):
+            model = load_beside_mixture(model, str(folder), adapter_name)
+        else:
+            model.load_adapter(str(folder), adapter_name=adapter_name, is_trainable=trainable)
     except Exception as err:  # noqa: BLE001 - shape/name mismatch with this base
         raise UserError(f"value model '{folder}' does not fit this base model: {first_line(err)}") from None
     for name, param in model.named_parameters():

@@ -165,11 +165,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "molora needs an unquantized base: set model.quantization=none", MOLORA + ("model.quantization=4bit",)),
     Refusal("molora-lora-keys", ("train", "sft"), lambda cfg: cfg.molora is not None and _molora_lora_key(cfg) is not None,
             _molora_lora_message, MOLORA + ("lora.rank=4",)),
-    Refusal("molora-gradient-checkpointing", ("train",),
-            lambda cfg: cfg.molora is not None and cfg.train.gradient_checkpointing and cfg.molora.router == "sequence",
-            "train.gradient_checkpointing re-runs the decoder outside the prompt routing of a molora sequence router: "
-            "set train.gradient_checkpointing=false (or molora.router=token)",
-            MOLORA + ("train.gradient_checkpointing=true",)),
     Refusal("full-finetune-with-adapter-options", ("sft",),
             lambda cfg: cfg.train.full_finetune and bool(cfg.lora.init_from or cfg.model.quantization != "none"),
             "train.full_finetune trains the model itself: unset lora.init_from and model.quantization",

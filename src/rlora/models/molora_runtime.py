@@ -29,6 +29,31 @@ def prompt_routing(model, prompt_ids_BT: torch.Tensor, prompt_mask_BT: torch.Ten
     return ml.sequence_routing(model, ml.prompt_summary_padded(model, prompt_ids_BT, prompt_mask_BT))
 
 
+def checkpoint_kwargs(model) -> dict:
+    """torch.utils.checkpoint's extra arguments for the model's checkpointed layers (train.gradient_checkpointing):
+    for a model with MoLoRA layers a `context_fn`, so that a layer's recompute in the backward pass runs in the
+    routing state its forward ran in (a sequence router's prompt summaries, the mixture on or off). The backward
+    runs after the forward's routing context has ended, where the summaries are unset. {} for other models."""
+    if not ml.has_molora(model):
+        return {}
+    state = ml.routing_state(model)
+
+    def context_fn():
+        return nullcontext(), _routing_as(state, state.summary_BD, state.disabled)  # read now, at the forward
+
+    return {"context_fn": context_fn}
+
+
+@contextmanager
+def _routing_as(state: ml.RoutingState, summary_BD: torch.Tensor | None, disabled: bool):
+    previous = state.summary_BD, state.disabled
+    state.summary_BD, state.disabled = summary_BD, disabled
+    try:
+        yield
+    finally:
+        state.summary_BD, state.disabled = previous
+
+
 def prompt_list_routing(model, prompts: list[list[int]]):
     """prompt_routing of unpadded token lists (one row each)."""
     return ml.routing_from_prompts(model, prompts) if ml.sequence_routed(model) else nullcontext()

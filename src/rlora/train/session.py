@@ -37,6 +37,7 @@ from rlora.models.loading import (
     load_base_model, load_tokenizer, max_positions, model_device, quantization_config, resolve_device,
     resolve_model_path,
 )
+from rlora.models.molora_runtime import checkpoint_kwargs
 from rlora.models.multi_lora import PEFT_NAME, attach_policies
 from rlora.models.packed_groups import set_group_packing
 from rlora.models.shared_prompts import set_prompt_sharing
@@ -312,7 +313,8 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts, device=device)  # beside the policy's
     model, critics = attach_critics(cfg, model, device) if get_algorithm(cfg.algo.name).critic else (model, [])
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
-        causal_lm(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        causal_lm(model).gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs(model)})  # MoLoRA: its routing
     model.train()
     sharded = shard_base(model, world, device, cfg.train.fsdp_gather) if cfg.train.fsdp else None
 

@@ -228,7 +228,6 @@ def test_prompt_of_a_row_is_what_a_sampler_is_given(tiny_tokenizer):
     (["lora.layers=[0]"], "lora.layers is not supported with molora"),
     (["lora.use_rslora=true"], "lora.use_rslora is not supported with molora"),
     (["train.full_finetune=true"], "molora trains adapters; train.full_finetune trains the model itself"),
-    (["model.quantization=4bit"], "molora needs an unquantized base"),
     (["molora.top_k=4"], "top_k=4 exceeds num_experts=3"),
     (["molora.topk=2"], "unknown config key 'molora.topk' (did you mean 'molora.top_k'?)"),
     (["molora.router=layer"], "invalid value for molora.router"),

@@ -25,7 +25,12 @@ def test_quantized_base_samples_like_generate(tiny_model_dir, bits):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    tokenizer, tok = load_tokenizer(tiny_model_dir)
+    _assert_greedy_equals_generate(model, tiny_model_dir)
+
+
+def _assert_greedy_equals_generate(model, model_dir):
+    """The built-in sampler's greedy completions of three prompts equal transformers generate's."""
+    tokenizer, tok = load_tokenizer(model_dir)
     prompts = [tokenizer(t)["input_ids"] for t in ["What is 3 + 4?", "Hello", "a b c d e"]]
     greedy = SamplingParams(max_new_tokens=8, greedy=True)
     ours = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, prompts, 1, greedy, 0)
@@ -72,3 +77,67 @@ def test_adapter_gradients_through_a_quantized_base_match_the_dequantized_model(
         grads.append(torch.cat([p.grad.flatten() for p in trainable_parameters(model)]))
     assert grads[1].abs().max() > 0
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)  # measured: 4-bit 0, 8-bit 1.3e-6 relative
+
+
+def _molora_on(base, seed: int = 0):
+    """A mixture (token router, 3 experts, top 2) on the base, with random non-zero B: the same weights for the same
+    seed whatever the base's layers are."""
+    from rlora.models import molora as ml
+
+    torch.manual_seed(seed)
+    ml.attach_molora(base, ml.MoLoRAConfig(num_experts=3, top_k=2, rank=2, router="token", router_init_std=0.3))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("molora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return base
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_a_mixture_on_a_quantized_base_trains_as_on_its_dequantized_weights(tiny_model_dir, bits):
+    """MoLoRA on a bitsandbytes-quantized base (QLoRA's memory with a mixture of experts): the quantized layers are
+    called as modules inside the MoLoRA layers, so the experts' and routers' gradients equal those on the dequantized
+    weights (the LoRA test's tolerance), and the sampler's greedy completions equal transformers generate's."""
+    from rlora.models import molora as ml
+
+    quantized = _molora_on(load_base_model(ModelConfig(path=tiny_model_dir, quantization=bits), tiny_model_dir))
+    reference = _molora_on(dequantized_copy(load_base_model(ModelConfig(path=tiny_model_dir, quantization=bits),
+                                                            tiny_model_dir), tiny_model_dir))
+    q_proj = quantized.model.layers[0].self_attn.q_proj.base_layer
+    assert q_proj.weight.dtype in (torch.uint8, torch.int8), "the base must really be quantized"
+    tokenizer, _ = load_tokenizer(tiny_model_dir)
+    ids = torch.tensor([tokenizer("What is 3 + 4? The answer")["input_ids"]] * 2)
+    grads = []
+    for model in (quantized, reference):
+        model.train()
+        model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if ml.PARAM_TAG in n]))
+    assert grads[1].abs().max() > 0
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+    _assert_greedy_equals_generate(quantized.eval(), tiny_model_dir)
+
+
+@pytest.mark.parametrize("router", ["sequence", "token"])
+def test_rlora_train_and_sft_run_a_mixture_on_a_4bit_base(router, tiny_model_dir, prompts_file, tmp_path):
+    """`rlora train` (GRPO) and `rlora sft` with a molora section on a 4-bit base: both run and move the mixture."""
+    import json
+
+    from conftest import tiny_overrides
+    from safetensors.torch import load_file
+    from test_molora_sft import ROWS, molora_config, write_jsonl
+
+    from rlora.cli import main
+    from rlora.models import molora as ml
+
+    molora = {"num_experts": 3, "top_k": 2, "rank": 4, "router": router, "router_init_std": 0.3}
+    rl = tmp_path / "rl"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(rl), **{
+        "lora.rank": 16, "molora": json.dumps(molora), "model.quantization": "4bit", "rollout.sampler_dtype": "model",
+        "algo.sampler_is_cap": "null", "train.lr": 0.01, "eval.before": "false"})]) == 0
+    config = molora_config(tmp_path, tiny_model_dir, write_jsonl(tmp_path / "rows.jsonl", ROWS), molora)
+    assert main(["sft", config, "model.quantization=4bit"]) == 0
+    for folder in (rl / "adapter", tmp_path / "run" / "adapter"):
+        weights = load_file(str(folder / ml.WEIGHTS_FILE))
+        assert any(float(v.abs().max()) > 0 for k, v in weights.items() if k.endswith("molora_B")), folder

@@ -161,8 +161,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("molora-full-finetune", ("sft",), lambda cfg: cfg.molora is not None and cfg.train.full_finetune,
             "molora trains adapters; train.full_finetune trains the model itself: use one of the two",
             MOLORA + ("train.full_finetune=true",)),
-    Refusal("molora-quantized", ("train", "sft"), lambda cfg: cfg.molora is not None and cfg.model.quantization != "none",
-            "molora needs an unquantized base: set model.quantization=none", MOLORA + ("model.quantization=4bit",)),
     Refusal("molora-lora-keys", ("train", "sft"), lambda cfg: cfg.molora is not None and _molora_lora_key(cfg) is not None,
             _molora_lora_message, MOLORA + ("lora.rank=4",)),
     Refusal("full-finetune-with-adapter-options", ("sft",),

@@ -147,9 +147,10 @@ def _check_attachable(model: nn.Module, names: list[str]) -> None:
     lm = causal_lm(model)
     for name in names:
         module = lm.get_submodule(name)
-        if type(module) is not nn.Linear or not module.weight.dtype.is_floating_point:
-            raise UserError(f"MoLoRA cannot wrap '{name}' ({type(module).__name__}): quantized bases are not "
-                            "supported yet")
+        # a plain linear map, or a bitsandbytes-quantized one (Linear4bit, Linear8bitLt: nn.Linear subclasses that the
+        # mixture calls as modules, as peft's LoRA does); anything else (already wrapped) is refused
+        if not isinstance(module, nn.Linear):
+            raise UserError(f"MoLoRA cannot wrap '{name}' ({type(module).__name__}): it adapts linear layers")
 
 
 def attach_modules(model: nn.Module, config: MoLoRAConfig, names: list[str]) -> list[nn.Parameter]:

@@ -233,6 +233,13 @@ def test_attach_targets(tiny_model_dir):
     with pytest.raises(UserError, match="qq_proj") as err:
         ml.attach_molora(load_base(tiny_model_dir), MoLoRAConfig(target_modules=["qq_proj"]))
     assert one_line(err)
+    # another kind of linear layer (e.g. transformers' fp8 ones, subclasses of nn.Linear) is refused, not wrapped
+    model = load_base(tiny_model_dir)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = type("Fp8LikeLinear", (nn.Linear,), {})(attention.q_proj.in_features, attention.q_proj.out_features)
+    with pytest.raises(UserError, match="MoLoRA cannot wrap 'model.layers.0.self_attn.q_proj' .Fp8LikeLinear.") as err:
+        ml.attach_molora(model, MoLoRAConfig(target_modules=["q_proj"]))
+    assert one_line(err)
 
 
 @pytest.mark.parametrize("router,hydra", [("token", False), ("sequence", True)])

@@ -28,7 +28,8 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = Field(False, description="Run model code shipped with a hub model (off unless asked)")
     quantization: Literal["none", "4bit", "8bit"] = Field(
-        "none", description="Load the frozen base quantized with bitsandbytes (adapters stay in model.dtype)")
+        "none", description="Load the frozen base quantized with bitsandbytes (LoRA adapters stay in model.dtype, "
+                    "MoLoRA's experts and routers in float32)")
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
         description="Where the model runs: auto (the GPU if torch sees one, else cpu), cpu, cuda or cuda:N. Under "

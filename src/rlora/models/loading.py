@@ -198,6 +198,12 @@ def load_base_model(cfg: ModelConfig, path: str, place: bool = True, no_dropout:
     if quantization is None and place:
         model.to(device)
     model.requires_grad_(False)
+    for module in model.modules() if quantization is not None else ():
+        # bitsandbytes (0.50) repacks a 4-bit layer's weight in place for its CPU inference kernel at the first
+        # no-grad eval forward on a CPU with AVX512-BF16, and that kernel has no backward: every later training pass
+        # would get wrong adapter gradients (measured: up to 0.85 against a largest gradient of 1.18). Kept unpacked.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     for module in model.modules() if no_dropout else ():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

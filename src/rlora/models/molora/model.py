@@ -147,10 +147,20 @@ def _check_attachable(model: nn.Module, names: list[str]) -> None:
     lm = causal_lm(model)
     for name in names:
         module = lm.get_submodule(name)
-        # a plain linear map, or a bitsandbytes-quantized one (Linear4bit, Linear8bitLt: nn.Linear subclasses that the
-        # mixture calls as modules, as peft's LoRA does); anything else (already wrapped) is refused
-        if not isinstance(module, nn.Linear):
-            raise UserError(f"MoLoRA cannot wrap '{name}' ({type(module).__name__}): it adapts linear layers")
+        if not (_plain_linear(module) or _bitsandbytes_linear(module)):
+            raise UserError(f"MoLoRA cannot wrap '{name}' ({type(module).__name__}): it adapts floating-point linear "
+                            "layers and bitsandbytes' 4-bit and 8-bit ones (model.quantization)")
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and module.weight.dtype.is_floating_point
+
+
+def _bitsandbytes_linear(module: nn.Module) -> bool:
+    """A layer of model.quantization (bitsandbytes' Linear4bit / Linear8bitLt), which the mixture calls as a module,
+    as peft's LoRA does; not other quantized linear layers (fp8, metal, ...), whose backward rlora does not test."""
+    kind = type(module)
+    return kind.__module__.startswith("bitsandbytes.") and kind.__name__ in ("Linear4bit", "Linear8bitLt")
 
 
 def attach_modules(model: nn.Module, config: MoLoRAConfig, names: list[str]) -> list[nn.Parameter]:

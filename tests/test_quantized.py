@@ -151,3 +151,18 @@ def test_rlora_train_and_sft_run_a_mixture_on_a_4bit_base(router, tiny_model_dir
     for folder in (rl / "adapter", tmp_path / "run" / "adapter"):
         weights = load_file(str(folder / ml.WEIGHTS_FILE))
         assert any(float(v.abs().max()) > 0 for k, v in weights.items() if k.endswith("molora_B")), folder
+
+
+def test_only_a_base_that_trains_goes_without_bitsandbytes_cpu_repacking(tiny_model_dir):
+    """`rlora eval` (trains=False) keeps bitsandbytes' faster CPU kernel for a 4-bit base; every command that trains
+    through the base turns its repacking off (the gradient tests above)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.nn.modules import has_avx512bf16
+
+    def layers(model):
+        return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+    config = ModelConfig(path=tiny_model_dir, quantization="4bit")
+    trains, evaluates = load_base_model(config, tiny_model_dir), load_base_model(config, tiny_model_dir, trains=False)
+    assert layers(trains) and not any(m.support_avx512bf16_for_cpu for m in layers(trains))
+    assert layers(evaluates) and all(m.support_avx512bf16_for_cpu == has_avx512bf16() for m in layers(evaluates))

@@ -98,7 +98,7 @@ def _load_model(cfg: RLConfig, candidates: list[Candidate], rewards, prompt_sets
     rewards beside them (one copy of the base weights)."""
     model_path = resolve_model_path(cfg.model.path)
     tokenizer, tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    base = load_base_model(cfg.model, model_path)
+    base = load_base_model(cfg.model, model_path, trains=False)
     add_model_eos_ids(tok, base)
     adapters = {c.name: c.adapter for c in candidates if c.adapter is not None}
     model = attach_named(base, adapters, cfg.model.path)

@@ -175,11 +175,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_base_model(cfg: ModelConfig, path: str, place: bool = True, no_dropout: bool = False) -> torch.nn.Module:
+def load_base_model(cfg: ModelConfig, path: str, place: bool = True, no_dropout: bool = False,
+                    trains: bool = True) -> torch.nn.Module:
     """The frozen base on model.device (a quantized base is placed there by bitsandbytes while loading);
     place=False leaves an unquantized base on the CPU (train.fsdp moves it layer by layer as it shards it).
     no_dropout: the config's dropout rates set to 0 before the modules are built (they read them once, at
-    construction, some as nn.Dropout modules, some as a rate for a functional dropout), then every nn.Dropout too."""
+    construction, some as nn.Dropout modules, some as a rate for a functional dropout), then every nn.Dropout too.
+    trains=False (`rlora eval`): nothing will take a gradient through it, so a 4-bit base may use bitsandbytes'
+    faster CPU inference kernel (below)."""
     quantization = quantization_config(cfg)
     device = resolve_device(cfg.device)
     try:
@@ -198,7 +201,7 @@ def load_base_model(cfg: ModelConfig, path: str, place: bool = True, no_dropout:
     if quantization is None and place:
         model.to(device)
     model.requires_grad_(False)
-    for module in model.modules() if quantization is not None else ():
+    for module in model.modules() if quantization is not None and trains else ():
         # bitsandbytes (0.50) repacks a 4-bit layer's weight in place for its CPU inference kernel at the first
         # no-grad eval forward on a CPU with AVX512-BF16, and that kernel has no backward: every later training pass
         # would get wrong adapter gradients (measured: up to 0.85 against a largest gradient of 1.18). Kept unpacked.

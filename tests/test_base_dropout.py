@@ -53,3 +53,32 @@ def test_dropout_modules_and_other_config_keys_are_off_too(tmp_path):
     assert all(m.p == 0.0 for m in off.modules() if isinstance(m, torch.nn.Dropout))
     first, second = _train_mode_logits_twice(off)
     assert torch.equal(first, second)
+
+
+def test_a_starting_adapters_dropout_is_off_in_rl_and_a_set_one_is_refused(tiny_model_dir, prompts_file, tmp_path,
+                                                                           capsys):
+    """The adapter's dropout, as the base's: an update that dropped adapter inputs would make the importance weights
+    measure that noise against the sampler's (a 0.115-nat sampler_logp_gap at lora.dropout=0.1, measured). A
+    lora.init_from adapter saved with lora_dropout 0.3 trains with it off (notice; the float32 sampler's gap to the
+    update's log-probs is float32 rounding, the importance weights 1); lora.dropout set in the config is refused."""
+    import json
+
+    from rlora.config import LoraConfig
+    from rlora.models.loading import attach_lora, save_adapter
+    from test_policy_model import perturb_adapter
+
+    adapter = attach_lora(load_base_model(ModelConfig(path=tiny_model_dir), tiny_model_dir),
+                          LoraConfig(rank=4, dropout=0.3))
+    perturb_adapter(adapter, scale=0.3, seed=1)  # non-zero B: dropping its inputs changes the log-probs
+    save_adapter(adapter, tmp_path / "start")
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(out), **{
+        "lora.init_from": str(tmp_path / "start"), "lora.rank": 16, "rollout.sampler_dtype": "model",
+        "algo.sampler_is_cap": 2.0, "train.steps": 2})]) == 0
+    assert "lora.init_from: the adapter's lora_dropout (0.3) is off in training, as in sampling" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["sampler_logp_gap"] < 1e-5 and abs(r["is_weight_mean"] - 1) < 1e-5 for r in rows), rows
+    assert main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "refused"),
+                                          **{"lora.dropout": 0.1})]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lora.dropout=0.1 in rlora train" in err, err

@@ -242,13 +242,12 @@ def test_several_policies_with_dynamic_sampling_on_a_sharded_base_train_as_on_a_
 def test_a_molora_policy_on_a_sharded_base_trains_as_on_a_whole_one(router, tiny_model_dir, prompts_file, tmp_path):
     """A MoLoRA policy over the uneven ranks of the dynamic-sampling test above (rank 0 keeps no group in steps 1
     and 3, rank 1 fewer rows than rank 0 in step 2): a token router's routing pass forwards each rank's
-    micro-batches before the update, and a rank with fewer adds forwards of its row 0 (or of a dropped row), with
-    the random state put back (the experts' dropout draws what it draws in the run without padding). The same
+    micro-batches before the update, and a rank with fewer adds forwards of its row 0 (or of a dropped row). The same
     completions, mixture (experts and routers, within 1e-5) and router metrics as with the base whole on each
     rank; evaluations on rank 0 too."""
     from test_molora_grpo import MOLORA
 
-    common = {**UNEVEN_RANKS, "lora.rank": 16, "molora": json.dumps({**MOLORA, "router": router, "dropout": 0.1}),
+    common = {**UNEVEN_RANKS, "lora.rank": 16, "molora": json.dumps({**MOLORA, "router": router}),
               "algo.beta": 0.04, "train.lr": 0.05, "train.threads": 1, "eval.before": "false",
               "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null", "rollout.weight_packs": "false"}
     outs = _whole_and_sharded(tiny_model_dir, prompts_file, tmp_path, common, "layer")

@@ -15,6 +15,7 @@ from rlora.config.refusals import (
     check_config,
     check_init_from_keys,
     check_launch,
+    init_from_dropout,
 )
 from rlora.config.schema import (
     AdaptiveConfig,
@@ -79,6 +80,7 @@ __all__ = [
     "check_config",
     "check_init_from_keys",
     "check_launch",
+    "init_from_dropout",
     "demo_config_text",
     "load_config",
     "parse_overrides",

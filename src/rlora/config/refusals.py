@@ -110,6 +110,19 @@ def check_init_from_keys(lora: LoraConfig) -> None:
                             f"{lora.init_from} has {key} {theirs}): remove lora.{key}")
 
 
+def _adapter_dropout(cfg) -> str | None:
+    """'lora.dropout=R' or 'molora.dropout=R' where the policy's adapter has dropout, else None."""
+    key, rate = ("molora.dropout", cfg.molora.dropout) if cfg.molora is not None else ("lora.dropout", cfg.lora.dropout)
+    return f"{key}={rate:g}" if rate > 0 else None
+
+
+def init_from_dropout(lora: LoraConfig) -> float:
+    """The lora_dropout recorded in lora.init_from's adapter_config.json (0 without one, or where it cannot be read)."""
+    adapter = _adapter_settings(Path(lora.init_from)) if lora.init_from else None
+    rate = (adapter or {}).get("dropout")
+    return float(rate) if isinstance(rate, (int, float)) else 0.0
+
+
 def _traits(cfg) -> Traits:
     return TRAITS[cfg.algo.name]
 
@@ -163,6 +176,13 @@ REFUSALS: tuple[Refusal, ...] = (
             MOLORA + ("train.full_finetune=true",)),
     Refusal("molora-lora-keys", ("train", "sft"), lambda cfg: cfg.molora is not None and _molora_lora_key(cfg) is not None,
             _molora_lora_message, MOLORA + ("lora.rank=4",)),
+    # the sampler and the old and reference passes run without dropout (as without the base's, which rlora train turns
+    # off); an update that drops adapter inputs would make every importance weight and clipped ratio measure that noise
+    Refusal("adapter-dropout-in-rl", ("train",), lambda cfg: _adapter_dropout(cfg) is not None,
+            lambda cfg: f"{_adapter_dropout(cfg)} in rlora train: the sampler, the old and the reference log-probs "
+                        "run without dropout, so the importance weights and clipped ratios would measure the update's "
+                        "dropout noise (lora.dropout=0.1 moved them by 0.115 nats a token): set it to 0 (dropout is "
+                        "for rlora sft and rm)", ("lora.dropout=0.1",)),
     Refusal("full-finetune-with-adapter-options", ("sft",),
             lambda cfg: cfg.train.full_finetune and bool(cfg.lora.init_from or cfg.model.quantization != "none"),
             "train.full_finetune trains the model itself: unset lora.init_from and model.quantization",

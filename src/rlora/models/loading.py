@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from huggingface_hub import constants, try_to_load_from_cache
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerBase
@@ -418,6 +419,15 @@ def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
         return get_peft_model(base, peft_lora_config(cfg, base))
     except ValueError as err:
         raise UserError(f"LoRA config does not fit the model: {first_line(err)}") from None
+
+
+def no_adapter_dropout(model: torch.nn.Module) -> None:
+    """Every peft LoRA layer's dropout set to rate 0, in place (the modules stay: the batched forward of several
+    policies holds them)."""
+    for module in model.modules():
+        for dropout in getattr(module, "lora_dropout", {}).values() if isinstance(module, BaseTunerLayer) else ():
+            if isinstance(dropout, torch.nn.Dropout):
+                dropout.p = 0.0
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:

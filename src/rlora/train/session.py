@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rlora.algos.registry import Algorithm, get_algorithm
-from rlora.config import RLConfig, apply_presets, check_config, check_init_from_keys, check_launch
+from rlora.config import RLConfig, apply_presets, check_config, check_init_from_keys, check_launch, init_from_dropout
 from rlora.data.files import check_data_file
 from rlora.data.prompts import PromptSets, check_answers, held_out_notice, load_prompt_sets, prompt_text, render_prompt
 from rlora.data.tasks import check_task
@@ -34,8 +34,8 @@ from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
     TokenizerInfo, add_model_eos_ids, attach_lora, base_dropouts, causal_lm, check_adapter_folder, check_lora_targets,
-    load_base_model, load_tokenizer, max_positions, model_device, quantization_config, resolve_device,
-    resolve_model_path,
+    load_base_model, load_tokenizer, max_positions, model_device, no_adapter_dropout, quantization_config,
+    resolve_device, resolve_model_path,
 )
 from rlora.models.molora_runtime import checkpoint_kwargs
 from rlora.models.multi_lora import PEFT_NAME, attach_policies
@@ -293,12 +293,16 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     train_ids, eval_ids = ids(prompts.train), ids(prompts.eval)
     check_context(cfg, renderer, train_ids + eval_ids, max_positions(model_path, cfg.model.trust_remote_code))
     # The sampler and every no-grad pass run without dropout: an update with the base's own dropout would compute
-    # another function, and each importance ratio would measure the dropout noise. (A LoRA's lora.dropout stays.)
+    # another function, and each importance ratio would measure the dropout noise. The same for the adapter's: a set
+    # lora.dropout is refused (config/refusals.py), and a starting adapter's own rate is turned off below.
     dropouts = base_dropouts(model_path, cfg.model.trust_remote_code)
     if dropouts:
         rates = ", ".join(f"{key}={rate:g}" for key, rate in dropouts.items())
         notices.append(f"model: the base's dropout ({rates}) is off in training, as in sampling: the update's "
                        "log-probs are the sampler's function")
+    if init_from_dropout(cfg.lora) > 0:
+        notices.append(f"lora.init_from: the adapter's lora_dropout ({init_from_dropout(cfg.lora):g}) is off in "
+                       "training, as in sampling: the update's log-probs are the sampler's function")
     for line in notices if world.is_main else []:  # every input check has passed: say what `auto` chose
         info(line)
     base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp, no_dropout=True)  # fsdp: placed later
@@ -307,6 +311,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     device = resolve_device(cfg.model.device)
     add_model_eos_ids(tok, base)
     model = attach_policy(base, cfg)
+    no_adapter_dropout(model)  # a starting adapter's (lora.init_from); a set lora.dropout was refused
     num_frozen = frozen_layers_to_share(cfg, model)  # the policy's layers: a reward adapter is active only to score
     set_prompt_sharing(model, cfg.train.share_prompts)
     set_group_packing(model, cfg.train.pack_groups)

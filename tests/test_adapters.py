@@ -60,6 +60,10 @@ def test_each_kind_is_found_disables_to_the_base_and_owns_exactly_its_parameters
     assert not torch.allclose(logits(adapter, model), base)  # the adapter changes the outputs ...
     with torch.no_grad(), adapter.disabled():
         assert torch.equal(model(input_ids=IDS).logits, base)  # ... and the reference is the base exactly
+        with adapter.disabled():  # nested: the inner exit leaves it off
+            pass
+        assert torch.equal(model(input_ids=IDS).logits, base)
+    assert torch.equal(logits(adapter, model), logits(adapter, model)) and not torch.allclose(logits(adapter, model), base)
     per_policy = adapter.parameters_per_policy()
     assert len(per_policy) == len(adapter.names) == len(markers)
     names = {id(p): n for n, p in model.named_parameters()}

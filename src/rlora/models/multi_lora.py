@@ -213,13 +213,14 @@ def policies_disabled(model: nn.Module):
     """The base alone (the reference policy): every policy adapter off. peft's disable_adapter() would, on
     leaving, make only the active adapter trainable again; this keeps every policy's parameters as they were."""
     layers = lora_layers(model)
+    before = [module._disable_adapters for module in layers]  # as they were: nested, the inner exit keeps them off
     for module in layers:
         module._disable_adapters = True
     try:
         yield model
     finally:
-        for module in layers:
-            module._disable_adapters = False
+        for module, disabled in zip(layers, before):
+            module._disable_adapters = disabled
 
 
 def policy_parameters(model: nn.Module, policy: str) -> list[nn.Parameter]:

@@ -2,15 +2,13 @@
 
 A MoLoRA layer (models/molora/layer.py) wraps its base linear map and calls it in its forward; a peft LoRA goes on
 that map (`<layer>.base_layer`), where peft can wrap an `nn.Linear`. Peft's adapter layers stay switched off outside
-their own passes (named_adapters.adapter_switched turns them on there), and the mixture is off inside those passes
-(`mixture_off`): the policy computes the mixture alone, each other role the base plus its own adapter, as beside a
-LoRA policy. The samplers call MoLoRA layers as modules (never merged), so they sample the mixture alone as well.
+their own passes (named_adapters.adapter_switched turns them on there, and the mixture off): the policy computes
+the mixture alone, each other role the base plus its own adapter, as beside a LoRA policy. The samplers call MoLoRA layers as modules (never merged), so they sample the mixture alone as well.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
@@ -24,11 +22,6 @@ from rlora.models.loading import causal_lm
 from rlora.models.named_adapters import kept_flags
 
 PEFT_PREFIX = "base_model.model."  # where peft's saved weight names start
-
-
-def mixture_off(model: nn.Module) -> AbstractContextManager:
-    """Forwards inside run without the mixture (a no-op for a model without MoLoRA layers)."""
-    return ml.molora_disabled(model) if ml.has_molora(model) else nullcontext()
 
 
 def add_beside_mixture(model: nn.Module, config: LoraConfig, adapter_name: str) -> PeftModel:

@@ -156,10 +156,13 @@ def kept_flags(model):
 def adapter_switched(model, name: str, trainable: bool = False):
     """The peft model with adapter `name` active (its parameters requiring grad if `trainable`), then the
     adapter that was active before, with every requires_grad and training flag as it was. Anything that
-    runs the adapter (a backward pass that recomputes checkpointed activations included) must run inside."""
+    runs the adapter (a backward pass that recomputes checkpointed activations included) must run inside. Beside a
+    MoLoRA policy the mixture is off inside: the adapter runs on the base alone, as one beside a LoRA policy does
+    once the switch has turned that one off (models/beside_mixture.py)."""
     previous = model.active_adapter
     disabled = adapters_disabled(model)  # inside peft's disable_adapter() (`rlora eval` scoring the base's samples)
-    with kept_flags(model):
+    mixture = ml.molora_disabled(model) if ml.has_molora(model) else nullcontext()
+    with kept_flags(model), mixture:
         if disabled:
             model.base_model.enable_adapter_layers()
         model.set_adapter(name, inference_mode=not trainable)

@@ -136,7 +136,7 @@ def load_reward_model(folder: str, base_model, adapter_name: str = "reward", dev
     `base_model` is a plain transformers causal LM (-> a new PeftModel whose active adapter is the reward one)
     or an existing peft model, e.g. the policy (-> `load_adapter` adds it beside the others; call
     `model.set_adapter(adapter_name)` before `score`), or a MoLoRA model or a peft model around one (-> the adapter
-    on the mixture's base maps, models/beside_mixture.py: score inside `adapter_switched` with the mixture off).
+    on the mixture's base maps, models/beside_mixture.py: score inside `adapter_switched`, which turns the mixture off).
     A folder built for another base: one-line UserError. The head goes to `device` (default: the model's)."""
     size = check_hidden_size(read_reward_meta(folder), base_model, folder, "reward model")
     try:

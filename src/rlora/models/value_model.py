@@ -23,7 +23,7 @@ from peft import LoraConfig
 
 from rlora.errors import UserError, first_line
 from rlora.models.beside_mixture import (
-    add_beside_mixture, load_beside_mixture, load_plain_weights, mixture_off, save_plain,
+    add_beside_mixture, load_beside_mixture, load_plain_weights, save_plain,
 )
 from rlora.models.frozen_prefix import PrefixSlice
 from rlora.models.loading import check_adapter_folder, model_device, read_format_file
@@ -62,7 +62,7 @@ class Critic:
         again, with every requires_grad and training flag as before. Run forward and backward inside. Beside a
         MoLoRA policy the mixture is off inside: the value model is the base plus the value adapter, as beside a
         LoRA policy, whose adapter the switch turns off."""
-        with adapter_switched(self.model, self.adapter_name, trainable=trainable), mixture_off(self.model):
+        with adapter_switched(self.model, self.adapter_name, trainable=trainable):  # the mixture off too
             yield self
 
     def values(self, batch: RolloutSlice, prefix: PrefixSlice | None = None) -> torch.Tensor:

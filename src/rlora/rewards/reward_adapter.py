@@ -30,7 +30,6 @@ import yaml
 from rlora.data.pref_data import encode_parts
 from rlora.data.prompts import prompt_text
 from rlora.errors import UserError
-from rlora.models.beside_mixture import mixture_off
 from rlora.models.loading import resolve_model_path
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.models.reward_model import META_FILE, load_reward_model, load_score_head, read_reward_meta, score
@@ -195,7 +194,7 @@ def reward_adapter_active(model, adapter_name: str):
     """The model with `adapter_name` active, in eval mode; then the adapter that was active before (the
     policy's), with the parameters' requires_grad and the modules' training flags as they were. Beside a MoLoRA
     policy the mixture is off inside: the reward model is the base plus its adapter."""
-    with adapter_switched(model, adapter_name), mixture_off(model):
+    with adapter_switched(model, adapter_name):  # beside a MoLoRA policy the mixture off too
         model.eval()
         yield model
 

@@ -300,9 +300,9 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
         rates = ", ".join(f"{key}={rate:g}" for key, rate in dropouts.items())
         notices.append(f"model: the base's dropout ({rates}) is off in training, as in sampling: the update's "
                        "log-probs are the sampler's function")
-    if init_from_dropout(cfg.lora) > 0:
-        notices.append(f"lora.init_from: the adapter's lora_dropout ({init_from_dropout(cfg.lora):g}) is off in "
-                       "training, as in sampling: the update's log-probs are the sampler's function")
+    if (adapter_dropout := init_from_dropout(cfg.lora)) > 0:
+        notices.append(f"lora.init_from: the adapter's lora_dropout ({adapter_dropout:g}) is off in training, as in "
+                       "sampling: the update's log-probs are the sampler's function")
     for line in notices if world.is_main else []:  # every input check has passed: say what `auto` chose
         info(line)
     base = load_base_model(cfg.model, model_path, place=not cfg.train.fsdp, no_dropout=True)  # fsdp: placed later

@@ -78,6 +78,10 @@ RANDOM_SHAPES = {
     "gemma3-270m": dict(family="gemma3_text", hidden=640, layers=18, heads=4, kv_heads=1, ffn=2048, head_dim=256,
                         query_pre_attn_scalar=256, sliding_window=512, vocab_size=262144,
                         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3),
+    # a mixture of experts shaped like a small Qwen3-30B-A3B: 32 experts, 4 a token, every layer sparse
+    "qwen3-moe-0.1b": dict(family="qwen3_moe", hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, ffn=1536,
+                           num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, mlp_only_layers=[],
+                           norm_topk_prob=True),
 }
 
 
@@ -86,7 +90,8 @@ def model_folder(name: str) -> str:
     arithmetic), 'qwen2-0.1b' (hidden 768, 12 layers, 12 heads, 4 KV
     heads, FFN 3072) and 'qwen2.5-0.5b' (vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads, FFN
     4864, tied embeddings), 'gemma3-270m' (Gemma 3 text: vocab 262144, hidden 640, 18 layers, a window of 512 on
-    five of every six): random-initialised, built once into the cache; any other value is a model folder."""
+    five of every six), 'qwen3-moe-0.1b' (Qwen3-MoE: hidden 512, 8 layers, 32 experts of width 256, 4 a token):
+    random-initialised, built once into the cache; any other value is a model folder."""
     if name == "smollm2":
         return resolve_alias(SMOLLM2_ALIAS)
     if name in RANDOM_SHAPES:

@@ -98,7 +98,7 @@ def decode_bytes(model, prompt_lens: list[int], G: int, tokens: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2",
-                        help="smollm2, tiny, qwen2-0.1b, qwen2.5-0.5b, gemma3-270m or a model folder")
+                        help="smollm2, tiny, qwen2-0.1b, qwen2.5-0.5b, gemma3-270m, qwen3-moe-0.1b or a model folder")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--G", type=int, default=8)

@@ -28,6 +28,11 @@ MODELS = {
     "glm4": dict(family="glm4", tie=False),
     "ernie4_5": dict(family="ernie4_5"),
     "seed_oss": dict(family="seed_oss", tie=False),
+    # mixtures of experts (models/tiny.py: 4 experts, 2 a token; Qwen2/3-MoE with a dense layer beside the sparse one)
+    "mixtral": dict(family="mixtral", tie=False),
+    "qwen2_moe": dict(family="qwen2_moe", tie=False),
+    "qwen3_moe": dict(family="qwen3_moe", tie=False),
+    "olmoe": dict(family="olmoe", tie=False),
 }
 
 
@@ -184,3 +189,4 @@ def test_what_the_sampler_cannot_run_gets_a_reason(family_dirs):
         original_max_position_embeddings=4096))
     assert layout_refusal("phi3", longrope, 4096) is None
     assert layout_refusal("phi3", longrope, 4097) == "longrope rotary embeddings beyond 4096 positions"
+

@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_frozen_prefix import logp_and_grads
 from test_packed_attention import count_structured_calls
-from test_policy_model import make_policy, perturb_adapter, sample, vary_lengths
+from test_policy_model import make_policy as make_float32_policy
+from test_policy_model import perturb_adapter, sample, vary_lengths
 
 from rlora.batching import trim
 from rlora.models.adapters import reference_policy
@@ -37,7 +38,24 @@ FOUR_LAYERS = {
     "glm4": dict(family="glm4", tie=False),
     "ernie4_5": dict(family="ernie4_5"),
     "seed_oss": dict(family="seed_oss", tie=False),
+    # mixtures of experts, the sparse and dense layers alternating where the family has both
+    "mixtral": dict(family="mixtral", tie=False, sliding_window=3),
+    "qwen2_moe": dict(family="qwen2_moe", tie=False, mlp_only_layers=[1, 3], use_sliding_window=True, sliding_window=3,
+                      max_window_layers=2),
+    "qwen3_moe": dict(family="qwen3_moe", tie=False, mlp_only_layers=[0, 2], use_sliding_window=True, sliding_window=3),
+    "olmoe": dict(family="olmoe", tie=False),
 }
+
+
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def make_policy(model_dir, **lora):
+    """test_policy_model.make_policy, its mixture-of-experts blocks on transformers' eager expert loop: the tests
+    here run in float64, which the grouped kernel (the default) does not take."""
+    tokenizer, tok, model = make_float32_policy(model_dir, **lora)
+    causal_lm(model).config._experts_implementation = "eager"
+    return tokenizer, tok, model
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +92,9 @@ def test_chunked_logprobs_equal_the_models_forward(four_layer_dirs, family):
 @pytest.mark.parametrize("family", FOUR_LAYERS)
 def test_shared_prefix_equals_separate_full_passes(four_layer_dirs, family):
     """float64 (float32 rounds a differently padded batch apart by a few ulps: tests/test_frozen_prefix.py)."""
-    tokenizer, tok, model = make_policy(four_layer_dirs[family], layers=[2, 3])
+    # a mixture's experts take their LoRA on every sparse layer (loading.check_layers_kept): the attention maps here
+    targets = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if family in MIXTURES else {}
+    tokenizer, tok, model = make_policy(four_layer_dirs[family], layers=[2, 3], **targets)
     perturb_adapter(model, scale=0.3)
     assert first_adapter_layer(model) == 2 and sharing_unsupported(model) is None
     set_prompt_sharing(model, False)  # the reference: separate rows (shared prompts are compared in the tests below)
@@ -356,3 +376,36 @@ def test_the_attention_window_by_config():
                                                  layer_types=["sliding_attention", "full_attention"])) is None
     assert packed_groups.attention_window(Config(sliding_window=None,
                                                  layer_types=["chunked_attention", "full_attention"])) == 0
+
+
+def test_rlora_train_and_merge_run_a_mixture_of_experts_on_the_builtin_sampler(tmp_path, prompts_file, capsys):
+    """A tiny Qwen3-MoE end to end: sampled by the built-in engine (no fallback notice) in float32, where its
+    log-probs are the trainer's; peft's LoRA on the experts trains; `rlora merge` folds it into the base."""
+    from conftest import tiny_overrides
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlora.cli import main
+
+    folder = build_random_model(tmp_path / "moe", family="qwen3_moe", tie=False, seed=3)
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(str(folder), prompts_file, str(out), **{
+        "algo.beta": 0.04, "algo.num_iterations": 2, "eval.before": "false", "eval.after": "false",
+        "rollout.sampler_dtype": "model"})]) == 0
+    printed = capsys.readouterr()
+    assert "does not support this model" not in printed.out + printed.err
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(row["sampler_logp_gap"] < 1e-5 for row in metrics), metrics
+    tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    experts_B = [t for name, t in tensors.items() if ".experts." in name and "lora_B" in name]
+    assert experts_B and all(t.abs().max() > 0 for t in experts_B)  # B starts at 0: the update moved it
+    assert main(["merge", str(out / "adapter"), "-o", str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "adapter").eval()
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        base = AutoModelForCausalLM.from_pretrained(folder).eval()
+        want = adapted(ids).logits
+        assert (merged(ids).logits - want).abs().max() < 1e-5
+        assert (base(ids).logits - want).abs().max() > 1e-3

@@ -142,7 +142,8 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion (kept in it)")
     engine: Literal["builtin", "hf"] = Field(
         "builtin", description="builtin: rlora's sampler (Llama, Qwen2/Qwen3, Mistral, Gemma 3 text, Phi-3/Phi-4, "
-        "OLMo 2/3, SmolLM3, GLM-4, ERNIE 4.5, Seed-OSS; others fall back to hf); hf: transformers generate")
+        "OLMo 2/3, SmolLM3, GLM-4, ERNIE 4.5, Seed-OSS, Mixtral, Qwen2/3-MoE, OLMoE; others fall back to hf); "
+        "hf: transformers generate")
     merge_adapter: bool | Literal["auto"] = Field(
         "auto", description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
         "copy of the linear weights during sampling; set false for models whose weights would not fit twice). auto: "

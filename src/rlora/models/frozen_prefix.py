@@ -6,8 +6,8 @@ once per completion, without gradient, and every log-prob pass of the step (refe
 policy update) starts at layer k from those hidden states.
 
 The decoder is run layer by layer here, replicating the model's own forward for the families of
-SHAREABLE_MODEL_TYPES (Llama and OLMo 2 always causal; Qwen2/Qwen3, SmolLM3, Gemma 3 and OLMo 3 with their
-per-layer full/sliding masks; Mistral and Phi-3 with one sliding window; Gemma 3 and OLMo 3 with a rotary
+SHAREABLE_MODEL_TYPES (Llama, OLMo 2 and OLMoE always causal; Qwen2/Qwen3, Qwen2-MoE, SmolLM3, Gemma 3 and OLMo 3
+with their per-layer full/sliding masks; Mistral, Phi-3, Mixtral and Qwen3-MoE with one sliding window; Gemma 3 and OLMo 3 with a rotary
 embedding per layer type): embeddings, rotary embeddings, masks, layers, final norm. tests/test_frozen_prefix.py and
 tests/test_trainer_families.py check that this equals the model's forward.
 
@@ -32,7 +32,7 @@ from rlora.tensors import position_ids_from_mask
 from rlora.types import Rollout, RolloutSlice
 
 SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "olmo3", "smollm3",
-                         "gemma3_text", "glm4", "ernie4_5", "seed_oss")
+                         "gemma3_text", "glm4", "ernie4_5", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # a rotary embedding per layer type: rotary_emb(x, positions, layer_type) (Gemma 3: local and global thetas)
 _ROPE_BY_LAYER_TYPE = ("gemma3_text", "olmo3")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -90,15 +90,15 @@ def _layer_inputs(decoder, hidden_BTH: torch.Tensor, attention_mask: torch.Tenso
     mask_args = dict(config=config, inputs_embeds=hidden_BTH, attention_mask=attention_mask, past_key_values=None,
                      position_ids=position_ids)
     num_layers = config.num_hidden_layers
-    if config.model_type in ("mistral", "phi3"):  # one mask for every layer, sliding when the config has a window
+    if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # one mask for every layer, sliding when set
         make = create_causal_mask if config.sliding_window is None else create_sliding_window_causal_mask
         masks = [make(**mask_args)] * num_layers
-    elif config.model_type in ("qwen2", "qwen3", "smollm3", "gemma3_text", "olmo3"):  # full or sliding, by layer_types
+    elif config.model_type in ("qwen2", "qwen3", "qwen2_moe", "smollm3", "gemma3_text", "olmo3"):  # by layer_types
         by_type = {"full_attention": create_causal_mask(**mask_args)}
         if "sliding_attention" in config.layer_types:
             by_type["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
         masks = [by_type[kind] for kind in config.layer_types[:num_layers]]
-    else:  # llama, olmo2: always causal (llama ignores layer_types)
+    else:  # llama, olmo2, olmoe, glm4, ernie4_5, seed_oss: always causal (llama ignores layer_types)
         masks = [create_causal_mask(**mask_args)] * num_layers
     if config.model_type in _ROPE_BY_LAYER_TYPE:  # one rotary embedding per layer type
         tables = {kind: decoder.rotary_emb(hidden_BTH, position_ids, kind) for kind in set(config.layer_types)}

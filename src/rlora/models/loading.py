@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAn
 from rlora.config import LoraConfig, ModelConfig
 from rlora.errors import UserError, first_line
 from rlora.models.embedded import ALIASES, resolve_alias
+from rlora.models.sparse_blocks import check_layers_kept
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -416,9 +417,12 @@ def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
                 f"adapter '{cfg.init_from}' does not fit model: {first_line(err)}"
             ) from None
     try:
-        return get_peft_model(base, peft_lora_config(cfg, base))
+        config = peft_lora_config(cfg, base)
+        model = get_peft_model(base, config)
     except ValueError as err:
         raise UserError(f"LoRA config does not fit the model: {first_line(err)}") from None
+    check_layers_kept(model, config.layers_to_transform)
+    return model
 
 
 def no_adapter_dropout(model: torch.nn.Module) -> None:

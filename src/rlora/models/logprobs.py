@@ -36,7 +36,7 @@ from rlora.types import RolloutSlice
 # Families whose logits are exactly lm_head(final hidden state): no logit scale; Gemma 3 only without its
 # optional final logit soft-capping (supports_chunked checks it).
 CHUNKABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "olmo3", "smollm3",
-                         "gemma3_text", "glm4", "ernie4_5", "seed_oss")
+                         "gemma3_text", "glm4", "ernie4_5", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The float32 logits a gradient pass on a CPU keeps for its backward rather than recomputing them (recomputes_logits)
 KEEP_LOGITS_BYTES_CPU = 1 << 30
 

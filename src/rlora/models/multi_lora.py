@@ -29,6 +29,7 @@ from torch import nn
 from rlora.config import LoraConfig
 from rlora.errors import UserError, first_line
 from rlora.models.loading import causal_lm, check_adapter_folder, peft_lora_config
+from rlora.models.sparse_blocks import sparse_block_of
 
 STATE_ATTR = "_rlora_policies"
 PEFT_NAME = "policy_{}"  # peft adapter name of a policy (peft mistakes short names such as 'a' for its 'lora_' prefix)
@@ -180,6 +181,10 @@ def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds
         if ".layers." not in name:  # e.g. lm_head: the log-prob passes feed it tokens, not rows
             raise UserError(f"policies: an adapter on '{name.rsplit('.', 1)[-1]}' (outside the decoder layers) is not "
                             "supported: target linear layers inside the decoder layers")
+        if sparse_block_of(model, name) is not None:  # e.g. Qwen2-MoE's shared expert: it sees tokens, not rows
+            raise UserError(f"policies: an adapter on '{name.split('.mlp.')[-1]}' (inside a mixture-of-experts block, "
+                            "which runs tokens, not rows) is not supported: target the attention maps, e.g. "
+                            "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]")
         if type(module).__name__ != "Linear" or any(module.lora_variant.get(n) for n in names):
             raise UserError(f"policies: {type(module).__name__} LoRA layers (or DoRA) are not supported: "
                             "target linear layers with plain LoRA")

@@ -34,7 +34,7 @@ from rlora.types import RolloutSlice
 
 # the families whose shared and packed passes are tested against unshared ones (tests/test_trainer_families.py)
 SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text",
-                         "glm4", "ernie4_5", "seed_oss")
+                         "glm4", "ernie4_5", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _OFF_ATTR = "_rlora_no_prompt_sharing"
 
 

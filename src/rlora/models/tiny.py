@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM, Ernie4_5Config, Gemma3TextConfig, Glm4Config, LlamaConfig, MistralConfig, Olmo2Config,
-    Olmo3Config, Phi3Config, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SeedOssConfig, SmolLM3Config,
+    AutoModelForCausalLM, Ernie4_5Config, Gemma3TextConfig, Glm4Config, LlamaConfig, MistralConfig, MixtralConfig,
+    Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig,
+    Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
 )
 
 CHAT_TEMPLATE = (
@@ -40,11 +41,13 @@ def build_tokenizer(vocab_size: int = 512):
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config,
-           "smollm3": SmolLM3Config, "glm4": Glm4Config, "ernie4_5": Ernie4_5Config, "seed_oss": SeedOssConfig}
+           "smollm3": SmolLM3Config, "glm4": Glm4Config, "ernie4_5": Ernie4_5Config, "seed_oss": SeedOssConfig,
+           "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "olmoe": OlmoeConfig}
 # What makes each newer family differ from Llama, switched on in its tiny model so that tests see it (for
 # 2 layers; config_extra overrides): Qwen3's head_dim apart from hidden / heads; Gemma 3's attention scale
 # apart from head_dim and one sliding layer (its window beyond the tests' lengths, its own rotary theta)
-# and one global layer; Phi-3 rotary on half of each head; SmolLM3 a NoPE second layer.
+# and one global layer; Phi-3 rotary on half of each head; SmolLM3 a NoPE second layer; the mixtures of experts 4
+# experts, 2 per token (Qwen2/3-MoE with one dense layer, as their mlp_only_layers allow; Qwen2-MoE's shared expert).
 FAMILY_CONFIG = {
     "qwen3": dict(head_dim=32),
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=512,
@@ -61,6 +64,11 @@ FAMILY_CONFIG = {
     "ernie4_5": dict(head_dim=16, use_bias=True),
     # (Seed-OSS's config defaults to attention and residual dropout 0.1: the tests compare deterministic passes)
     "seed_oss": dict(head_dim=32, attention_out_bias=True, mlp_bias=True, attention_dropout=0.0, residual_dropout=0.0),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      mlp_only_layers=[1]),
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
 }
 
 

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
 from rlora.models.loading import causal_lm, reachable_window
 from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
 from rlora.models.sharded_base import StreamedLayers, sharded_base
+from rlora.models.sparse_blocks import is_sparse_block
 from rlora.rollout.layouts import LAYOUTS, SUPPORTED_MODEL_TYPES, Layout, layout_refusal
 from rlora.rollout.packed import PackCache, PackedLinear, linear_parts
 
@@ -37,11 +39,15 @@ def unsupported_reason(model: nn.Module, max_length: int | None = None) -> str |
     attention_parts = (*layout.qkv, "o_proj") + (("q_norm", "k_norm") if layout.qk_norm else ())
     if not all(hasattr(layer.self_attn, n) for n in attention_parts):
         return "unexpected attention module layout"
-    if not all(hasattr(layer.mlp, n) for n in (*layout.gate_up, "down_proj", layout.act)):
+    if not all(_gated(l.mlp, layout) or (layout.moe and is_sparse_block(l.mlp)) for l in hf.model.layers):
         return "unexpected MLP module layout"
     if not all(hasattr(layer, n) for n in layout.norm_names()):
         return "unexpected decoder layer norms"
     return None
+
+
+def _gated(mlp: nn.Module, layout: Layout) -> bool:
+    return all(hasattr(mlp, n) for n in (*layout.gate_up, "down_proj", layout.act))
 
 
 def merged_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -144,6 +150,59 @@ class Split:
         return outs if len(outs) == len(self.sizes) else outs[0].split(self.sizes, dim=-1)
 
 
+class GatedMLP:
+    """down(act(gate) * up), the gated MLP of every dense family."""
+
+    def __init__(self, gate_up: Split, down: FusedLinear | PackedLinear | PolicyFusedLinear, act_fn: nn.Module):
+        self.gate_up, self.down, self.act_fn = gate_up, down, act_fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return self.down(self.act_fn(gate) * up)[0]
+
+
+class BlockMLP:
+    """A sparse mixture-of-experts block called whole, in its own dtype (the sampler's compute dtype outside it):
+    its router picks each token's experts from that token alone, as in the trainer's forward. A decode step's [A, H]
+    runs as [A, 1, H] (rows on dim 0, as the block is given them in the trainer).
+
+    merge: peft's LoRA on the block's parameters (ParamWrapper: the fused experts, a router's weight) is summed into
+    new tensors once here, as the linear maps are (merged_weight), and the block runs on them with those wrappers
+    off. peft itself adds the delta of every expert's weights anew in each forward: 4.1x the time of a sampling call
+    on a small Qwen3-MoE on a CPU (docs/benchmarks.md)."""
+
+    def __init__(self, block: nn.Module, dtype: torch.dtype, merge: bool):
+        self.block, self.dtype = block, dtype
+        self.block_dtype = next(p.dtype for p in block.parameters() if p.dtype.is_floating_point)
+        names = {id(module): name for name, module in block.named_modules()}
+        self.wrappers = [m for m in block.modules() if isinstance(m, ParamWrapper)] if merge else []
+        self.merged = {}  # the block's path of each adapted parameter -> the parameter with its LoRA summed in
+        for wrapper in self.wrappers:
+            param = wrapper.get_param()
+            active = [] if wrapper.disable_adapters or wrapper.merged else [
+                name for name in wrapper.active_adapters if name in wrapper.lora_A]
+            if active:
+                with torch.no_grad():  # summed in float32, rounded once to the parameter's dtype
+                    delta = sum(wrapper.get_delta_weight(name).float() for name in active)
+                    path = f"{names[id(wrapper.get_base_layer())]}.{wrapper.parameter_name}".lstrip(".")
+                    self.merged[path] = (param.float() + delta).to(param.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = (x if x.dim() == 3 else x[:, None]).to(self.block_dtype)
+        if self.merged:
+            before = [wrapper._disable_adapters for wrapper in self.wrappers]
+            for wrapper in self.wrappers:
+                wrapper._disable_adapters = True  # each runs its base module, which reads the merged tensors
+            try:
+                out = torch.func.functional_call(self.block, self.merged, (rows,))
+            finally:
+                for wrapper, disabled in zip(self.wrappers, before):
+                    wrapper._disable_adapters = disabled
+        else:
+            out = self.block(rows)
+        return (out if x.dim() == 3 else out[:, 0]).to(self.dtype)
+
+
 class HeadNorm:
     """A norm over each head's d values (Qwen3, Gemma 3 q_norm/k_norm) applied to a flat [..., heads * d]."""
 
@@ -160,9 +219,7 @@ class LayerView:
 
     qkv: Split
     o_proj: FusedLinear
-    gate_up: Split
-    down: FusedLinear
-    act_fn: nn.Module
+    mlp: GatedMLP | BlockMLP
     scaling: float
     attn_in_norm: Cast | None = None
     attn_out_norm: Cast | None = None
@@ -186,14 +243,13 @@ class LayerView:
         return x + (out if self.attn_out_norm is None else self.attn_out_norm(out))
 
     def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the gated MLP sublayer."""
-        gate, up = self.gate_up(x if self.mlp_in_norm is None else self.mlp_in_norm(x))
-        out = self.down(self.act_fn(gate) * up)[0]
+        """The residual stream after the MLP sublayer."""
+        out = self.mlp(x if self.mlp_in_norm is None else self.mlp_in_norm(x))
         return x + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
 
     def release(self) -> None:
         """Drop the fused (merged) weight copies: a streamed layer's view is done with (models/sharded_base.py)."""
-        self.qkv = self.o_proj = self.gate_up = self.down = None
+        self.qkv = self.o_proj = self.mlp = None
 
 
 def decode_layers(view: "DecoderView", x_AH: torch.Tensor, tables: dict, attend) -> torch.Tensor:
@@ -225,6 +281,9 @@ class DecoderView:
     rope_keys: tuple[str, ...] = ("default",)  # the cos/sin tables some layer uses
     windows: tuple[int, ...] = ()  # the distinct sliding windows of the layers (each step builds one mask per window)
     final_softcap: float | None = None  # Gemma 3's optional final logit soft-capping
+    # whether a CUDA graph may replay the steps: not with a mixture-of-experts block (transformers' eager expert loop
+    # reads the router's choices on the host; whether its grouped kernels capture has not been tried on a GPU)
+    graphable: bool = True
 
     def rope_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin of the positions for each table a layer uses: one, or (Gemma 3) one per layer type, whose
@@ -281,9 +340,15 @@ class DecoderView:
 
         windows = [reachable_window(config, w) for w in layout.windows(config)]  # a window never reached: no mask
 
-        def layer_view(layer: nn.Module) -> LayerView:
-            attn, mlp = layer.self_attn, layer.mlp
+        def mlp_view(mlp: nn.Module) -> GatedMLP | BlockMLP:
+            if layout.moe and is_sparse_block(mlp):
+                return BlockMLP(mlp, dtype, merge and policies is None)
             gate_up = fused([getattr(mlp, n) for n in layout.gate_up])
+            return GatedMLP(Split(gate_up, [sum(gate_up.sizes) // 2] * 2), fused([mlp.down_proj]),
+                            getattr(mlp, layout.act))
+
+        def layer_view(layer: nn.Module) -> LayerView:
+            attn = layer.self_attn
             q_norm = k_norm = None
             if layout.qk_norm is not None:
                 q_norm, k_norm = Cast(attn.q_norm, dtype), Cast(attn.k_norm, dtype)
@@ -293,9 +358,7 @@ class DecoderView:
             return LayerView(
                 qkv=Split(fused([getattr(attn, n) for n in layout.qkv]), [H * head_dim, K * head_dim, K * head_dim]),
                 o_proj=fused([attn.o_proj]),
-                gate_up=Split(gate_up, [sum(gate_up.sizes) // 2] * 2),
-                down=fused([mlp.down_proj]),
-                act_fn=getattr(mlp, layout.act),
+                mlp=mlp_view(layer.mlp),
                 scaling=attn.scaling,
                 attn_in_norm=norm(layer, layout.attn_in_norm), attn_out_norm=norm(layer, layout.attn_out_norm),
                 mlp_in_norm=norm(layer, layout.mlp_in_norm), mlp_out_norm=norm(layer, layout.mlp_out_norm),
@@ -316,4 +379,5 @@ class DecoderView:
             device=inner.embed_tokens.weight.device, layout=layout, rope_keys=rope_keys,
             windows=tuple(sorted({w for w in windows if w is not None})),
             final_softcap=getattr(config, "final_logit_softcapping", None),
+            graphable=not (layout.moe and any(is_sparse_block(layer.mlp) for layer in inner.layers)),
         )

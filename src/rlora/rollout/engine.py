@@ -85,9 +85,10 @@ class BuiltinGenerator:
     def _decode_mode(self, view: DecoderView) -> str:
         streamed = isinstance(view.layers, StreamedLayers)  # its layers are gathered in each step: no graph
         if self.decode == "auto":
-            return "graph" if view.device.type == "cuda" and not streamed else "eager"
-        if self.decode == "graph" and (view.device.type != "cuda" or streamed):
-            raise ValueError("decode='graph' (CUDA graphs) needs the model on a CUDA GPU, its layers not streamed")
+            return "graph" if view.device.type == "cuda" and not streamed and view.graphable else "eager"
+        if self.decode == "graph" and (view.device.type != "cuda" or streamed or not view.graphable):
+            raise ValueError("decode='graph' (CUDA graphs) needs the model on a CUDA GPU, its layers not streamed and "
+                             "no mixture-of-experts block")
         return self.decode
 
     def decoder_view(self, model) -> DecoderView:

@@ -9,12 +9,14 @@ The sampler (decoder.py, engine.py, graphed.py) runs one decoder-layer program f
     a = o_proj(attention(q, k, v))
     x = x + attn_out_norm(a)                  (Gemma 3, OLMo 2/3 norm the attention output; others add it)
     m = down(act(gate) * up)   with gate, up = split(gate_up(mlp_in_norm(x)))
+        or m = block(mlp_in_norm(x))          (a sparse mixture-of-experts layer: the model's own block)
     x = x + mlp_out_norm(m)                   (Gemma 3, OLMo 2/3)
 
 A Layout names the modules that fill these roles in one family (None: the role is absent), so the program
 has no per-family branches. Everything a family computes differently inside a module (Gemma 3's scaled
 embeddings and (1 + weight) norms, OLMo 2's float32 rotary) is done by calling the model's own module or
-function, so it is the Hugging Face computation by construction. Each entry was read off transformers'
+function, so it is the Hugging Face computation by construction: a mixture-of-experts block (Mixtral, Qwen2/3-MoE,
+OLMoE) is called whole, its router choosing each token's experts as in the trainer's forward. Each entry was read off transformers'
 modeling_<family>.py (5.24); tests/test_engine_families.py compares every family with transformers.
 """
 
@@ -27,10 +29,14 @@ from transformers.models.ernie4_5 import modeling_ernie4_5
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.glm4 import modeling_glm4
 from transformers.models.llama import modeling_llama
+from transformers.models.mixtral import modeling_mixtral
 from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.olmo3 import modeling_olmo3
+from transformers.models.olmoe import modeling_olmoe
 from transformers.models.phi3 import modeling_phi3
+from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 from transformers.models.seed_oss import modeling_seed_oss
 from transformers.models.smollm3 import modeling_smollm3
 
@@ -42,12 +48,12 @@ def _no_window(config) -> list[int | None]:
 
 
 def _window_on_every_layer(config) -> list[int | None]:
-    """Mistral, Phi-3: one sliding-window mask for all layers when the config sets a window."""
+    """Mistral, Phi-3, Mixtral, Qwen3-MoE: one sliding-window mask for all layers when the config sets a window."""
     return [config.sliding_window] * config.num_hidden_layers
 
 
 def _window_by_layer_type(config) -> list[int | None]:
-    """Qwen2/3, SmolLM3, Gemma 3, OLMo 3: the model builds a sliding-window mask for the 'sliding_attention' layers."""
+    """Qwen2/3, Qwen2-MoE, SmolLM3, Gemma 3, OLMo 3: the model builds a sliding-window mask for the 'sliding_attention' layers."""
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     return [config.sliding_window if kind == "sliding_attention" else None for kind in types[:config.num_hidden_layers]]
 
@@ -65,6 +71,7 @@ class Layout:
     act: str = "act_fn"
     qk_norm: str | None = None  # "head": q_norm/k_norm over each head's d values; "width": over all H*d
     rope_by_layer_type: bool = False  # rotary_emb(x, positions, layer_type): one table per layer type
+    moe: bool = False  # a layer's mlp may be a sparse mixture-of-experts block (its `gate` router and `experts`)
 
     def norm_names(self) -> tuple[str, ...]:
         return tuple(n for n in (self.attn_in_norm, self.attn_out_norm, self.mlp_in_norm, self.mlp_out_norm) if n)
@@ -102,6 +109,13 @@ LAYOUTS: dict[str, Layout] = {
     "ernie4_5": Layout(rotate=modeling_ernie4_5.apply_rotary_pos_emb, windows=_no_window),
     # Seed-OSS: Llama's layer with q/k/v (and optionally output and MLP) biases
     "seed_oss": Layout(rotate=modeling_seed_oss.apply_rotary_pos_emb, windows=_no_window),
+    # the mixtures of experts: a dense family's attention, and an MoE block in the layers their config makes sparse
+    # (Qwen2/3-MoE's mlp_only_layers and decoder_sparse_step leave others dense: those run the gated program)
+    "mixtral": Layout(rotate=modeling_mixtral.apply_rotary_pos_emb, windows=_window_on_every_layer, moe=True),
+    "qwen2_moe": Layout(rotate=modeling_qwen2_moe.apply_rotary_pos_emb, windows=_window_by_layer_type, moe=True),
+    "qwen3_moe": Layout(rotate=modeling_qwen3_moe.apply_rotary_pos_emb, windows=_window_on_every_layer, qk_norm="head",
+                        moe=True),
+    "olmoe": Layout(rotate=modeling_olmoe.apply_rotary_pos_emb, windows=_no_window, qk_norm="width", moe=True),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(LAYOUTS)
@@ -116,6 +130,8 @@ def layout_refusal(model_type: str, config, max_length: int | None) -> str | Non
         return "attention logit soft-capping"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
+    if getattr(config, "clip_qkv", None) is not None:  # OLMoE's option: the attention clamps q, k and v
+        return "clip_qkv (clamped queries, keys and values)"
     # HF switches such frequencies in the middle of a generation, while the trainer's one forward uses one set
     limit = rope_switch_length(config)
     if limit is not None and (max_length is None or max_length > limit):

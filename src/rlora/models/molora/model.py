@@ -14,6 +14,7 @@ from rlora.errors import UserError
 from rlora.models.loading import causal_lm, skeleton
 from rlora.models.molora.layer import PARAM_TAG, MoLoRALinear
 from rlora.models.molora.routing import RoutingState
+from rlora.models.sparse_blocks import sparse_block_of
 
 
 def molora_modules(model: nn.Module) -> list[tuple[str, MoLoRALinear]]:
@@ -142,7 +143,7 @@ def check_bare(model: nn.Module) -> None:
         raise UserError("this model already carries MoLoRA layers")
 
 
-def _check_attachable(model: nn.Module, names: list[str]) -> None:
+def _check_attachable(model: nn.Module, names: list[str], router: str) -> None:
     check_bare(model)
     lm = causal_lm(model)
     for name in names:
@@ -150,6 +151,10 @@ def _check_attachable(model: nn.Module, names: list[str]) -> None:
         if not (_plain_linear(module) or _bitsandbytes_linear(module)):
             raise UserError(f"MoLoRA cannot wrap '{name}' ({type(module).__name__}): it adapts floating-point linear "
                             "layers and bitsandbytes' 4-bit and 8-bit ones (model.quantization)")
+        if router == "sequence" and sparse_block_of(lm, name) is not None:
+            raise UserError(f"MoLoRA's sequence router cannot route '{name.split('.mlp.')[-1]}': it sits inside a "
+                            "mixture-of-experts block, which runs tokens, not rows; use molora.router=token, or "
+                            "target the attention maps: molora.target_modules=[q_proj, k_proj, v_proj, o_proj]")
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -166,7 +171,7 @@ def _bitsandbytes_linear(module: nn.Module) -> bool:
 def attach_modules(model: nn.Module, config: MoLoRAConfig, names: list[str]) -> list[nn.Parameter]:
     """Replace exactly these linear layers (names relative to the causal LM) by fresh MoLoRALinear sharing one
     routing state, freeze everything else; -> the MoLoRA parameters."""
-    _check_attachable(model, names)
+    _check_attachable(model, names, config.router)
     lm = causal_lm(model)
     lm.requires_grad_(False)
     state = RoutingState(config)

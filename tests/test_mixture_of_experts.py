@@ -1,0 +1,135 @@
+"""The built-in sampler and the trainer on the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; tiny random
+models of models/tiny.py, 4 experts, 2 a token): what runs a sparse layer, peft's expert LoRA merged once per sampling
+call, no CUDA graph, and what is refused with a one-line error (sampling and log-probs against transformers are in
+tests/test_engine_families.py and tests/test_trainer_families.py with the other families)."""
+
+import dataclasses
+
+import pytest
+import torch
+from test_engine import policy
+from transformers import AutoModelForCausalLM
+
+from rlora.config import LoraConfig, ModelConfig, MoLoRAConfig
+from rlora.errors import UserError
+from rlora.models import molora as ml
+from rlora.models import multi_lora as mlr
+from rlora.models.loading import attach_lora, load_base_model, load_tokenizer
+from rlora.models.tiny import build_random_model
+from rlora.rollout.decoder import DecoderView, unsupported_reason
+from rlora.rollout.engine import BuiltinGenerator
+from rlora.types import SamplingParams
+
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixtures")
+    return {name: str(build_random_model(root / name, family=name, tie=False, seed=3)) for name in MIXTURES}
+
+
+def base(folder):
+    return load_base_model(ModelConfig(path=folder), folder)
+
+
+
+def test_a_mixture_of_experts_block_runs_whole_and_is_never_graphed(family_dirs, tmp_path):
+    """The sparse layers run the model's own block (its router picks each token's experts), the dense layers of
+    Qwen2/3-MoE the gated program; a CUDA graph is not promised for such a block, so 'auto' decodes eagerly on a
+    GPU and 'graph' is refused (the device is only named here: the choice is made before any kernel runs)."""
+    for family in MIXTURES:
+        model = AutoModelForCausalLM.from_pretrained(family_dirs[family])
+        view = DecoderView.of(model, merge=True)
+        kinds = [type(layer.mlp).__name__ for layer in view.layers]
+        sparse = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+        assert kinds == ["BlockMLP" if s else "GatedMLP" for s in sparse], family
+        assert any(sparse) and (family in ("mixtral", "olmoe") or not all(sparse)), family
+        assert not view.graphable
+        on_gpu = dataclasses.replace(view, device=torch.device("cuda"))
+        assert BuiltinGenerator(None, [0], 0)._decode_mode(on_gpu) == "eager"
+        with pytest.raises(ValueError, match="no mixture-of-experts block"):
+            BuiltinGenerator(None, [0], 0, decode="graph")._decode_mode(on_gpu)
+    dense_dir = build_random_model(tmp_path / "qwen3", family="qwen3", tie=False)
+    dense = DecoderView.of(AutoModelForCausalLM.from_pretrained(dense_dir), merge=True)
+    assert dense.graphable and BuiltinGenerator(None, [0], 0)._decode_mode(
+        dataclasses.replace(dense, device=torch.device("cuda"))) == "graph"
+
+
+def test_olmoe_clipped_attention_is_refused(family_dirs):
+    model = AutoModelForCausalLM.from_pretrained(family_dirs["olmoe"])
+    assert unsupported_reason(model, max_length=64) is None
+    model.config.clip_qkv = 8.0
+    assert unsupported_reason(model, max_length=64) == "clip_qkv (clamped queries, keys and values)"
+
+
+def test_lora_layers_that_peft_would_widen_on_experts_are_refused(family_dirs):
+    """peft turns the MLP names of 'all-linear' into a mixture's fused expert parameters and places those on every
+    sparse layer whatever lora.layers says; rlora refuses that instead of training other layers than asked."""
+    folder = family_dirs["qwen3_moe"]  # layer 0 dense (its gate/up/down_proj named), layer 1 sparse
+    with pytest.raises(UserError, match=r"peft also put LoRA on layers \[1\]"):
+        attach_lora(base(folder), LoraConfig(rank=4, alpha=8, layers=[0]))
+    model = attach_lora(base(folder), LoraConfig(rank=4, alpha=8, layers=[0], target_modules=["q_proj", "v_proj"]))
+    assert {n.split(".layers.")[1][0] for n, m in model.named_modules() if hasattr(m, "lora_A")} == {"0"}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_the_experts_lora_is_merged_once_per_view(family_dirs, family):
+    """peft puts these families' 'all-linear' LoRA on the fused experts (and on some routers): a merged view sums it
+    into new tensors once (the parameters stay as they were), runs the block on them with peft's wrappers off, and puts
+    the wrappers back as they were; the reference policy (adapter off) merges nothing; the rows' outputs equal the
+    block's own forward with peft adding the delta."""
+    _, _, model, _ = policy(family_dirs[family])
+    view = DecoderView.of(model, merge=True)
+    blocks = [layer.mlp for layer in view.layers if type(layer.mlp).__name__ == "BlockMLP"]
+    assert blocks and all(any("experts" in path for path in block.merged) for block in blocks)
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for block in blocks:
+        params = {path: block.block.get_parameter(path).clone() for path in block.merged}
+        with torch.no_grad():
+            assert torch.allclose(block(x), block.block(x[:, None])[:, 0], atol=1e-6, rtol=0)
+        assert not any(wrapper._disable_adapters for wrapper in block.wrappers)
+        assert all(torch.equal(block.block.get_parameter(p), t) for p, t in params.items())
+        assert all(not torch.equal(block.merged[p], t) for p, t in params.items())
+    with model.disable_adapter():
+        reference = DecoderView.of(model, merge=True)
+    assert all(not layer.mlp.merged for layer in reference.layers if type(layer.mlp).__name__ == "BlockMLP")
+
+
+
+def test_what_routes_by_row_refuses_a_module_inside_a_sparse_block(family_dirs):
+    """Qwen2-MoE's shared expert (plain linear maps inside the sparse block) sees the block's tokens, not rows: several
+    policies and a MoLoRA sequence router refuse it in one line; a token router adapts it."""
+    folder = family_dirs["qwen2_moe"]
+    with pytest.raises(UserError, match=r"policies: an adapter on 'shared_expert.gate_proj' \(inside a mixture-of-"):
+        mlr.attach_policies(base(folder), LoraConfig(rank=4, alpha=8), ["a", "b"], [1, 2])
+    with pytest.raises(UserError, match="MoLoRA's sequence router cannot route 'shared_expert.gate_proj'"):
+        ml.attach_molora(base(folder), MoLoRAConfig(num_experts=2, top_k=1, router="sequence", rank=4))
+    model = base(folder)
+    ml.attach_molora(model, MoLoRAConfig(num_experts=2, top_k=1, router="token", rank=4))
+    assert any(".shared_expert." in name for name, _ in ml.molora_modules(model))
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[5, 6, 7], [8, 9, 10]])).logits).all()
+
+
+def test_several_policies_on_the_attention_of_a_mixture_sample_each_as_alone(family_dirs):
+    """Two policies on Qwen3-MoE's attention maps, sampled in one batch (their rows through the batched adapters,
+    every row through the sparse block), against each policy sampled on its own (the other policy's rows absent)."""
+    folder = family_dirs["qwen3_moe"]
+    tokenizer, tok = load_tokenizer(folder)
+    model = mlr.attach_policies(base(folder), LoraConfig(rank=4, alpha=8, target_modules=ATTENTION), ["a", "b"], [1, 2])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    prompts = [tokenizer(t)["input_ids"] for t in ("What is 3 + 4?", "a b c")]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, merge=False)
+    together = engine.sample(model, prompts * 2, 2, params, [100, 100, 101, 101], keys=[0, 1, 0, 1], policies=[0, 0, 1, 1])
+    for k in (0, 1):
+        alone = engine.sample(model, prompts, 2, params, [100 + k] * 2, keys=[0, 1], policies=[k, k])
+        rows = slice(4 * k, 4 * k + 4)
+        assert together.completions[rows] == alone.completions
+        assert torch.allclose(together.sampling_logp_BTc[rows], alone.sampling_logp_BTc, atol=1e-5, rtol=0)
+    assert together.completions[:4] != together.completions[4:]

@@ -65,11 +65,12 @@ def test_olmoe_clipped_attention_is_refused(family_dirs):
 
 
 def test_lora_layers_that_peft_would_widen_on_experts_are_refused(family_dirs):
-    """peft turns the MLP names of 'all-linear' into a mixture's fused expert parameters and places those on every
-    sparse layer whatever lora.layers says; rlora refuses that instead of training other layers than asked."""
+    """peft turns listed MLP names into a mixture's fused expert parameters and places those on every sparse layer
+    whatever lora.layers says; rlora refuses that instead of training other layers than asked."""
     folder = family_dirs["qwen3_moe"]  # layer 0 dense (its gate/up/down_proj named), layer 1 sparse
+    mlp = ["q_proj", "gate_proj", "up_proj", "down_proj"]  # named, so peft maps them onto the experts
     with pytest.raises(UserError, match=r"peft also put LoRA on layers \[1\]"):
-        attach_lora(base(folder), LoraConfig(rank=4, alpha=8, layers=[0]))
+        attach_lora(base(folder), LoraConfig(rank=4, alpha=8, layers=[0], target_modules=mlp))
     model = attach_lora(base(folder), LoraConfig(rank=4, alpha=8, layers=[0], target_modules=["q_proj", "v_proj"]))
     assert {n.split(".layers.")[1][0] for n, m in model.named_modules() if hasattr(m, "lora_A")} == {"0"}
 
@@ -133,3 +134,74 @@ def test_several_policies_on_the_attention_of_a_mixture_sample_each_as_alone(fam
         assert together.completions[rows] == alone.completions
         assert torch.allclose(together.sampling_logp_BTc[rows], alone.sampling_logp_BTc, atol=1e-5, rtol=0)
     assert together.completions[:4] != together.completions[4:]
+
+
+def test_serve_batches_attention_clients_and_runs_an_expert_lora_alone(tmp_path):
+    """rlora serve on a mixture of experts: a client whose LoRA sits inside a sparse block (train_mlp: peft moves
+    the dense layer's MLP names onto the fused experts) sees tokens there, not rows, so it never joins a batched pass
+    (it would fail and run again alone); attention-only clients still share one, each getting what it gets alone.
+    Where no MLP has a linear layer (Mixtral), a client with nothing else to train gets a 400 that says so."""
+    import tinker
+    from serve_helpers import KEY, running_server
+    from test_serve_batching import assert_close, assert_same_output, batched_then_alone, ce_datum, grads, held
+
+    folder = str(build_random_model(tmp_path / "qwen3_moe", family="qwen3_moe", tie=False, seed=0))
+    data = [[[5, 17, 33, 8, 41], [12, 7, 19, 60, 3]], [[30, 31, 32, 33, 34, 35], [2, 4, 6, 8]],
+            [[11, 22, 33, 44, 55, 6, 7], [8, 18, 28]]]
+    specs = [dict(rank=4, train_mlp=False), dict(rank=2, train_mlp=False, train_unembed=False), dict(rank=4)]
+    with running_server(folder, tmp_path / "state") as (url, served):
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        server = type("Server", (), dict(served=served, worker=served.worker))
+        pairs = [[service.create_lora_training_client(base_model=folder, seed=7 + k, **spec).result() for _ in "ab"]
+                 for k, spec in enumerate(specs)]
+        assert [served.worker.trainee(p[0].model_id).routable for p in pairs] == [True, True, False]
+        for k, pair in enumerate(pairs):
+            for client in pair:  # one step each: B no longer 0
+                client.forward_backward([ce_datum(s) for s in data[k]], "cross_entropy").result()
+                client.optim_step(tinker.types.AdamParams(learning_rate=5e-2)).result()
+        requests = [lambda c, k=k: c.forward_backward([ce_datum(s) for s in data[k]], "cross_entropy") for k in (0, 1)]
+        batched, alone = batched_then_alone(server, [p[0] for p in pairs[:2]], [p[1] for p in pairs[:2]], requests)
+        for k in (0, 1):
+            assert_same_output(batched[k], alone[k])
+            assert_close(grads(server, pairs[k][0]), grads(server, pairs[k][1]))
+        tried, batch = [], served.worker.forward_backward_batch
+        served.worker.forward_backward_batch = lambda requests: (tried.append(len(requests)), batch(requests))[1]
+        with held(server, 2):  # the twins' requests queue back to back: batchable, were they routable
+            experts = [c.forward_backward([ce_datum(s) for s in data[2]], "cross_entropy") for c in pairs[2]]
+        assert_same_output(*[f.result() for f in experts])
+        assert tried == []
+        service.close("success").result(timeout=30)
+    mixtral = str(build_random_model(tmp_path / "mixtral", family="mixtral", tie=False, seed=0))
+    with running_server(mixtral, tmp_path / "state2") as (url, served):
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        with pytest.raises(Exception, match="train_mlp finds no linear layer in this mixture of experts' MLPs"):
+            service.create_lora_training_client(base_model=mixtral, rank=4, train_attn=False,
+                                                train_unembed=False).result()
+        service.close("success").result(timeout=30)
+
+
+@pytest.mark.parametrize("family", MIXTURES)
+def test_a_layer_list_with_all_linear_is_refused_on_a_mixture(family_dirs, family):
+    """With a layer list, 'all-linear' becomes the layers' linear maps, which on a mixture name no expert: peft would
+    train attention alone where 'all-linear' without the list adapts the experts. Refused in one line."""
+    for layers in (dict(layers=[0, 1]), dict(top_layers=1)):
+        with pytest.raises(UserError, match="would leave its experts out"):
+            attach_lora(base(family_dirs[family]), LoraConfig(rank=4, alpha=8, **layers))
+
+
+def test_mixtrals_router_jitter_is_a_dropout(tmp_path):
+    """Router jitter multiplies the router's input by fresh noise in every training pass: rlora train turns it off
+    with the base's dropouts (the update then computes the sampler's function), and a model that keeps it shares no
+    prompt or frozen layer in training."""
+    from rlora.models.frozen_prefix import sharing_unsupported
+    from rlora.models.loading import base_dropouts
+    from rlora.models.shared_prompts import sharing_prompts_unsupported
+
+    folder = str(build_random_model(tmp_path / "mixtral", family="mixtral", tie=False, router_jitter_noise=0.5))
+    assert base_dropouts(folder) == {"router_jitter_noise": 0.5}
+    kept = load_base_model(ModelConfig(path=folder), folder, no_dropout=False)
+    assert kept.config.router_jitter_noise == 0.5
+    assert load_base_model(ModelConfig(path=folder), folder, no_dropout=True).config.router_jitter_noise == 0.0
+    model = attach_lora(kept, LoraConfig(rank=4, alpha=8, target_modules=ATTENTION)).train()
+    assert sharing_prompts_unsupported(model) == "dropout in training"
+    assert sharing_unsupported(model) == "router_jitter_noise=0.5 makes the lower layers random in training"

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAn
 from rlora.config import LoraConfig, ModelConfig
 from rlora.errors import UserError, first_line
 from rlora.models.embedded import ALIASES, resolve_alias
-from rlora.models.sparse_blocks import check_layers_kept
+from rlora.models.sparse_blocks import check_all_linear_on_layers, check_layers_kept
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -216,9 +216,10 @@ def load_base_model(cfg: ModelConfig, path: str, place: bool = True, no_dropout:
 
 
 # The dropout rates of a base's own config: attention (attn_pdrop: GPT-2 and its kin), residual (Seed-OSS; Phi-3's
-# resid_pdrop), embedding, hidden (Falcon, GPT-NeoX, StableLM), OPT's `dropout` and `activation_dropout`
+# resid_pdrop), embedding, hidden (Falcon, GPT-NeoX, StableLM), OPT's `dropout` and `activation_dropout`, and
+# Mixtral's router jitter (noise on the router's input in training: another draw in every pass, as a dropout)
 BASE_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "residual_dropout", "resid_pdrop", "embd_pdrop",
-                     "hidden_dropout", "dropout", "activation_dropout")
+                     "hidden_dropout", "dropout", "activation_dropout", "router_jitter_noise")
 
 
 def base_dropouts(path: str, trust_remote_code: bool = False) -> dict[str, float]:
@@ -262,7 +263,7 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
 
 # dropouts of the base that transformers applies functionally inside the layers (attention; Phi-3's resid_pdrop,
 # Seed-OSS's residual_dropout): a pass that runs rows or layers apart from a training pass would not draw them alike
-FUNCTIONAL_DROPOUT_KEYS = ("attention_dropout", "resid_pdrop", "residual_dropout")
+FUNCTIONAL_DROPOUT_KEYS = ("attention_dropout", "resid_pdrop", "residual_dropout", "router_jitter_noise")
 
 # rotary types whose frequencies transformers chooses from the longest position of each call (dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -331,6 +332,7 @@ def peft_lora_config(cfg: LoraConfig, base: torch.nn.Module):
             raise UserError(f"lora.top_layers={cfg.top_layers} exceeds the model's {num_layers} decoder layers")
         layers = list(range(num_layers - cfg.top_layers, num_layers))
     if layers is not None and targets == "all-linear":  # peft takes layer indices only with explicit names
+        check_all_linear_on_layers(base)
         targets = linear_module_names(base)
     elif isinstance(targets, list):
         _check_target_names(targets, base)

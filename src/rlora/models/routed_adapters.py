@@ -58,11 +58,12 @@ def _routed_forward(module: nn.Module, routes: AdapterRoutes):
         runs = routes.runs
         if runs is None:
             raise RuntimeError("a forward through routed adapters without its inputs' adapters (AdapterRoutes.routed)")
+        # no adapter of this forward is on this layer (e.g. another client's, inside a mixture-of-experts block)
+        if not any(routes.names[k] in module.lora_A for k, _ in runs):
+            return result
         if x.dim() != routes.dims or sum(count for _, count in runs) != x.shape[0]:  # never guess
             raise RuntimeError(f"inputs {tuple(x.shape)} where runs over {sum(c for _, c in runs)} inputs of "
                                f"{routes.dims} dimensions were routed")
-        if not any(routes.names[k] in module.lora_A for k, _ in runs):  # no adapter of this forward is on this layer
-            return result
         parts, start = [], 0
         for k, count in runs:
             name, piece = routes.names[k], result[start:start + count]

@@ -30,3 +30,13 @@ def check_layers_kept(model: nn.Module, layers: list[int] | None) -> None:
         raise UserError(f"lora.layers / lora.top_layers: peft also put LoRA on layers {sorted(found - set(layers))} "
                         "(a mixture of experts' expert parameters, which it places on every layer): target maps "
                         "outside the experts, e.g. lora.target_modules=[q_proj, k_proj, v_proj, o_proj]")
+
+
+def check_all_linear_on_layers(base: nn.Module) -> None:
+    """lora.layers / top_layers with 'all-linear' pass peft the names of the layers' linear maps; on a mixture of
+    experts that list has no expert (fused parameters, not linear layers), so the experts that 'all-linear' alone
+    adapts would silently go untrained."""
+    if any(is_sparse_block(module) for module in base.modules()):
+        raise UserError("lora.layers / lora.top_layers with lora.target_modules=all-linear on a mixture of experts "
+                        "would leave its experts out (peft adapts them only for all-linear, on every layer): list the "
+                        "maps to adapt, e.g. lora.target_modules=[q_proj, k_proj, v_proj, o_proj], or drop the layers")

@@ -33,6 +33,7 @@ from torch import nn
 from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
+from rlora.models.sparse_blocks import is_sparse_block, sparse_block_of
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
@@ -87,6 +88,9 @@ class ModelWorker:
         self.batched_passes, self.last_batch = 0, 0  # batched forward_backward passes that ran; members of the last
         self.attn_targets = linear_module_names(base, ".self_attn.")
         self.mlp_targets = linear_module_names(base, ".mlp.")
+        # a mixture of experts: train_mlp adapts its MLPs' linear layers (dense layers, shared experts; peft moves
+        # their names onto the fused experts where it maps them), none at all where every layer is sparse (Mixtral)
+        self.sparse_mlp = any(is_sparse_block(module) for module in base.modules())
 
     # ------------------------------------------------------------------------------------------ adapters
 
@@ -129,7 +133,9 @@ class ModelWorker:
         targets = ((self.attn_targets if spec.train_attn else []) + (self.mlp_targets if spec.train_mlp else [])
                    + (["lm_head"] if spec.train_unembed else []))
         if not targets:
-            raise ServeError(400, "lora_config: train_attn, train_mlp and train_unembed are all off: nothing to train")
+            mlp = ("train_mlp finds no linear layer in this mixture of experts' MLPs (its experts' fused weights are "
+                   "not served)" if spec.train_mlp else "train_mlp is off")
+            raise ServeError(400, f"lora_config: nothing to train: train_attn and train_unembed are off and {mlp}")
         return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none",
                           task_type="CAUSAL_LM")
 
@@ -142,7 +148,10 @@ class ModelWorker:
             torch.manual_seed(seed if seed is not None else secrets.randbits(62))
             self._add_adapter(name, config)
         params = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
-        trainee = self.trainees[model_id] = Trainee(model_id, name, config.r, config, params)
+        # a LoRA inside a mixture-of-experts block sees the block's tokens, not rows: no batched pass can route it
+        routable = not any(sparse_block_of(self.model, n) for n, m in self.model.named_modules()
+                           if name in getattr(m, "lora_A", {}))
+        trainee = self.trainees[model_id] = Trainee(model_id, name, config.r, config, params, routable=routable)
         return trainee
 
     def create_model(self, model_id: str, spec: wire.LoraSpec) -> dict:

@@ -5,6 +5,7 @@ tests/test_engine_families.py and tests/test_trainer_families.py with the other 
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from test_engine import policy
@@ -140,7 +141,8 @@ def test_serve_batches_attention_clients_and_runs_an_expert_lora_alone(tmp_path)
     """rlora serve on a mixture of experts: a client whose LoRA sits inside a sparse block (train_mlp: peft moves
     the dense layer's MLP names onto the fused experts) sees tokens there, not rows, so it never joins a batched pass
     (it would fail and run again alone); attention-only clients still share one, each getting what it gets alone.
-    Where no MLP has a linear layer (Mixtral), a client with nothing else to train gets a 400 that says so."""
+    Where no MLP has a linear layer (Mixtral), train_mlp adapts the experts' fused weights: they train, and the
+    sampler's log-probs are the server's forward's."""
     import tinker
     from serve_helpers import KEY, running_server
     from test_serve_batching import assert_close, assert_same_output, batched_then_alone, ce_datum, grads, held
@@ -174,9 +176,27 @@ def test_serve_batches_attention_clients_and_runs_an_expert_lora_alone(tmp_path)
     mixtral = str(build_random_model(tmp_path / "mixtral", family="mixtral", tie=False, seed=0))
     with running_server(mixtral, tmp_path / "state2") as (url, served):
         service = tinker.ServiceClient(base_url=url, api_key=KEY)
-        with pytest.raises(Exception, match="train_mlp finds no linear layer in this mixture of experts' MLPs"):
-            service.create_lora_training_client(base_model=mixtral, rank=4, train_attn=False,
-                                                train_unembed=False).result()
+        client = service.create_lora_training_client(base_model=mixtral, rank=4, seed=3, train_attn=False,
+                                                     train_unembed=False).result()
+        trainee = served.worker.trainee(client.model_id)
+        names = [n for n, p in served.worker.model.named_parameters() if any(p is q for q in trainee.params)]
+        assert names and all(".mlp.experts." in n for n in names)  # train_mlp: the experts' fused weights
+        assert not trainee.routable
+        before = client.save_weights_and_get_sampling_client().result()
+        for _ in range(2):
+            client.forward_backward([ce_datum(s) for s in data[0]], "cross_entropy").result()
+            client.optim_step(tinker.types.AdamParams(learning_rate=5e-2)).result()
+        sampler = client.save_weights_and_get_sampling_client().result()
+        prompt = tinker.types.ModelInput.from_ints(data[1][0])
+        result = sampler.sample(prompt, 2, tinker.types.SamplingParams(max_tokens=6, seed=3)).result()
+        datums = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints((data[1][0] + q.tokens)[:-1]),
+                                     loss_fn_inputs={"target_tokens": (data[1][0] + q.tokens)[1:]})
+                  for q in result.sequences]
+        forward = client.forward(datums, "cross_entropy").result()
+        for seq, out in zip(result.sequences, forward.loss_fn_outputs):
+            assert np.abs(np.array(seq.logprobs) - out["logprobs"].to_numpy()[len(data[1][0]) - 1:]).max() < 1e-4
+        first = before.compute_logprobs(prompt).result()[1:]
+        assert np.abs(np.array(first) - np.array(sampler.compute_logprobs(prompt).result()[1:])).max() > 1e-3
         service.close("success").result(timeout=30)
 
 

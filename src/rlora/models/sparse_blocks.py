@@ -15,6 +15,13 @@ def is_sparse_block(module: nn.Module) -> bool:
     return hasattr(module, "gate") and hasattr(module, "experts")
 
 
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """The experts' fused weights ('experts.gate_up_proj', 'experts.down_proj': [experts, out, in]) of the model's
+    sparse blocks, as peft target_parameters name them; [] for a dense model."""
+    return sorted({f"experts.{name}" for module in model.modules() if is_sparse_block(module)
+                   for name, param in module.experts.named_parameters(recurse=False) if param.dim() == 3})
+
+
 def sparse_block_of(model: nn.Module, name: str) -> str | None:
     """The name of the sparse block that holds the module `name` (names as model.named_modules gives them), or None."""
     blocks = [block for block, module in model.named_modules() if block and is_sparse_block(module)]

@@ -94,9 +94,6 @@ def serve_main(args) -> int:
     except BaseException:
         sock.close()
         raise
-    if served.worker.sparse_mlp and not served.worker.mlp_targets:
-        info("rlora serve: this mixture of experts has no linear layer in its MLPs: train_mlp adapts nothing (its "
-             "experts' fused weights are not served); attention and the output layer train")
     if served.worker.engine_refusal is not None:
         info(f"rlora serve: the built-in sampler does not run this model ({served.worker.engine_refusal}): sampling "
              "with transformers generate")

@@ -61,12 +61,17 @@ def _first(keys: list[str]) -> str:
     return keys[0] + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
 
 
+def _targets(config: LoraConfig) -> set[str]:
+    """The maps a LoRA adapts: modules, and parameters (a mixture's fused experts)."""
+    return set(config.target_modules or []) | set(config.target_parameters or [])
+
+
 def checked_state(trainee: Trainee, names: list[str], path: TinkerPath, config: LoraConfig,
                   weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor] | None) -> dict[int, dict]:
     """ServeError 400 unless the checkpoint is this client's shape; -> the AdamW state per parameter index
     (tensors None: no optimizer state asked for or saved)."""
-    mine = (trainee.config.r, set(trainee.config.target_modules), trainee.config.lora_alpha)
-    theirs = (config.r, set(config.target_modules), config.lora_alpha)
+    mine = (trainee.config.r, _targets(trainee.config), trainee.config.lora_alpha)
+    theirs = (config.r, _targets(config), config.lora_alpha)
     if mine != theirs:
         raise ServeError(400, f"{path} is a rank-{theirs[0]} LoRA on {sorted(theirs[1])} with lora_alpha {theirs[2]}; this "
                               f"training client's is rank {mine[0]} on {sorted(mine[1])} with lora_alpha {mine[2]}")

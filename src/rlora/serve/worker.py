@@ -33,7 +33,7 @@ from torch import nn
 from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
-from rlora.models.sparse_blocks import is_sparse_block, sparse_block_of
+from rlora.models.sparse_blocks import expert_parameter_names, sparse_block_of
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
@@ -88,9 +88,10 @@ class ModelWorker:
         self.batched_passes, self.last_batch = 0, 0  # batched forward_backward passes that ran; members of the last
         self.attn_targets = linear_module_names(base, ".self_attn.")
         self.mlp_targets = linear_module_names(base, ".mlp.")
-        # a mixture of experts: train_mlp adapts its MLPs' linear layers (dense layers, shared experts; peft moves
-        # their names onto the fused experts where it maps them), none at all where every layer is sparse (Mixtral)
-        self.sparse_mlp = any(is_sparse_block(module) for module in base.modules())
+        # a mixture of experts whose MLPs have no linear layer (every layer sparse: Mixtral, OLMoE): train_mlp adapts
+        # the experts' fused weights (peft target_parameters). Where dense layers or shared experts name linear maps,
+        # those are the targets (peft moves the names it maps onto the experts itself)
+        self.expert_parameters = [] if self.mlp_targets else expert_parameter_names(base)
 
     # ------------------------------------------------------------------------------------------ adapters
 
@@ -132,12 +133,11 @@ class ModelWorker:
     def lora_config(self, spec: wire.LoraSpec) -> LoraConfig:
         targets = ((self.attn_targets if spec.train_attn else []) + (self.mlp_targets if spec.train_mlp else [])
                    + (["lm_head"] if spec.train_unembed else []))
-        if not targets:
-            mlp = ("train_mlp finds no linear layer in this mixture of experts' MLPs (its experts' fused weights are "
-                   "not served)" if spec.train_mlp else "train_mlp is off")
-            raise ServeError(400, f"lora_config: nothing to train: train_attn and train_unembed are off and {mlp}")
-        return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none",
-                          task_type="CAUSAL_LM")
+        parameters = self.expert_parameters if spec.train_mlp else []
+        if not targets and not parameters:
+            raise ServeError(400, "lora_config: train_attn, train_mlp and train_unembed are all off: nothing to train")
+        return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets or None,
+                          target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
 
     def _new_trainee(self, model_id: str, config: LoraConfig, seed: int | None) -> Trainee:
         if model_id in self.trainees:

@@ -16,6 +16,7 @@ from rlora.errors import UserError
 from rlora.models import molora as ml
 from rlora.models import multi_lora as mlr
 from rlora.models.loading import attach_lora, load_base_model, load_tokenizer
+from rlora.models.named_adapters import attach_named
 from rlora.models.tiny import build_random_model
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
@@ -180,7 +181,8 @@ def test_serve_batches_attention_clients_and_runs_an_expert_lora_alone(tmp_path)
                                                      train_unembed=False).result()
         trainee = served.worker.trainee(client.model_id)
         names = [n for n, p in served.worker.model.named_parameters() if any(p is q for q in trainee.params)]
-        assert names and all(".mlp.experts." in n for n in names)  # train_mlp: the experts' fused weights
+        # train_mlp: the experts' fused weights and the router's, as peft's all-linear in `rlora train`
+        assert {n.split(".mlp.")[1].split(".")[0] for n in names} == {"experts", "gate"}
         assert not trainee.routable
         before = client.save_weights_and_get_sampling_client().result()
         for _ in range(2):
@@ -197,7 +199,13 @@ def test_serve_batches_attention_clients_and_runs_an_expert_lora_alone(tmp_path)
             assert np.abs(np.array(seq.logprobs) - out["logprobs"].to_numpy()[len(data[1][0]) - 1:]).max() < 1e-4
         first = before.compute_logprobs(prompt).result()[1:]
         assert np.abs(np.array(first) - np.array(sampler.compute_logprobs(prompt).result()[1:])).max() > 1e-3
+        client.save_weights_for_sampler("experts").result()  # a PEFT folder, to load beside an `rlora train` adapter
         service.close("success").result(timeout=30)
+    folder = next((tmp_path / "state2").rglob("experts/adapter_config.json")).parent
+    trained = attach_lora(base(mixtral), LoraConfig(rank=4, alpha=8))
+    trained.save_pretrained(tmp_path / "trained")
+    both = attach_named(base(mixtral), {"serve": str(folder), "train": str(tmp_path / "trained")}, "mixtral")
+    assert set(both.peft_config) == {"named_serve", "named_train"}  # (before: peft refused the two sets of names)
 
 
 @pytest.mark.parametrize("family", MIXTURES)

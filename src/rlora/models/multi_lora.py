@@ -29,7 +29,7 @@ from torch import nn
 from rlora.config import LoraConfig
 from rlora.errors import UserError, first_line
 from rlora.models.loading import causal_lm, check_adapter_folder, peft_lora_config
-from rlora.models.sparse_blocks import sparse_block_of
+from rlora.models.sparse_blocks import in_sparse_block, sparse_block_names
 
 STATE_ATTR = "_rlora_policies"
 PEFT_NAME = "policy_{}"  # peft adapter name of a policy (peft mistakes short names such as 'a' for its 'lora_' prefix)
@@ -175,13 +175,14 @@ def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds
                 model.add_adapter(name, config)
     except (ValueError, RuntimeError, KeyError) as err:
         raise UserError(f"the policies' LoRA does not fit the model: {first_line(err)}") from None
+    blocks = sparse_block_names(model)
     for name, module in model.named_modules():
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
             continue
         if ".layers." not in name:  # e.g. lm_head: the log-prob passes feed it tokens, not rows
             raise UserError(f"policies: an adapter on '{name.rsplit('.', 1)[-1]}' (outside the decoder layers) is not "
                             "supported: target linear layers inside the decoder layers")
-        if sparse_block_of(model, name) is not None:  # e.g. Qwen2-MoE's shared expert: it sees tokens, not rows
+        if in_sparse_block(name, blocks) is not None:  # e.g. Qwen2-MoE's shared expert: it sees tokens, not rows
             raise UserError(f"policies: an adapter on '{name.split('.mlp.')[-1]}' (inside a mixture-of-experts block, "
                             "which runs tokens, not rows) is not supported: target the attention maps, e.g. "
                             "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]")

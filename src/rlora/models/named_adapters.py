@@ -116,6 +116,10 @@ def attach_named(base, adapters: dict[str, str], model_label: str):
             else:
                 model.load_adapter(folder, adapter_name=PEFT_NAME.format(name))
         except Exception as err:  # noqa: BLE001 - an adapter for another base, broken weights ...
+            if "target_parameters" in str(err):  # it fits the base, not the other adapters
+                raise UserError(f"adapter '{folder}' cannot load beside the others: peft loads adapters of a mixture's "
+                                f"expert parameters together only where they adapt the same ones ({first_line(err)})"
+                                ) from None
             raise UserError(f"adapter '{folder}' does not fit model '{model_label}': {first_line(err)}") from None
     model.eval()
     return model

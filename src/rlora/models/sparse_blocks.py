@@ -15,16 +15,26 @@ def is_sparse_block(module: nn.Module) -> bool:
     return hasattr(module, "gate") and hasattr(module, "experts")
 
 
-def expert_parameter_names(model: nn.Module) -> list[str]:
-    """The experts' fused weights ('experts.gate_up_proj', 'experts.down_proj': [experts, out, in]) of the model's
-    sparse blocks, as peft target_parameters name them; [] for a dense model."""
-    return sorted({f"experts.{name}" for module in model.modules() if is_sparse_block(module)
-                   for name, param in module.experts.named_parameters(recurse=False) if param.dim() == 3})
+def peft_expert_parameters(model: nn.Module) -> list[str]:
+    """The parameters peft's 'all-linear' adapts in a mixture's sparse blocks (its transformers-4 mapping: the fused
+    experts and, on Mixtral, OLMoE and Qwen3-MoE, the router's weight); [] where it adapts none (a dense model,
+    Qwen2-MoE). The very names an `rlora train` adapter records: peft loads adapters with target_parameters side by
+    side only where they name one set."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft.utils.transformers_weight_conversion import _convert_peft_config_moe  # peft is pinned below 0.22
+
+    config = PeftLoraConfig(target_modules="all-linear", task_type="CAUSAL_LM")
+    _convert_peft_config_moe(config, model)
+    return sorted(config.target_parameters or [])
 
 
-def sparse_block_of(model: nn.Module, name: str) -> str | None:
-    """The name of the sparse block that holds the module `name` (names as model.named_modules gives them), or None."""
-    blocks = [block for block, module in model.named_modules() if block and is_sparse_block(module)]
+def sparse_block_names(model: nn.Module) -> list[str]:
+    """The names of the model's sparse blocks (as model.named_modules gives them)."""
+    return [name for name, module in model.named_modules() if name and is_sparse_block(module)]
+
+
+def in_sparse_block(name: str, blocks: list[str]) -> str | None:
+    """The block of `blocks` (sparse_block_names) that holds the module `name`, or None."""
     return next((block for block in blocks if name.startswith(block + ".")), None)
 
 

@@ -252,8 +252,8 @@ def build_app(served: Served) -> FastAPI:
         # (not a request with K targets per token: its rows are [n, K], other clients' [n])
         columns = any(values.ndim == 2 for d in fb.data for values in d.inputs.values())
         # (nor a client whose LoRA sits inside a mixture-of-experts block: it sees tokens, the pass routes rows)
-        trainee = worker.trainees.get(fb.model_id)  # (an unknown one gets its 404 in the job)
-        batch = None if columns or (trainee is not None and not trainee.routable) else Batchable(
+        trainee = worker.trainees.get(fb.model_id)  # (not made yet, or unknown: runs alone, or gets its 404 there)
+        batch = None if columns or trainee is None or not trainee.routable else Batchable(
             ("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,
             tokens=sum(len(d.tokens) for d in fb.data), max_tokens=fb_batch_tokens)
         job = jobs.submit(lambda: worker.forward_backward(fb, config), key=resent(fb.model_id, fb.seq_id, "fb"),

@@ -33,7 +33,7 @@ from torch import nn
 from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
-from rlora.models.sparse_blocks import expert_parameter_names, sparse_block_of
+from rlora.models.sparse_blocks import in_sparse_block, peft_expert_parameters, sparse_block_names
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
@@ -88,10 +88,10 @@ class ModelWorker:
         self.batched_passes, self.last_batch = 0, 0  # batched forward_backward passes that ran; members of the last
         self.attn_targets = linear_module_names(base, ".self_attn.")
         self.mlp_targets = linear_module_names(base, ".mlp.")
-        # a mixture of experts whose MLPs have no linear layer (every layer sparse: Mixtral, OLMoE): train_mlp adapts
-        # the experts' fused weights (peft target_parameters). Where dense layers or shared experts name linear maps,
-        # those are the targets (peft moves the names it maps onto the experts itself)
-        self.expert_parameters = [] if self.mlp_targets else expert_parameter_names(base)
+        # a mixture of experts: train_mlp adapts what peft's all-linear adapts in its sparse blocks (the experts'
+        # fused weights, a router's), beside the MLPs' linear maps (dense layers, shared experts)
+        self.expert_parameters = peft_expert_parameters(base)
+        self.sparse_blocks = sparse_block_names(base)
 
     # ------------------------------------------------------------------------------------------ adapters
 
@@ -149,8 +149,8 @@ class ModelWorker:
             self._add_adapter(name, config)
         params = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
         # a LoRA inside a mixture-of-experts block sees the block's tokens, not rows: no batched pass can route it
-        routable = not any(sparse_block_of(self.model, n) for n, m in self.model.named_modules()
-                           if name in getattr(m, "lora_A", {}))
+        routable = not any(in_sparse_block(n.removeprefix("base_model.model."), self.sparse_blocks)
+                           for n, m in self.model.named_modules() if name in getattr(m, "lora_A", {}))
         trainee = self.trainees[model_id] = Trainee(model_id, name, config.r, config, params, routable=routable)
         return trainee
 

@@ -14,7 +14,7 @@ from rlora.errors import UserError
 from rlora.models.loading import causal_lm, skeleton
 from rlora.models.molora.layer import PARAM_TAG, MoLoRALinear
 from rlora.models.molora.routing import RoutingState
-from rlora.models.sparse_blocks import sparse_block_of
+from rlora.models.sparse_blocks import in_sparse_block, sparse_block_names
 
 
 def molora_modules(model: nn.Module) -> list[tuple[str, MoLoRALinear]]:
@@ -146,12 +146,13 @@ def check_bare(model: nn.Module) -> None:
 def _check_attachable(model: nn.Module, names: list[str], router: str) -> None:
     check_bare(model)
     lm = causal_lm(model)
+    blocks = sparse_block_names(lm)
     for name in names:
         module = lm.get_submodule(name)
         if not (_plain_linear(module) or _bitsandbytes_linear(module)):
             raise UserError(f"MoLoRA cannot wrap '{name}' ({type(module).__name__}): it adapts floating-point linear "
                             "layers and bitsandbytes' 4-bit and 8-bit ones (model.quantization)")
-        if router == "sequence" and sparse_block_of(lm, name) is not None:
+        if router == "sequence" and in_sparse_block(name, blocks) is not None:
             raise UserError(f"MoLoRA's sequence router cannot route '{name.split('.mlp.')[-1]}': it sits inside a "
                             "mixture-of-experts block, which runs tokens, not rows; use molora.router=token, or "
                             "target the attention maps: molora.target_modules=[q_proj, k_proj, v_proj, o_proj]")

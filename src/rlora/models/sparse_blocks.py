@@ -5,7 +5,9 @@ places the LoRA of the fused experts on its own terms (check_layers_kept)."""
 
 from __future__ import annotations
 
+from peft import LoraConfig as PeftLoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.transformers_weight_conversion import _convert_peft_config_moe  # private; peft is pinned below 0.22
 from torch import nn
 
 from rlora.errors import UserError
@@ -20,9 +22,6 @@ def peft_expert_parameters(model: nn.Module) -> list[str]:
     experts and, on Mixtral, OLMoE and Qwen3-MoE, the router's weight); [] where it adapts none (a dense model,
     Qwen2-MoE). The very names an `rlora train` adapter records: peft loads adapters with target_parameters side by
     side only where they name one set."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft.utils.transformers_weight_conversion import _convert_peft_config_moe  # peft is pinned below 0.22
-
     config = PeftLoraConfig(target_modules="all-linear", task_type="CAUSAL_LM")
     _convert_peft_config_moe(config, model)
     return sorted(config.target_parameters or [])

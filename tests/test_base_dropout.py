@@ -7,7 +7,8 @@ from conftest import tiny_overrides
 
 from rlora.cli import main
 from rlora.config import ModelConfig
-from rlora.models.loading import base_dropouts, load_base_model
+from rlora.models.dropouts import base_dropouts
+from rlora.models.loading import load_base_model
 from rlora.models.tiny import build_random_model
 
 

@@ -92,7 +92,7 @@ def test_the_experts_lora_is_merged_once_per_view(family_dirs, family):
         params = {path: block.block.get_parameter(path).clone() for path in block.merged}
         with torch.no_grad():
             assert torch.allclose(block(x), block.block(x[:, None])[:, 0], atol=1e-6, rtol=0)
-        assert not any(wrapper._disable_adapters for wrapper in block.wrappers)
+        assert not any(m._disable_adapters for m in block.block.modules() if hasattr(m, "lora_A"))
         assert all(torch.equal(block.block.get_parameter(p), t) for p, t in params.items())
         assert all(not torch.equal(block.merged[p], t) for p, t in params.items())
     with model.disable_adapter():
@@ -222,7 +222,7 @@ def test_mixtrals_router_jitter_is_a_dropout(tmp_path):
     with the base's dropouts (the update then computes the sampler's function), and a model that keeps it shares no
     prompt or frozen layer in training."""
     from rlora.models.frozen_prefix import sharing_unsupported
-    from rlora.models.loading import base_dropouts
+    from rlora.models.dropouts import base_dropouts
     from rlora.models.shared_prompts import sharing_prompts_unsupported
 
     folder = str(build_random_model(tmp_path / "mixtral", family="mixtral", tie=False, router_jitter_noise=0.5))

@@ -27,7 +27,8 @@ import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from rlora.batching import trim
-from rlora.models.loading import FUNCTIONAL_DROPOUT_KEYS, causal_lm, rope_switch_length
+from rlora.models.dropouts import FUNCTIONAL_DROPOUT_KEYS
+from rlora.models.loading import causal_lm, rope_switch_length
 from rlora.tensors import position_ids_from_mask
 from rlora.types import Rollout, RolloutSlice
 

@@ -14,13 +14,13 @@ from urllib.parse import urlparse
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from peft.tuners.tuners_utils import BaseTunerLayer
 from huggingface_hub import constants, try_to_load_from_cache
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerBase
 
 from rlora.config import LoraConfig, ModelConfig
 from rlora.errors import UserError, first_line
+from rlora.models.dropouts import base_dropouts
 from rlora.models.embedded import ALIASES, resolve_alias
 from rlora.models.sparse_blocks import check_all_linear_on_layers, check_layers_kept
 
@@ -215,20 +215,6 @@ def load_base_model(cfg: ModelConfig, path: str, place: bool = True, no_dropout:
     return model
 
 
-# The dropout rates of a base's own config: attention (attn_pdrop: GPT-2 and its kin), residual (Seed-OSS; Phi-3's
-# resid_pdrop), embedding, hidden (Falcon, GPT-NeoX, StableLM), OPT's `dropout` and `activation_dropout`, and
-# Mixtral's router jitter (noise on the router's input in training: another draw in every pass, as a dropout)
-BASE_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "residual_dropout", "resid_pdrop", "embd_pdrop",
-                     "hidden_dropout", "dropout", "activation_dropout", "router_jitter_noise")
-
-
-def base_dropouts(path: str, trust_remote_code: bool = False) -> dict[str, float]:
-    """The dropout rates above 0 in the model config (read without loading the weights): {key: rate}."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
-    rates = {key: getattr(config, key, 0.0) for key in BASE_DROPOUT_KEYS}
-    return {key: float(rate) for key, rate in rates.items() if isinstance(rate, (int, float)) and rate > 0}
-
-
 def max_positions(path: str, trust_remote_code: bool = False) -> int | None:
     """The model config's max_position_embeddings (None where it states none), read without loading the weights."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
@@ -260,10 +246,6 @@ def _check_target_names(targets: list[str], base: torch.nn.Module) -> None:
         raise UserError(f"lora.target_modules {missing} match no module of this model: choose from "
                         f"{', '.join(names)} ({what}) or set lora.target_modules=all-linear")
 
-
-# dropouts of the base that transformers applies functionally inside the layers (attention; Phi-3's resid_pdrop,
-# Seed-OSS's residual_dropout): a pass that runs rows or layers apart from a training pass would not draw them alike
-FUNCTIONAL_DROPOUT_KEYS = ("attention_dropout", "resid_pdrop", "residual_dropout", "router_jitter_noise")
 
 # rotary types whose frequencies transformers chooses from the longest position of each call (dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -425,15 +407,6 @@ def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
         raise UserError(f"LoRA config does not fit the model: {first_line(err)}") from None
     check_layers_kept(model, config.layers_to_transform)
     return model
-
-
-def no_adapter_dropout(model: torch.nn.Module) -> None:
-    """Every peft LoRA layer's dropout set to rate 0, in place (the modules stay: the batched forward of several
-    policies holds them)."""
-    for module in model.modules():
-        for dropout in getattr(module, "lora_dropout", {}).values() if isinstance(module, BaseTunerLayer) else ():
-            if isinstance(dropout, torch.nn.Dropout):
-                dropout.p = 0.0
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:

@@ -24,17 +24,16 @@ import torch
 from torch import nn
 
 from rlora.models import molora as ml
-from rlora.models.loading import (
-    FUNCTIONAL_DROPOUT_KEYS, LENGTH_DEPENDENT_ROPE, activation_checkpointing, causal_lm, rope_parameter_sets,
-)
+from rlora.models.dropouts import FUNCTIONAL_DROPOUT_KEYS
+# the families the frozen prefix runs layer by layer: each tested here as there (tests/test_trainer_families.py)
+from rlora.models.frozen_prefix import SHAREABLE_MODEL_TYPES
+from rlora.models.loading import LENGTH_DEPENDENT_ROPE, activation_checkpointing, causal_lm, rope_parameter_sets
 from rlora.models.multi_lora import policy_state
 from rlora.models.sharded_base import sharded_base
 from rlora.tensors import position_ids_from_mask
 from rlora.types import RolloutSlice
 
 # the families whose shared and packed passes are tested against unshared ones (tests/test_trainer_families.py)
-SHAREABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text",
-                         "glm4", "ernie4_5", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _OFF_ATTR = "_rlora_no_prompt_sharing"
 
 

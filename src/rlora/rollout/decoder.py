@@ -18,7 +18,7 @@ from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
 from rlora.models.loading import causal_lm, reachable_window
-from rlora.models.multi_lora import PolicyState, packed_lora_delta, policy_state, stacked_factors
+from rlora.models.multi_lora import PolicyState, packed_lora_delta, policies_disabled, policy_state, stacked_factors
 from rlora.models.sharded_base import StreamedLayers, sharded_base
 from rlora.models.sparse_blocks import is_sparse_block
 from rlora.rollout.layouts import LAYOUTS, SUPPORTED_MODEL_TYPES, Layout, layout_refusal
@@ -175,9 +175,9 @@ class BlockMLP:
         self.block, self.dtype = block, dtype
         self.block_dtype = next(p.dtype for p in block.parameters() if p.dtype.is_floating_point)
         names = {id(module): name for name, module in block.named_modules()}
-        self.wrappers = [m for m in block.modules() if isinstance(m, ParamWrapper)] if merge else []
+        wrappers = [m for m in block.modules() if isinstance(m, ParamWrapper)] if merge else []
         self.merged = {}  # the block's path of each adapted parameter -> the parameter with its LoRA summed in
-        for wrapper in self.wrappers:
+        for wrapper in wrappers:
             param = wrapper.get_param()
             active = [] if wrapper.disable_adapters or wrapper.merged else [
                 name for name in wrapper.active_adapters if name in wrapper.lora_A]
@@ -190,14 +190,8 @@ class BlockMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = (x if x.dim() == 3 else x[:, None]).to(self.block_dtype)
         if self.merged:
-            before = [wrapper._disable_adapters for wrapper in self.wrappers]
-            for wrapper in self.wrappers:
-                wrapper._disable_adapters = True  # each runs its base module, which reads the merged tensors
-            try:
+            with policies_disabled(self.block):  # each wrapper runs its base module, which reads the merged tensors
                 out = torch.func.functional_call(self.block, self.merged, (rows,))
-            finally:
-                for wrapper, disabled in zip(self.wrappers, before):
-                    wrapper._disable_adapters = disabled
         else:
             out = self.block(rows)
         return (out if x.dim() == 3 else out[:, 0]).to(self.dtype)

@@ -30,10 +30,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from rlora.models.loading import TokenizerInfo, causal_lm, linear_module_names
+from rlora.models.loading import TokenizerInfo, causal_lm
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
-from rlora.models.sparse_blocks import in_sparse_block, peft_expert_parameters, sparse_block_names
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
@@ -43,10 +42,10 @@ from rlora.serve.logprobs import sequence_logprobs, unrouted
 from rlora.serve.losses import LOSSES, TokenLoss
 from rlora.serve.sampling import Sampler, ViewGenerator, asked_of, completions, responses, sampling_settings
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
+from rlora.serve.targets import ClientTargets
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
 from rlora.train.optim import optimizer_step
 
-LORA_ALPHA = 32
 MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward (on a GPU)
 CPU_MICRO_BATCH_TOKENS = 1024  # on a CPU: forwards of 4096 tokens were 1.5x slower per token (docs/serve.md)
 LOADED_SAMPLERS = 4  # snapshots kept loaded as adapters
@@ -86,12 +85,7 @@ class ModelWorker:
         self.max_trainees, self.max_samplers = MAX_TRAINEES, MAX_SAMPLERS
         self.engine_refusal = unsupported_reason(base, max_length)  # None: rlora's built-in sampler runs it
         self.batched_passes, self.last_batch = 0, 0  # batched forward_backward passes that ran; members of the last
-        self.attn_targets = linear_module_names(base, ".self_attn.")
-        self.mlp_targets = linear_module_names(base, ".mlp.")
-        # a mixture of experts: train_mlp adapts what peft's all-linear adapts in its sparse blocks (the experts'
-        # fused weights, a router's), beside the MLPs' linear maps (dense layers, shared experts)
-        self.expert_parameters = peft_expert_parameters(base)
-        self.sparse_blocks = sparse_block_names(base)
+        self.targets = ClientTargets(base)
 
     # ------------------------------------------------------------------------------------------ adapters
 
@@ -105,7 +99,7 @@ class ModelWorker:
             # A peft model left with no adapter at all breaks (its active adapter names a deleted one): the first
             # adapter is a frozen rank-1 one with B = 0 (the base exactly) that is never deleted, on its own seed
             # so that a client's seed alone decides its adapter's initialisation.
-            idle = LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=(self.attn_targets or self.mlp_targets)[:1],
+            idle = LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=self.targets.first(),
                               bias="none", task_type="CAUSAL_LM", inference_mode=True)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
@@ -131,13 +125,7 @@ class ModelWorker:
                                   "(ServiceClient.close) to free its samplers")
 
     def lora_config(self, spec: wire.LoraSpec) -> LoraConfig:
-        targets = ((self.attn_targets if spec.train_attn else []) + (self.mlp_targets if spec.train_mlp else [])
-                   + (["lm_head"] if spec.train_unembed else []))
-        parameters = self.expert_parameters if spec.train_mlp else []
-        if not targets and not parameters:
-            raise ServeError(400, "lora_config: train_attn, train_mlp and train_unembed are all off: nothing to train")
-        return LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets or None,
-                          target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
+        return self.targets.config(spec)
 
     def _new_trainee(self, model_id: str, config: LoraConfig, seed: int | None) -> Trainee:
         if model_id in self.trainees:
@@ -148,10 +136,8 @@ class ModelWorker:
             torch.manual_seed(seed if seed is not None else secrets.randbits(62))
             self._add_adapter(name, config)
         params = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
-        # a LoRA inside a mixture-of-experts block sees the block's tokens, not rows: no batched pass can route it
-        routable = not any(in_sparse_block(n.removeprefix("base_model.model."), self.sparse_blocks)
-                           for n, m in self.model.named_modules() if name in getattr(m, "lora_A", {}))
-        trainee = self.trainees[model_id] = Trainee(model_id, name, config.r, config, params, routable=routable)
+        trainee = self.trainees[model_id] = Trainee(model_id, name, config.r, config, params,
+                                                    routable=self.targets.routable(self.model, name))
         return trainee
 
     def create_model(self, model_id: str, spec: wire.LoraSpec) -> dict:

@@ -31,10 +31,11 @@ from rlora.train.sources import RolloutSource, check_context, episode_renderer, 
 from rlora.machine import fast_fp16_weights, native_half
 from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
+from rlora.models.dropouts import base_dropouts, no_adapter_dropout
 from rlora.models.frozen_prefix import first_adapter_layer, sharing_unsupported
 from rlora.models.loading import (
-    TokenizerInfo, add_model_eos_ids, attach_lora, base_dropouts, causal_lm, check_adapter_folder, check_lora_targets,
-    load_base_model, load_tokenizer, max_positions, model_device, no_adapter_dropout, quantization_config,
+    TokenizerInfo, add_model_eos_ids, attach_lora, causal_lm, check_adapter_folder, check_lora_targets,
+    load_base_model, load_tokenizer, max_positions, model_device, quantization_config,
     resolve_device, resolve_model_path,
 )
 from rlora.models.molora_runtime import checkpoint_kwargs

@@ -21,6 +21,7 @@ from bench_common import model_folder, random_up_factors
 from packed_groups import ragged_rollout, update
 from rlora.config import LoraConfig, ModelConfig
 from rlora.logging.console import quiet_libraries
+from rlora.models import expert_lora
 from rlora.models.loading import attach_lora, load_base_model
 from rlora.models.precision import trainer_precision
 
@@ -36,6 +37,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--autocast", default="off", choices=["off", "bfloat16"],
                         help="train.autocast: the update's passes in the model's float32, or under bf16 autocast")
+    parser.add_argument("--expert-lora", default="activations", choices=["activations", "peft"],
+                        help="a mixture's expert LoRA: on the activations (rlora, models/expert_lora.py) or peft's "
+                             "weight-side ParamWrapper forward")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     quiet_libraries()
@@ -43,12 +47,14 @@ def main() -> int:
     torch.manual_seed(0)
     model = attach_lora(load_base_model(ModelConfig(path=folder, dtype="float32"), folder), LoraConfig(rank=16, alpha=32))
     random_up_factors(model, seed=1)
+    if args.expert_lora == "peft":
+        expert_lora.uninstall(model)
     rollout = ragged_rollout(args.prompts, args.G, args.prompt, lo, hi, model.get_base_model().config.vocab_size)
     rollout.temperature_B = torch.full((rollout.num_completions,), args.temperature)
     with trainer_precision(model, args.autocast):
         times = [update(model, rollout)[0] for _ in range(args.repeats + 1)][1:]
     print(f"{rlora.__file__}: {args.prompts} x {args.G} rows, lengths {lo}-{hi}, temperature {args.temperature}, "
-          f"autocast {args.autocast}: "
+          f"autocast {args.autocast}, expert LoRA {args.expert_lora}: "
           f"update median {statistics.median(times):.3f} s ({', '.join(f'{t:.2f}' for t in times)})")
     return 0
 

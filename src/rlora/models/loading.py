@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAn
 from rlora.config import LoraConfig, ModelConfig
 from rlora.errors import UserError, first_line
 from rlora.models.dropouts import base_dropouts
+from rlora.models import expert_lora
 from rlora.models.embedded import ALIASES, resolve_alias
 from rlora.models.sparse_blocks import check_all_linear_on_layers, check_layers_kept
 
@@ -395,17 +396,20 @@ def attach_lora(base: torch.nn.Module, cfg: LoraConfig):
     if cfg.init_from:
         check_adapter_folder(cfg.init_from)
         try:
-            return PeftModel.from_pretrained(base, cfg.init_from, is_trainable=True)
+            model = PeftModel.from_pretrained(base, cfg.init_from, is_trainable=True)
         except Exception as err:  # noqa: BLE001 - shape/name mismatch with this base, broken weights ...
             raise UserError(
                 f"adapter '{cfg.init_from}' does not fit model: {first_line(err)}"
             ) from None
+        expert_lora.install(model)
+        return model
     try:
         config = peft_lora_config(cfg, base)
         model = get_peft_model(base, config)
     except ValueError as err:
         raise UserError(f"LoRA config does not fit the model: {first_line(err)}") from None
     check_layers_kept(model, config.layers_to_transform)
+    expert_lora.install(model)
     return model
 
 

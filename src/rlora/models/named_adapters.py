@@ -13,6 +13,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from rlora.errors import UserError, first_line
+from rlora.models import expert_lora
 from rlora.models import molora as ml
 from rlora.models.loading import check_adapter_folder
 
@@ -122,6 +123,7 @@ def attach_named(base, adapters: dict[str, str], model_label: str):
                                 ) from None
             raise UserError(f"adapter '{folder}' does not fit model '{model_label}': {first_line(err)}") from None
     model.eval()
+    expert_lora.install(model)
     return model
 
 

@@ -30,6 +30,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
+from rlora.models import expert_lora
 from rlora.models.loading import TokenizerInfo, causal_lm
 from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
@@ -105,6 +106,7 @@ class ModelWorker:
                 torch.manual_seed(0)
                 self.model = get_peft_model(self.base, idle, adapter_name=IDLE_ADAPTER)
         self.model.add_adapter(name, copy.deepcopy(config))
+        expert_lora.install(self.model)  # a client's expert LoRA on the activations (models/expert_lora.py)
         self.model.eval()  # no dropout anywhere: the trainer's and the sampler's numbers agree
 
     def _delete_adapter(self, name: str) -> None:

@@ -29,6 +29,7 @@ from rlora.logging.console import info
 from rlora.train.sinks import check_sinks
 from rlora.train.sources import RolloutSource, check_context, episode_renderer, longest_context, rollout_source
 from rlora.machine import fast_fp16_weights, native_half
+from rlora.models import expert_lora
 from rlora.models import molora as ml
 from rlora.models.adapters import PolicyAdapter, adapter_of
 from rlora.models.dropouts import base_dropouts, no_adapter_dropout
@@ -318,6 +319,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     set_group_packing(model, cfg.train.pack_groups)
     model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts, device=device)  # beside the policy's
     model, critics = attach_critics(cfg, model, device) if get_algorithm(cfg.algo.name).critic else (model, [])
+    expert_lora.install(model)  # the experts' wrappers that reward or value adapters made after the policy's
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs(model)})  # MoLoRA: its routing

@@ -1,0 +1,143 @@
+"""peft's LoRA on a mixture's fused experts, computed on the activations.
+
+peft adapts transformers' fused expert parameters (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) with a
+ParamWrapper: every forward it builds W + s * B @ A for all E experts, runs the experts on that, and its backward
+forms the gradient of the whole [E, out, in] stack before reducing it to A's and B's. That is a second copy of the
+experts' weights per forward and a product the size of the base's own per token in the backward, for an adapter
+whose rank is 16. Here each expert's tokens take the base product and the LoRA's two thin products instead,
+
+    h = W_e x + s * B_e (A_e x)
+
+with expert e's factors A_e [r, in], B_e [out, r] read from peft's own parameters (its layout: lora_A [E * r, in],
+lora_B [out, r * E]), so the adapter, its saved form and every other peft path stay peft's. The same numbers as
+peft's forward up to rounding (tests/test_expert_lora.py: outputs and gradients in float64).
+
+install() puts this forward on the outermost ParamWrapper of each experts module whose layout it knows (a gated,
+concatenated [gate; up], untransposed, bias-free experts module: Mixtral, Qwen3-MoE, OLMoE); any other stays on
+peft's path. With the adapters off or merged the wrapper runs its base as peft does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import ParamWrapper
+from torch import nn
+
+from rlora.models.sparse_blocks import is_sparse_block
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+_INSTALLED = "_rlora_activation_side"
+
+
+def _chain(outer: nn.Module) -> tuple[dict[str, ParamWrapper], nn.Module]:
+    """The ParamWrappers nested from `outer` inward, by the parameter each adapts, and the module they wrap."""
+    wrappers, module = {}, outer
+    while isinstance(module, ParamWrapper):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return wrappers, module
+
+
+def _known_layout(wrappers: dict[str, ParamWrapper], experts: nn.Module) -> bool:
+    layout = (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
+              and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
+              and not getattr(experts, "has_post_expert_norm", True))
+    # peft swaps in/out for parameters stored [E, out, in] (what F.linear reads); the factors below assume that
+    return bool(layout) and set(wrappers) <= set(PROJECTIONS) and all(
+        w._did_swap_in_out_features and w.num_experts == experts.num_experts for w in wrappers.values())
+
+
+def _factors(wrapper: ParamWrapper | None) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], float]]:
+    """Per adapter active on one wrapper: (each expert's A [r, in], each expert's B [out, r], scale); [] when none
+    is. Unbound once per forward: indexing a factor per expert would make each index's backward a zero-filled
+    gradient of the whole stack."""
+    if wrapper is None:
+        return []
+    out = []
+    for name in wrapper.active_adapters:
+        if name not in wrapper.lora_A:
+            continue
+        A = wrapper.lora_A[name].weight  # [E * r, in], expert-major
+        B = wrapper.lora_B[name].weight  # [out, r * E], rank-major: column j * E + e is expert e's j-th
+        E = wrapper.num_experts
+        out.append((A.view(E, -1, A.shape[-1]).unbind(0), B.view(B.shape[0], -1, E).permute(2, 0, 1).unbind(0),
+                    wrapper.scaling[name]))
+    return out
+
+
+def _project(x_NI: torch.Tensor, weight_OI: torch.Tensor, factors, expert: int) -> torch.Tensor:
+    y_NO = F.linear(x_NI, weight_OI)
+    for A_RI, B_OR, scale in factors:
+        lora_in = x_NI.to(A_RI[expert].dtype)  # the adapter's own dtype, as peft's Linear casts its input
+        # the scale on the rank's r columns, not the output's; added in place (a product's backward needs no output)
+        y_NO.add_(F.linear(F.linear(lora_in, A_RI[expert]) * scale, B_OR[expert]).to(y_NO.dtype))
+    return y_NO
+
+
+def experts_forward(experts: nn.Module, wrappers: dict[str, ParamWrapper], hidden_SH: torch.Tensor,
+                    top_k_index_SK: torch.Tensor, top_k_weights_SK: torch.Tensor) -> torch.Tensor:
+    """The experts module's output [S, H] for its S tokens' top-K choices, each projection with its LoRA on the
+    activations. Tokens are sorted by expert so that each expert's rows are one slice (one split: its backward
+    concatenates the slices' gradients once)."""
+    S, K = top_k_index_SK.shape
+    E = experts.num_experts
+    expert_ids = top_k_index_SK.reshape(-1)
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=E).tolist()[:E]  # host sizes to split by
+    routed = order[:sum(counts)]  # ids past the last expert (an expert-parallel sentinel) sort last and are dropped
+    token_of = routed // K
+    out = hidden_SH.new_zeros(S, hidden_SH.shape[-1])
+    if len(routed) == 0:
+        return out
+    gate_up = _factors(wrappers.get("gate_up_proj"))
+    down = _factors(wrappers.get("down_proj"))
+    pieces = []
+    for expert, x_NH in enumerate(hidden_SH[token_of].split(counts)):
+        if len(x_NH) == 0:
+            continue
+        h_N2I = _project(x_NH, experts.gate_up_proj[expert], gate_up, expert)
+        pieces.append(_project(experts._apply_gate(h_N2I), experts.down_proj[expert], down, expert))
+    y_sorted = torch.cat(pieces) * top_k_weights_SK.reshape(-1)[routed, None].to(pieces[0].dtype)
+    return out.index_add(0, token_of, y_sorted.to(out.dtype))
+
+
+def _activation_side_forward(outer: ParamWrapper, wrappers: dict[str, ParamWrapper], experts: nn.Module):
+    peft_forward = type(outer).forward.__get__(outer)
+
+    def forward(hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor, top_k_weights_SK: torch.Tensor, *args,
+                **kwargs) -> torch.Tensor:
+        off = any(w.disable_adapters or w.merged for w in wrappers.values())
+        if off or args or kwargs or not any(_factors(w) for w in wrappers.values()):
+            return peft_forward(hidden_SH, top_k_index_SK, top_k_weights_SK, *args, **kwargs)
+        return experts_forward(experts, wrappers, hidden_SH, top_k_index_SK, top_k_weights_SK)
+
+    return forward
+
+
+def install(model: nn.Module) -> int:
+    """The activation-side forward on every adapted experts module of known layout in the model's sparse blocks
+    (idempotent; reads the adapters at each call, so adapters added later on the same wrappers are included).
+    -> how many experts modules run it."""
+    count = 0
+    for block in model.modules():
+        outer = getattr(block, "experts", None) if is_sparse_block(block) else None
+        if not isinstance(outer, ParamWrapper):
+            continue
+        if getattr(outer, _INSTALLED, False):
+            count += 1
+            continue
+        wrappers, experts = _chain(outer)
+        if _known_layout(wrappers, experts):
+            outer.forward = _activation_side_forward(outer, wrappers, experts)
+            setattr(outer, _INSTALLED, True)
+            count += 1
+    return count
+
+
+def uninstall(model: nn.Module) -> None:
+    """peft's own forward back on every experts module (benchmarks compare the two; tests check parity)."""
+    for module in model.modules():
+        if getattr(module, _INSTALLED, False):
+            del module.forward
+            delattr(module, _INSTALLED)

@@ -1,0 +1,170 @@
+"""peft's LoRA on a mixture's fused experts computed on the activations (models/expert_lora.py) against peft's own
+weight-side forward: the same outputs and gradients in float64, the adapters off or merged as peft runs them, no
+tensor the size of the expert stack held for the backward, and what is left on peft's path."""
+
+import pytest
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+
+from rlora.config import LoraConfig, ModelConfig
+from rlora.models import expert_lora
+from rlora.models.loading import attach_lora, load_base_model
+from rlora.models.tiny import build_random_model
+
+ADAPTED = ("mixtral", "qwen3_moe", "olmoe")  # Qwen2-MoE: peft's all-linear adapts no expert parameter there
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("expert_lora")
+    return {name: str(build_random_model(root / name, family=name, tie=False, seed=5)) for name in ADAPTED}
+
+
+def float64_model(folder, **lora):
+    """A float64 model with a random (B != 0) LoRA of `lora`'s peft settings, on peft's path; eager experts so
+    that peft's forward runs the plain per-expert products."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    model.config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return get_peft_model(model, PeftLoraConfig(init_lora_weights=False, **({"target_modules": "all-linear", "r": 4,
+                                                                              "lora_alpha": 8} | lora)))
+
+
+def outputs_and_grads(model, ids_BT):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids_BT).logits
+    logits.sin().sum().backward()  # a loss whose gradient differs per logit
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    return logits.detach(), grads
+
+
+def assert_same_as_peft(model, ids_BT, atol=1e-12):
+    expert_lora.uninstall(model)
+    want, want_grads = outputs_and_grads(model, ids_BT)
+    assert expert_lora.install(model) > 0
+    got, got_grads = outputs_and_grads(model, ids_BT)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    assert got_grads.keys() == want_grads.keys() and any("experts" in name for name in got_grads)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("family", ADAPTED)
+def test_the_same_outputs_and_gradients_as_peft(family_dirs, family):
+    """Every logit and every trainable parameter's gradient (experts, router, attention, dense maps) as peft's
+    forward computes them, to 1e-12 in float64 (reassociation only: W x + s B (A x) against (W + s B A) x)."""
+    model = float64_model(family_dirs[family])
+    ids_BT = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    assert_same_as_peft(model, ids_BT)
+    with model.disable_adapter():  # off: the base's experts, as peft runs them
+        base = model(input_ids=ids_BT).logits
+        expert_lora.uninstall(model)
+        torch.testing.assert_close(model(input_ids=ids_BT).logits, base, rtol=0, atol=0)
+    expert_lora.install(model)
+    assert (model(input_ids=ids_BT).logits - base).abs().max() > 1e-3  # the adapter does change the outputs
+
+
+def test_one_projection_adapted_and_two_adapters_active_at_once(family_dirs):
+    """A LoRA on down_proj alone (the gate/up products then the base's), and two adapters active together (their
+    deltas summed, as peft sums them)."""
+    folder = family_dirs["qwen3_moe"]
+    ids_BT = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(2))
+    only_down = float64_model(folder, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    assert_same_as_peft(only_down, ids_BT)
+    two = float64_model(folder)
+    torch.manual_seed(1)
+    two.add_adapter("second", PeftLoraConfig(init_lora_weights=False, target_modules="all-linear", r=4, lora_alpha=8))
+    two.base_model.set_adapter(["default", "second"])
+    for name, p in two.named_parameters():  # set_adapter leaves one trainable: the gradients of both are compared
+        p.requires_grad_("lora_" in name)
+    assert_same_as_peft(two, ids_BT)
+
+
+def test_merged_adapters_run_the_base_on_merged_weights(family_dirs):
+    """Merged into the experts (rlora merge), the wrapper runs its base, which holds the LoRA already: the outputs of
+    the unmerged activation-side forward."""
+    model = float64_model(family_dirs["mixtral"])
+    ids_BT = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(3))
+    expert_lora.install(model)
+    with torch.no_grad():
+        unmerged = model(input_ids=ids_BT).logits
+        model.merge_adapter()
+        merged = model(input_ids=ids_BT).logits
+    torch.testing.assert_close(merged, unmerged, rtol=0, atol=1e-12)
+
+
+def big_saved_storages(model, ids_BT, min_bytes):
+    """How many storages of at least min_bytes the forward saves tensors of (or views into) for the backward, the
+    parameters' own left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    big = set()
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.nbytes() >= min_bytes and storage.data_ptr() not in params:
+            big.add(storage.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids_BT).logits.sum().backward()
+    return len(big)
+
+
+def test_no_tensor_the_size_of_the_expert_stack_is_held_for_the_backward(family_dirs):
+    """peft holds W + s B A of every expert of every sparse layer until the backward; on the activations nothing
+    that size is kept (the point of it for a 128-expert model: a second copy of every layer's experts)."""
+    model = float64_model(family_dirs["olmoe"])
+    experts = next(m for m in model.modules() if type(m).__name__ == "OlmoeExperts")
+    stack = experts.gate_up_proj.numel() * experts.gate_up_proj.element_size()
+    ids_BT = torch.randint(0, 300, (1, 4), generator=torch.Generator().manual_seed(4))  # few tokens: nothing else big
+    expert_lora.uninstall(model)
+    layers = model.config.num_hidden_layers
+    assert big_saved_storages(model, ids_BT, stack) >= layers  # peft: at least one stack per layer
+    expert_lora.install(model)
+    assert big_saved_storages(model, ids_BT, stack) == 0
+
+
+def test_routing_ids_past_the_last_expert_are_dropped(family_dirs):
+    """An expert-parallel sentinel (an id >= num_experts) routes its token nowhere, as transformers' experts skip it."""
+    model = float64_model(family_dirs["qwen3_moe"])
+    expert_lora.install(model)
+    outer = next(m.experts for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+    wrappers, experts = expert_lora._chain(outer)
+    hidden_SH = torch.randn(3, experts.gate_up_proj.shape[-1], dtype=torch.float64)
+    index_SK = torch.tensor([[0, 1], [1, experts.num_experts], [experts.num_experts, experts.num_experts]])
+    weights_SK = torch.full((3, 2), 0.5, dtype=torch.float64)
+    out = expert_lora.experts_forward(experts, wrappers, hidden_SH, index_SK, weights_SK)
+    alone = expert_lora.experts_forward(experts, wrappers, hidden_SH[:2], torch.tensor([[0, 1], [1, 1]]),
+                                        torch.tensor([[0.5, 0.5], [0.5, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(out[:2], alone, rtol=0, atol=1e-14)
+    assert out[2].abs().max() == 0
+
+
+def test_rlora_attaches_it_and_autocast_stays_close(family_dirs):
+    """attach_lora puts it on every sparse layer; under bf16 autocast (train.autocast) it stays within bf16 rounding
+    of peft's path under the same autocast (the two round the LoRA at different points)."""
+    folder = family_dirs["qwen3_moe"]
+    model = attach_lora(load_base_model(ModelConfig(path=folder), folder), LoraConfig(rank=4, alpha=8))
+    sparse = sum(hasattr(m, "experts") and hasattr(m, "gate") for m in model.modules())
+    assert expert_lora.install(model) == sparse > 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    ids_BT = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        got = model(input_ids=ids_BT).logits.float()
+        expert_lora.uninstall(model)
+        want = model(input_ids=ids_BT).logits.float()
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_an_unknown_layout_stays_on_peft(family_dirs):
+    """An experts module whose weights are stored transposed ([E, in, out]) is left to peft's forward."""
+    model = float64_model(family_dirs["mixtral"])
+    for module in model.modules():
+        if type(module).__name__ == "MixtralExperts":
+            module.is_transposed = True
+    assert expert_lora.install(model) == 0

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from rlora.config import LoraConfig, ModelConfig
 from rlora.models import expert_lora
 from rlora.models.loading import attach_lora, load_base_model
+from rlora.models.named_adapters import attach_named
 from rlora.models.tiny import build_random_model
 
 ADAPTED = ("mixtral", "qwen3_moe", "olmoe")  # Qwen2-MoE: peft's all-linear adapts no expert parameter there
@@ -67,15 +68,15 @@ def test_the_same_outputs_and_gradients_as_peft(family_dirs, family):
 
 
 def test_one_projection_adapted_and_two_adapters_active_at_once(family_dirs):
-    """A LoRA on down_proj alone (the gate/up products then the base's), and two adapters active together (their
-    deltas summed, as peft sums them)."""
+    """A LoRA on down_proj alone (the gate/up products then the base's), and two adapters of other ranks and scales
+    (rsLoRA beside plain) active together (their deltas summed, as peft sums them)."""
     folder = family_dirs["qwen3_moe"]
     ids_BT = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(2))
     only_down = float64_model(folder, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
     assert_same_as_peft(only_down, ids_BT)
-    two = float64_model(folder)
+    two = float64_model(folder, use_rslora=True)  # scale alpha / sqrt(r), read from peft, not recomputed
     torch.manual_seed(1)
-    two.add_adapter("second", PeftLoraConfig(init_lora_weights=False, target_modules="all-linear", r=4, lora_alpha=8))
+    two.add_adapter("second", PeftLoraConfig(init_lora_weights=False, target_modules="all-linear", r=2, lora_alpha=3))
     two.base_model.set_adapter(["default", "second"])
     for name, p in two.named_parameters():  # set_adapter leaves one trainable: the gradients of both are compared
         p.requires_grad_("lora_" in name)
@@ -142,13 +143,20 @@ def test_routing_ids_past_the_last_expert_are_dropped(family_dirs):
     assert out[2].abs().max() == 0
 
 
-def test_rlora_attaches_it_and_autocast_stays_close(family_dirs):
-    """attach_lora puts it on every sparse layer; under bf16 autocast (train.autocast) it stays within bf16 rounding
-    of peft's path under the same autocast (the two round the LoRA at different points)."""
+def installed(model) -> int:
+    return sum(expert_lora.experts_wrapper(m) for m in model.modules())
+
+
+def test_rlora_attaches_it_and_autocast_stays_close(family_dirs, tmp_path):
+    """attach_lora and attach_named put it on every sparse layer; under bf16 autocast (train.autocast) it stays
+    within bf16 rounding of peft's path under the same autocast (the two round the LoRA at different points)."""
     folder = family_dirs["qwen3_moe"]
     model = attach_lora(load_base_model(ModelConfig(path=folder), folder), LoraConfig(rank=4, alpha=8))
     sparse = sum(hasattr(m, "experts") and hasattr(m, "gate") for m in model.modules())
-    assert expert_lora.install(model) == sparse > 0
+    assert installed(model) == sparse > 0 and expert_lora.install(model) == sparse  # idempotent
+    model.save_pretrained(tmp_path / "adapter")
+    named = attach_named(load_base_model(ModelConfig(path=folder), folder), {"a": str(tmp_path / "adapter")}, "m")
+    assert installed(named) == sparse
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -168,3 +176,24 @@ def test_an_unknown_layout_stays_on_peft(family_dirs):
         if type(module).__name__ == "MixtralExperts":
             module.is_transposed = True
     assert expert_lora.install(model) == 0
+
+
+def test_a_copy_of_the_model_computes_with_its_own_adapter(family_dirs):
+    """The forward is bound to its wrapper, not closed over it: a deep copy (as a caller may make of a model) runs
+    its own factors."""
+    import copy
+
+    model = float64_model(family_dirs["olmoe"])
+    expert_lora.install(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if "experts" in name and "lora_B" in name:
+                p.mul_(3)
+    ids_BT = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (twin(input_ids=ids_BT).logits - model(input_ids=ids_BT).logits).abs().max() > 1e-6
+        expert_lora.uninstall(twin)
+        expected = twin(input_ids=ids_BT).logits
+        expert_lora.install(twin)
+        torch.testing.assert_close(twin(input_ids=ids_BT).logits, expected, rtol=0, atol=1e-12)

@@ -13,11 +13,15 @@ lora_B [out, r * E]), so the adapter, its saved form and every other peft path s
 peft's forward up to rounding (tests/test_expert_lora.py: outputs and gradients in float64).
 
 install() puts this forward on the outermost ParamWrapper of each experts module whose layout it knows (a gated,
-concatenated [gate; up], untransposed, bias-free experts module: Mixtral, Qwen3-MoE, OLMoE); any other stays on
-peft's path. With the adapters off or merged the wrapper runs its base as peft does.
+concatenated [gate; up], untransposed, bias-free experts module of transformers' common form: tested on Mixtral,
+Qwen3-MoE and OLMoE, the same form as other families peft adapts this way); any other stays on peft's path. It runs
+on a CPU, where it is measured (docs/benchmarks.md); on a GPU, and with the adapters off or merged, the wrapper runs
+peft's forward.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn.functional as F
@@ -39,23 +43,27 @@ def _chain(outer: nn.Module) -> tuple[dict[str, ParamWrapper], nn.Module]:
     return wrappers, module
 
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # not peft's float8 path: F.linear reads these
+
+
 def _known_layout(wrappers: dict[str, ParamWrapper], experts: nn.Module) -> bool:
     layout = (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
               and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
               and not getattr(experts, "has_post_expert_norm", True))
     # peft swaps in/out for parameters stored [E, out, in] (what F.linear reads); the factors below assume that
     return bool(layout) and set(wrappers) <= set(PROJECTIONS) and all(
-        w._did_swap_in_out_features and w.num_experts == experts.num_experts for w in wrappers.values())
+        w._did_swap_in_out_features and w.num_experts == experts.num_experts and w.get_param().dtype in _DTYPES
+        for w in wrappers.values())
 
 
-def _factors(wrapper: ParamWrapper | None) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], float]]:
-    """Per adapter active on one wrapper: (each expert's A [r, in], each expert's B [out, r], scale); [] when none
-    is. Unbound once per forward: indexing a factor per expert would make each index's backward a zero-filled
-    gradient of the whole stack."""
+def _factors(wrapper: ParamWrapper | None, names: list[str] | None = None):
+    """Per adapter of `names` on one wrapper (None: the wrapper's active adapters): (each expert's A [r, in], each
+    expert's B [out, r], scale); [] when none is on it. Unbound once per forward: indexing a factor per expert would
+    make each index's backward a zero-filled gradient of the whole stack."""
     if wrapper is None:
         return []
     out = []
-    for name in wrapper.active_adapters:
+    for name in wrapper.active_adapters if names is None else names:
         if name not in wrapper.lora_A:
             continue
         A = wrapper.lora_A[name].weight  # [E * r, in], expert-major
@@ -76,43 +84,53 @@ def _project(x_NI: torch.Tensor, weight_OI: torch.Tensor, factors, expert: int) 
 
 
 def experts_forward(experts: nn.Module, wrappers: dict[str, ParamWrapper], hidden_SH: torch.Tensor,
-                    top_k_index_SK: torch.Tensor, top_k_weights_SK: torch.Tensor) -> torch.Tensor:
+                    top_k_index_SK: torch.Tensor, top_k_weights_SK: torch.Tensor,
+                    slots: list[str] | None = None, slot_S: torch.Tensor | None = None) -> torch.Tensor:
     """The experts module's output [S, H] for its S tokens' top-K choices, each projection with its LoRA on the
-    activations. Tokens are sorted by expert so that each expert's rows are one slice (one split: its backward
-    concatenates the slices' gradients once)."""
+    activations. slots / slot_S: token s runs through adapter slots[slot_S[s]] alone (rlora serve's batched pass of
+    several clients); None: every token through the wrappers' active adapters. Tokens are sorted by (expert, slot)
+    so that each group's rows are one slice (one split: its backward concatenates the slices' gradients once)."""
     S, K = top_k_index_SK.shape
-    E = experts.num_experts
+    E, G = experts.num_experts, 1 if slots is None else len(slots)
     expert_ids = top_k_index_SK.reshape(-1)
-    order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=E).tolist()[:E]  # host sizes to split by
+    key = expert_ids if slot_S is None else expert_ids * G + slot_S.repeat_interleave(K)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E * G).tolist()[:E * G]  # host sizes to split by
     routed = order[:sum(counts)]  # ids past the last expert (an expert-parallel sentinel) sort last and are dropped
     token_of = routed // K
     out = hidden_SH.new_zeros(S, hidden_SH.shape[-1])
     if len(routed) == 0:
         return out
-    gate_up = _factors(wrappers.get("gate_up_proj"))
-    down = _factors(wrappers.get("down_proj"))
+    names = [None] if slots is None else [[name] for name in slots]
+    gate_up = [_factors(wrappers.get("gate_up_proj"), n) for n in names]
+    down = [_factors(wrappers.get("down_proj"), n) for n in names]
     pieces = []
-    for expert, x_NH in enumerate(hidden_SH[token_of].split(counts)):
+    for group, x_NH in enumerate(hidden_SH[token_of].split(counts)):
         if len(x_NH) == 0:
             continue
-        h_N2I = _project(x_NH, experts.gate_up_proj[expert], gate_up, expert)
-        pieces.append(_project(experts._apply_gate(h_N2I), experts.down_proj[expert], down, expert))
-    y_sorted = torch.cat(pieces) * top_k_weights_SK.reshape(-1)[routed, None].to(pieces[0].dtype)
+        expert, slot = divmod(group, G)
+        h_N2I = _project(x_NH, experts.gate_up_proj[expert], gate_up[slot], expert)
+        pieces.append(_project(experts._apply_gate(h_N2I), experts.down_proj[expert], down[slot], expert))
+    # the routing weights as the router gave them (float32 on Mixtral): one rounding, into the output's dtype
+    y_sorted = torch.cat(pieces) * top_k_weights_SK.reshape(-1)[routed, None]
     return out.index_add(0, token_of, y_sorted.to(out.dtype))
 
 
-def _activation_side_forward(outer: ParamWrapper, wrappers: dict[str, ParamWrapper], experts: nn.Module):
-    peft_forward = type(outer).forward.__get__(outer)
+def _activation_side_forward(self: ParamWrapper, hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor,
+                             top_k_weights_SK: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The outermost experts wrapper's forward (bound to it, so that a copy of the model computes with its own)."""
+    wrappers, experts = _chain(self)
+    off = any(w.disable_adapters or w.merged for w in wrappers.values())
+    # a CPU only: on a GPU transformers' grouped kernel against this loop over experts is not measured yet
+    if (off or args or kwargs or hidden_SH.device.type != "cpu"
+            or not any(_factors(w) for w in wrappers.values())):
+        return ParamWrapper.forward(self, hidden_SH, top_k_index_SK, top_k_weights_SK, *args, **kwargs)
+    return experts_forward(experts, wrappers, hidden_SH, top_k_index_SK, top_k_weights_SK)
 
-    def forward(hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor, top_k_weights_SK: torch.Tensor, *args,
-                **kwargs) -> torch.Tensor:
-        off = any(w.disable_adapters or w.merged for w in wrappers.values())
-        if off or args or kwargs or not any(_factors(w) for w in wrappers.values()):
-            return peft_forward(hidden_SH, top_k_index_SK, top_k_weights_SK, *args, **kwargs)
-        return experts_forward(experts, wrappers, hidden_SH, top_k_index_SK, top_k_weights_SK)
 
-    return forward
+def experts_wrapper(module: nn.Module) -> bool:
+    """Whether `module` is an outermost experts wrapper running the activation-side forward."""
+    return getattr(module, _INSTALLED, False)
 
 
 def install(model: nn.Module) -> int:
@@ -124,14 +142,10 @@ def install(model: nn.Module) -> int:
         outer = getattr(block, "experts", None) if is_sparse_block(block) else None
         if not isinstance(outer, ParamWrapper):
             continue
-        if getattr(outer, _INSTALLED, False):
-            count += 1
-            continue
-        wrappers, experts = _chain(outer)
-        if _known_layout(wrappers, experts):
-            outer.forward = _activation_side_forward(outer, wrappers, experts)
+        if not experts_wrapper(outer) and _known_layout(*_chain(outer)):
+            outer.forward = types.MethodType(_activation_side_forward, outer)
             setattr(outer, _INSTALLED, True)
-            count += 1
+        count += experts_wrapper(outer)
     return count
 
 

@@ -30,6 +30,7 @@ import yaml
 from rlora.data.pref_data import encode_parts
 from rlora.data.prompts import prompt_text
 from rlora.errors import UserError
+from rlora.models import expert_lora
 from rlora.models.loading import resolve_model_path
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.models.reward_model import META_FILE, load_reward_model, load_score_head, read_reward_meta, score
@@ -220,4 +221,5 @@ def attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompt_sets, bat
     for adapter in reward_adapters(rewards):
         model = adapter.attach(model, tokenizer, tok.pad_id, tok.eos_ids[0], cfg.data,
                                batch_size or cfg.train.micro_batch_size, examples, device)
+    expert_lora.install(model)  # a reward adapter's own experts wrappers (on a plain base, or beside attention LoRA)
     return model

@@ -319,7 +319,7 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     set_group_packing(model, cfg.train.pack_groups)
     model = attach_reward_adapters(rewards, model, tokenizer, tok, cfg, prompts, device=device)  # beside the policy's
     model, critics = attach_critics(cfg, model, device) if get_algorithm(cfg.algo.name).critic else (model, [])
-    expert_lora.install(model)  # the experts' wrappers that reward or value adapters made after the policy's
+    expert_lora.install(model)  # the experts wrappers that value adapters (critics) made after the policy's
     if cfg.train.gradient_checkpointing:  # active only in train mode: sampling and no-grad passes skip it
         causal_lm(model).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs(model)})  # MoLoRA: its routing

@@ -132,7 +132,7 @@ def test_routing_ids_past_the_last_expert_are_dropped(family_dirs):
     model = float64_model(family_dirs["qwen3_moe"])
     expert_lora.install(model)
     outer = next(m.experts for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
-    wrappers, experts = expert_lora._chain(outer)
+    wrappers, experts = expert_lora.chain(outer)
     hidden_SH = torch.randn(3, experts.gate_up_proj.shape[-1], dtype=torch.float64)
     index_SK = torch.tensor([[0, 1], [1, experts.num_experts], [experts.num_experts, experts.num_experts]])
     weights_SK = torch.full((3, 2), 0.5, dtype=torch.float64)
@@ -197,3 +197,33 @@ def test_a_copy_of_the_model_computes_with_its_own_adapter(family_dirs):
         expected = twin(input_ids=ids_BT).logits
         expert_lora.install(twin)
         torch.testing.assert_close(twin(input_ids=ids_BT).logits, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
+def test_a_routed_pass_sends_each_rows_tokens_through_its_own_adapter(tmp_path, family):
+    """routed_adapters (rlora serve's batched pass) inside a sparse block: the experts' and the router's LoRA (OLMoE)
+    or the shared expert's linear maps (Qwen2-MoE) take each row's tokens through that row's adapter: the rows of
+    one routed forward equal each adapter's rows run alone, in float64. Without the rows' length the block's
+    flattened tokens are refused, not routed by a guess."""
+    from rlora.models.routed_adapters import routed_adapters
+
+    folder = str(build_random_model(tmp_path / family, family=family, tie=False, seed=5))
+    model = float64_model(folder)
+    torch.manual_seed(2)
+    model.add_adapter("b", PeftLoraConfig(init_lora_weights=False, target_modules="all-linear", r=2, lora_alpha=5))
+    expert_lora.install(model)
+    ids_BT = torch.randint(0, 300, (3, 6), generator=torch.Generator().manual_seed(7))
+    alone = []
+    with torch.no_grad():
+        for name, rows in (("default", slice(0, 2)), ("b", slice(2, 3))):
+            model.set_adapter(name)
+            alone.append(model(input_ids=ids_BT[rows]).logits)
+        with routed_adapters(model, ["default", "b"]) as routes:
+            with routes.routed([(0, 2), (1, 1)], dims=3, row_tokens=6):
+                routed = model(input_ids=ids_BT).logits
+            with routes.routed([(0, 2), (1, 1)], dims=3), pytest.raises(RuntimeError, match="were routed"):
+                model(input_ids=ids_BT)
+    torch.testing.assert_close(routed, torch.cat(alone), rtol=0, atol=1e-12)
+    with torch.no_grad():  # the two adapters differ inside the block: a row through the other one would show
+        model.set_adapter("default")
+        assert (model(input_ids=ids_BT[2:]).logits - alone[1]).abs().max() > 1e-6

@@ -138,41 +138,45 @@ def test_several_policies_on_the_attention_of_a_mixture_sample_each_as_alone(fam
     assert together.completions[:4] != together.completions[4:]
 
 
-def test_serve_batches_attention_clients_and_runs_an_expert_lora_alone(tmp_path):
+def test_serve_batches_attention_and_expert_clients_each_as_alone(tmp_path, monkeypatch):
     """rlora serve on a mixture of experts: a client whose LoRA sits inside a sparse block (train_mlp: peft moves
-    the dense layer's MLP names onto the fused experts) sees tokens there, not rows, so it never joins a batched pass
-    (it would fail and run again alone); attention-only clients still share one, each getting what it gets alone.
-    Where no MLP has a linear layer (Mixtral), train_mlp adapts the experts' fused weights: they train, and the
-    sampler's log-probs are the server's forward's."""
+    the dense layer's MLP names onto the fused experts and the router) sees tokens there, not rows; the batched pass
+    routes each row's tokens through its own client's experts and router (models/routed_adapters.py), so attention
+    clients and expert clients share one pass, each getting the outputs and gradients it gets alone, also with
+    micro-batches that mix clients. Where no MLP has a linear layer (Mixtral), train_mlp adapts the experts' fused
+    weights: they train, and the sampler's log-probs are the server's forward's."""
     import tinker
     from serve_helpers import KEY, running_server
-    from test_serve_batching import assert_close, assert_same_output, batched_then_alone, ce_datum, grads, held
+    from test_serve_batching import assert_close, assert_same_output, batched_then_alone, ce_datum, grads
+
+    from rlora.serve import worker as worker_module
 
     folder = str(build_random_model(tmp_path / "qwen3_moe", family="qwen3_moe", tie=False, seed=0))
     data = [[[5, 17, 33, 8, 41], [12, 7, 19, 60, 3]], [[30, 31, 32, 33, 34, 35], [2, 4, 6, 8]],
-            [[11, 22, 33, 44, 55, 6, 7], [8, 18, 28]]]
-    specs = [dict(rank=4, train_mlp=False), dict(rank=2, train_mlp=False, train_unembed=False), dict(rank=4)]
+            [[11, 22, 33, 44, 55, 6, 7], [8, 18, 28]], [[9, 8, 7, 6], [40, 41, 42, 43, 44, 45, 46]]]
+    specs = [dict(rank=4, train_mlp=False), dict(rank=2, train_mlp=False, train_unembed=False), dict(rank=4),
+             dict(rank=2, train_attn=False, train_unembed=False)]
     with running_server(folder, tmp_path / "state") as (url, served):
         service = tinker.ServiceClient(base_url=url, api_key=KEY)
         server = type("Server", (), dict(served=served, worker=served.worker))
         pairs = [[service.create_lora_training_client(base_model=folder, seed=7 + k, **spec).result() for _ in "ab"]
                  for k, spec in enumerate(specs)]
-        assert [served.worker.trainee(p[0].model_id).routable for p in pairs] == [True, True, False]
+        assert all(served.worker.trainee(p[0].model_id).routable for p in pairs)
+        experts = [n for n, p in served.worker.model.named_parameters()
+                   if any(p is q for q in served.worker.trainee(pairs[3][0].model_id).params)]
+        assert {n.split(".mlp.")[1].split(".")[0] for n in experts if ".layers.1." in n} == {"experts", "gate"}
         for k, pair in enumerate(pairs):
             for client in pair:  # one step each: B no longer 0
                 client.forward_backward([ce_datum(s) for s in data[k]], "cross_entropy").result()
                 client.optim_step(tinker.types.AdamParams(learning_rate=5e-2)).result()
-        requests = [lambda c, k=k: c.forward_backward([ce_datum(s) for s in data[k]], "cross_entropy") for k in (0, 1)]
-        batched, alone = batched_then_alone(server, [p[0] for p in pairs[:2]], [p[1] for p in pairs[:2]], requests)
-        for k in (0, 1):
+        monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 16)  # micro-batches that mix clients' rows
+        requests = [lambda c, k=k: c.forward_backward([ce_datum(s) for s in data[k]], "cross_entropy")
+                    for k in range(4)]
+        batched, alone = batched_then_alone(server, [p[0] for p in pairs], [p[1] for p in pairs], requests)
+        for k in range(4):
             assert_same_output(batched[k], alone[k])
             assert_close(grads(server, pairs[k][0]), grads(server, pairs[k][1]))
-        tried, batch = [], served.worker.forward_backward_batch
-        served.worker.forward_backward_batch = lambda requests: (tried.append(len(requests)), batch(requests))[1]
-        with held(server, 2):  # the twins' requests queue back to back: batchable, were they routable
-            experts = [c.forward_backward([ce_datum(s) for s in data[2]], "cross_entropy") for c in pairs[2]]
-        assert_same_output(*[f.result() for f in experts])
-        assert tried == []
+            assert all(g is not None and g.abs().max() > 0 for g in grads(server, pairs[k][0]))
         service.close("success").result(timeout=30)
     mixtral = str(build_random_model(tmp_path / "mixtral", family="mixtral", tie=False, seed=0))
     with running_server(mixtral, tmp_path / "state2") as (url, served):
@@ -183,7 +187,7 @@ def test_serve_batches_attention_clients_and_runs_an_expert_lora_alone(tmp_path)
         names = [n for n, p in served.worker.model.named_parameters() if any(p is q for q in trainee.params)]
         # train_mlp: the experts' fused weights and the router's, as peft's all-linear in `rlora train`
         assert {n.split(".mlp.")[1].split(".")[0] for n in names} == {"experts", "gate"}
-        assert not trainee.routable
+        assert trainee.routable
         before = client.save_weights_and_get_sampling_client().result()
         for _ in range(2):
             client.forward_backward([ce_datum(s) for s in data[0]], "cross_entropy").result()

@@ -34,7 +34,7 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 _INSTALLED = "_rlora_activation_side"
 
 
-def _chain(outer: nn.Module) -> tuple[dict[str, ParamWrapper], nn.Module]:
+def chain(outer: nn.Module) -> tuple[dict[str, ParamWrapper], nn.Module]:
     """The ParamWrappers nested from `outer` inward, by the parameter each adapts, and the module they wrap."""
     wrappers, module = {}, outer
     while isinstance(module, ParamWrapper):
@@ -74,13 +74,31 @@ def _factors(wrapper: ParamWrapper | None, names: list[str] | None = None):
     return out
 
 
-def _project(x_NI: torch.Tensor, weight_OI: torch.Tensor, factors, expert: int) -> torch.Tensor:
-    y_NO = F.linear(x_NI, weight_OI)
+def _lora(x_NI: torch.Tensor, factors, expert: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The sum of the adapters' s B_e (A_e x) for expert e, in `dtype`; None where no adapter is on."""
+    delta = None
     for A_RI, B_OR, scale in factors:
         lora_in = x_NI.to(A_RI[expert].dtype)  # the adapter's own dtype, as peft's Linear casts its input
-        # the scale on the rank's r columns, not the output's; added in place (a product's backward needs no output)
-        y_NO.add_(F.linear(F.linear(lora_in, A_RI[expert]) * scale, B_OR[expert]).to(y_NO.dtype))
-    return y_NO
+        # the scale on the rank's r columns, not the output's
+        term = F.linear(F.linear(lora_in, A_RI[expert]) * scale, B_OR[expert]).to(dtype)
+        delta = term if delta is None else delta + term
+    return delta
+
+
+def _project(x_NI: torch.Tensor, weight_OI: torch.Tensor, factors_per_slot, expert: int,
+             slot_counts: list[int]) -> torch.Tensor:
+    """One expert's product W_e x for all its rows at once, plus each slot's LoRA on that slot's rows (consecutive,
+    slot_counts of them each)."""
+    y_NO = F.linear(x_NI, weight_OI)
+    if len(slot_counts) == 1:
+        delta = _lora(x_NI, factors_per_slot[0], expert, y_NO.dtype)
+        return y_NO if delta is None else y_NO.add_(delta)  # in place: a product's backward needs no output
+    deltas = [_lora(x, factors, expert, y_NO.dtype)
+              for x, factors in zip(x_NI.split(slot_counts), factors_per_slot)]
+    if all(d is None for d in deltas):
+        return y_NO
+    return y_NO + torch.cat([y_NO.new_zeros(n, y_NO.shape[-1]) if d is None else d
+                             for d, n in zip(deltas, slot_counts)])
 
 
 def experts_forward(experts: nn.Module, wrappers: dict[str, ParamWrapper], hidden_SH: torch.Tensor,
@@ -88,8 +106,9 @@ def experts_forward(experts: nn.Module, wrappers: dict[str, ParamWrapper], hidde
                     slots: list[str] | None = None, slot_S: torch.Tensor | None = None) -> torch.Tensor:
     """The experts module's output [S, H] for its S tokens' top-K choices, each projection with its LoRA on the
     activations. slots / slot_S: token s runs through adapter slots[slot_S[s]] alone (rlora serve's batched pass of
-    several clients); None: every token through the wrappers' active adapters. Tokens are sorted by (expert, slot)
-    so that each group's rows are one slice (one split: its backward concatenates the slices' gradients once)."""
+    several clients); None: every token through the wrappers' active adapters. Tokens are sorted by (expert, slot):
+    each expert's rows are one slice (one split: its backward concatenates the slices' gradients once), its base
+    product one call, and each slot's rows a slice within it."""
     S, K = top_k_index_SK.shape
     E, G = experts.num_experts, 1 if slots is None else len(slots)
     expert_ids = top_k_index_SK.reshape(-1)
@@ -104,13 +123,14 @@ def experts_forward(experts: nn.Module, wrappers: dict[str, ParamWrapper], hidde
     names = [None] if slots is None else [[name] for name in slots]
     gate_up = [_factors(wrappers.get("gate_up_proj"), n) for n in names]
     down = [_factors(wrappers.get("down_proj"), n) for n in names]
+    per_expert = [sum(counts[e * G:(e + 1) * G]) for e in range(E)]
     pieces = []
-    for group, x_NH in enumerate(hidden_SH[token_of].split(counts)):
+    for expert, x_NH in enumerate(hidden_SH[token_of].split(per_expert)):
         if len(x_NH) == 0:
             continue
-        expert, slot = divmod(group, G)
-        h_N2I = _project(x_NH, experts.gate_up_proj[expert], gate_up[slot], expert)
-        pieces.append(_project(experts._apply_gate(h_N2I), experts.down_proj[expert], down[slot], expert))
+        slot_counts = counts[expert * G:(expert + 1) * G]
+        h_N2I = _project(x_NH, experts.gate_up_proj[expert], gate_up, expert, slot_counts)
+        pieces.append(_project(experts._apply_gate(h_N2I), experts.down_proj[expert], down, expert, slot_counts))
     # the routing weights as the router gave them (float32 on Mixtral): one rounding, into the output's dtype
     y_sorted = torch.cat(pieces) * top_k_weights_SK.reshape(-1)[routed, None]
     return out.index_add(0, token_of, y_sorted.to(out.dtype))
@@ -119,7 +139,7 @@ def experts_forward(experts: nn.Module, wrappers: dict[str, ParamWrapper], hidde
 def _activation_side_forward(self: ParamWrapper, hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor,
                              top_k_weights_SK: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The outermost experts wrapper's forward (bound to it, so that a copy of the model computes with its own)."""
-    wrappers, experts = _chain(self)
+    wrappers, experts = chain(self)
     off = any(w.disable_adapters or w.merged for w in wrappers.values())
     # a CPU only: on a GPU transformers' grouped kernel against this loop over experts is not measured yet
     if (off or args or kwargs or hidden_SH.device.type != "cpu"
@@ -142,7 +162,7 @@ def install(model: nn.Module) -> int:
         outer = getattr(block, "experts", None) if is_sparse_block(block) else None
         if not isinstance(outer, ParamWrapper):
             continue
-        if not experts_wrapper(outer) and _known_layout(*_chain(outer)):
+        if not experts_wrapper(outer) and _known_layout(*chain(outer)):
             outer.forward = types.MethodType(_activation_side_forward, outer)
             setattr(outer, _INSTALLED, True)
         count += experts_wrapper(outer)

@@ -15,6 +15,11 @@ target and in how many rows they own, which the packed form pays for in zero pad
 every adapter's rows to the largest count, a zero adapter where one is not on a layer) and in stacking copies of
 the factors every forward. For the few adapters of one forward (rlora serve batches at most 8) the loop costs a
 few small rank-r matmuls per layer beside the base matmul, which is the bulk of the work and runs once.
+
+Inside a mixture-of-experts block the layers see the block's B * T tokens, flattened row by row, so the runs go
+over tokens there (each row's T with it): a linear map as above, a router's LoRA on its [E, H] weight by running
+the family's router on W + that run's delta, and experts that models/expert_lora.py computes on the activations
+with each token's adapter as its slot.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
+from rlora.models import expert_lora
 from rlora.models.multi_lora import lora_layers
+from rlora.models.sparse_blocks import in_sparse_block, sparse_block_names
 
 Runs = list[tuple[int, int]]  # (adapter index, number of consecutive inputs along dim 0), in order
 
@@ -37,35 +45,54 @@ class AdapterRoutes:
         self.names = list(names)  # peft adapter names; a run's adapter index points here
         self.runs: Runs | None = None
         self.dims = 0  # the inputs' number of dimensions the runs are for
+        self.row_tokens: int | None = None  # T of the rows [B, T, I] the runs are over (dims 3)
 
     @contextmanager
-    def routed(self, runs: Runs, dims: int):
+    def routed(self, runs: Runs, dims: int, row_tokens: int | None = None):
         """The forwards inside send their inputs along dim 0 through these runs' adapters (then the runs before).
         dims: the adapted layers' inputs have so many dimensions (3: rows [B, T, I]; 2: positions [N, H]); a layer
-        fed anything else (a mixture-of-experts layer, fed the tokens it got) refuses to run rather than route by
-        coincidence of counts. Anything that runs the layers again (a checkpointed function recomputed in
-        backward) must run inside."""
-        previous, self.runs, self.dims = (self.runs, self.dims), list(runs), dims
+        fed anything else refuses to run rather than route by coincidence of counts, except inside a mixture's
+        sparse block, which flattens its rows to [B * T, H] tokens row by row: with row_tokens = T given, its layers
+        route each row's T tokens with the row. Anything that runs the layers again (a checkpointed function
+        recomputed in backward) must run inside."""
+        previous = (self.runs, self.dims, self.row_tokens)
+        self.runs, self.dims, self.row_tokens = list(runs), dims, row_tokens
         try:
             yield
         finally:
-            self.runs, self.dims = previous
+            self.runs, self.dims, self.row_tokens = previous
 
-
-def _routed_forward(module: nn.Module, routes: AdapterRoutes):
-    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = module.base_layer(x, *args, **kwargs)
-        runs = routes.runs
+    def inputs_runs(self, x: torch.Tensor, in_block: bool) -> Runs:
+        """The runs over x's dim 0: the routed runs, or inside a sparse block the rows' runs in tokens."""
+        runs = self.runs
         if runs is None:
             raise RuntimeError("a forward through routed adapters without its inputs' adapters (AdapterRoutes.routed)")
-        # no adapter of this forward is on this layer (e.g. another client's, inside a mixture-of-experts block)
-        if not any(routes.names[k] in module.lora_A for k, _ in runs):
+        rows = sum(count for _, count in runs)
+        if in_block and self.dims == 3 and self.row_tokens and x.dim() == 2 and x.shape[0] == rows * self.row_tokens:
+            return [(k, count * self.row_tokens) for k, count in runs]
+        if x.dim() != self.dims or rows != x.shape[0]:  # never guess
+            raise RuntimeError(f"inputs {tuple(x.shape)} where runs over {rows} inputs of {self.dims} dimensions "
+                               "were routed")
+        return runs
+
+    def on(self, runs: Runs, module: nn.Module) -> bool:
+        """Whether an adapter of these runs is on the module."""
+        return any(self.names[k] in module.lora_A for k, _ in runs)
+
+
+def _routed_forward(module: nn.Module, routes: AdapterRoutes, in_block: bool):
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = module.base_layer(x, *args, **kwargs)
+        if routes.runs is None:
+            raise RuntimeError("a forward through routed adapters without its inputs' adapters (AdapterRoutes.routed)")
+        # no adapter of this forward is on this layer (e.g. another client's)
+        if not routes.on(routes.runs, module):
             return result
-        if x.dim() != routes.dims or sum(count for _, count in runs) != x.shape[0]:  # never guess
-            raise RuntimeError(f"inputs {tuple(x.shape)} where runs over {sum(c for _, c in runs)} inputs of "
-                               f"{routes.dims} dimensions were routed")
+        if isinstance(module, ParamWrapper):  # a parameter's LoRA the loop below would apply as a linear map's
+            raise RuntimeError(f"routed adapters on peft's {module.parameter_name} parameter of a layout rlora does not "
+                               "route (serve's Trainee.routable keeps such an adapter out of batched passes)")
         parts, start = [], 0
-        for k, count in runs:
+        for k, count in routes.inputs_runs(x, in_block):
             name, piece = routes.names[k], result[start:start + count]
             if name in module.lora_A:  # as peft's Linear.forward for one active adapter
                 lora_A, lora_B = module.lora_A[name], module.lora_B[name]
@@ -76,6 +103,63 @@ def _routed_forward(module: nn.Module, routes: AdapterRoutes):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     return forward
+
+
+def _joined(outputs: list):
+    """One forward's outputs over consecutive runs of tokens, joined along dim 0 (a tuple element by element)."""
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs)
+    return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
+
+
+def _routed_router_forward(module: ParamWrapper, routes: AdapterRoutes):
+    """A mixture's router with peft's LoRA on its [E, H] weight: each run of tokens through the family's own router
+    module on W + that run's adapter's delta (peft's forward for it alone; the router scores each token alone)."""
+    router = module.get_base_layer()
+
+    def forward(x_SH: torch.Tensor, *args, **kwargs):
+        runs = routes.inputs_runs(x_SH, in_block=True)
+        if not routes.on(runs, module):
+            return router(x_SH, *args, **kwargs)
+        outputs, start = [], 0
+        for k, count in runs:
+            name, x_run = routes.names[k], x_SH[start:start + count]
+            start += count
+            if name not in module.lora_A:
+                outputs.append(router(x_run, *args, **kwargs))
+                continue
+            weight = module.get_param() + module.get_delta_weight(name)
+            outputs.append(torch.func.functional_call(router, {module.parameter_name: weight}, (x_run, *args), kwargs))
+        return _joined(outputs)
+
+    return forward
+
+
+def _routed_experts_forward(module: ParamWrapper, routes: AdapterRoutes):
+    """A mixture's experts with peft's LoRA on their fused weights (models/expert_lora.py's layout): each token
+    through its row's adapter, on the activations."""
+    wrappers, experts = expert_lora.chain(module)
+
+    def forward(hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor, top_k_weights_SK: torch.Tensor):
+        runs = routes.inputs_runs(hidden_SH, in_block=True)
+        if not any(routes.on(runs, wrapper) for wrapper in wrappers.values()):
+            return experts(hidden_SH, top_k_index_SK, top_k_weights_SK)
+        slot_S = torch.repeat_interleave(torch.tensor([k for k, _ in runs]), torch.tensor([c for _, c in runs]))
+        return expert_lora.experts_forward(experts, wrappers, hidden_SH, top_k_index_SK, top_k_weights_SK,
+                                           slots=routes.names, slot_S=slot_S.to(hidden_SH.device))
+
+    return forward
+
+
+def token_routable(module: nn.Module, within: nn.Module) -> bool:
+    """Whether routed_adapters can send a sparse block's tokens through the adapters on `module` (a LoRA layer inside
+    the block `within`): a linear map, a router's [E, H] weight, or experts that models/expert_lora.py computes on
+    the activations (on a CPU, where that is measured)."""
+    if not isinstance(module, ParamWrapper) or module.num_experts == 1:
+        return True
+    outer = getattr(within, "experts", None)
+    return (expert_lora.experts_wrapper(outer) and module in expert_lora.chain(outer)[0].values()
+            and module.get_param().device.type == "cpu")
 
 
 @contextmanager
@@ -90,8 +174,16 @@ def routed_adapters(model: nn.Module, names: list[str]) -> Iterator[AdapterRoute
             raise RuntimeError("routed adapters are plain LoRA (no DoRA or other variant)")
     routes = AdapterRoutes(names)
     own = [(module, module.__dict__.get("forward")) for module in layers]  # a forward set on the instance, if any
+    blocks = sparse_block_names(model)
+    block_of = {id(module): in_sparse_block(name, blocks) for name, module in model.named_modules()}
     for module in layers:
-        module.forward = _routed_forward(module, routes)
+        in_block = block_of[id(module)] is not None
+        if expert_lora.experts_wrapper(module):
+            module.forward = _routed_experts_forward(module, routes)
+        elif in_block and isinstance(module, ParamWrapper) and module.num_experts == 1:
+            module.forward = _routed_router_forward(module, routes)
+        else:
+            module.forward = _routed_forward(module, routes, in_block)
     try:
         yield routes
     finally:

@@ -32,11 +32,12 @@ from rlora.serve.losses import check_datum, check_loss
 from rlora.serve.prompt_scores import check_asks
 from rlora.serve.sampling import sampling_settings
 from rlora.serve.state import ServeError, StateDir, check_name, check_ttl, parse_path
-from rlora.serve.worker import CPU_MICRO_BATCH_TOKENS, ModelWorker
+from rlora.serve.worker import ModelWorker
 
 API = "/api/v1"
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request
 MAX_SAMPLES = 1024  # num_samples of one sample request
+CPU_BATCH_TOKENS = 512  # on a CPU, clients' forward_backward share a pass only up to so many tokens in all
 SAMPLES_BATCHED = 64  # sample requests of one session in one sampler call (an RL step sends one per group)
 SESSION_TIMEOUT = 900.0  # seconds without a heartbeat after which a session is finished
 FINISHED_KEPT = 4096  # finished session ids remembered (their heartbeats get 410, which stops the SDK's)
@@ -225,9 +226,9 @@ def build_app(served: Served) -> FastAPI:
                 "model_data": {"arch": served.arch, "model_name": served.names[0], "tokenizer_id": worker.model_path}}
 
     # on a CPU the base forward is compute-bound from a few hundred tokens on, so batching clients only pays while
-    # their requests together fit one CPU forward (bench/serve_batching.py: 1.24x for 4 clients x 64 tokens, 0.92x
-    # for 4 clients x 1024); a GPU batches up to the jobs' cap
-    fb_batch_tokens = CPU_MICRO_BATCH_TOKENS if worker.base.device.type == "cpu" else MAX_BATCH_TOKENS
+    # their requests together are small (bench/serve_batching.py, 4 clients, SmolLM2 / a small Qwen3-MoE: 1.25x /
+    # 1.12x at 256 tokens in all, 1.12x / 0.96x at 512, 0.85x / 0.88x at 1024); a GPU batches up to the jobs' cap
+    fb_batch_tokens = CPU_BATCH_TOKENS if worker.base.device.type == "cpu" else MAX_BATCH_TOKENS
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request):

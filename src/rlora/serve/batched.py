@@ -115,7 +115,7 @@ def _micro_batch(worker, routes: AdapterRoutes, members: list[_Member], rows: li
     def head_routed(lo: int, hi: int):
         return routes.routed(_clipped(token_runs, lo, hi), dims=2)
 
-    with routes.routed(runs, dims=3):
+    with routes.routed(runs, dims=3, row_tokens=ids_BT.shape[1]):  # a sparse block's layers see rows' tokens
         logp_BT = worker.token_logprobs(ids_BT, mask_BT, targets_BT, head_routed)
         losses, start = [], 0
         for (k, count), (_, _, _, inputs) in zip(runs, padded):

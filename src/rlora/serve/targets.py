@@ -7,6 +7,7 @@ from peft import LoraConfig
 from torch import nn
 
 from rlora.models.loading import linear_module_names
+from rlora.models.routed_adapters import token_routable
 from rlora.models.sparse_blocks import in_sparse_block, peft_expert_parameters, sparse_block_names
 from rlora.serve import wire
 from rlora.serve.state import ServeError
@@ -39,7 +40,12 @@ class ClientTargets:
                           target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM")
 
     def routable(self, model: nn.Module, adapter: str) -> bool:
-        """Whether the adapter can join a batched pass: none of its layers sits inside a mixture-of-experts block,
-        which runs the block's tokens, not rows (model: the peft model that holds it)."""
-        return not any(in_sparse_block(name.removeprefix("base_model.model."), self.sparse_blocks)
-                       for name, module in model.named_modules() if adapter in getattr(module, "lora_A", {}))
+        """Whether the adapter can join a batched pass (model: the peft model that holds it): a layer of it inside a
+        mixture-of-experts block sees the block's tokens, not rows, which routed_adapters sends through their rows'
+        adapters only for the layers it knows there (models/routed_adapters.token_routable)."""
+        for name, module in model.named_modules():
+            block = in_sparse_block(name.removeprefix("base_model.model."), self.sparse_blocks)
+            if (block is not None and adapter in getattr(module, "lora_A", {})
+                    and not token_routable(module, model.get_submodule(f"base_model.model.{block}"))):
+                return False
+        return True

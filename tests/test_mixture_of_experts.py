@@ -101,12 +101,11 @@ def test_the_experts_lora_is_merged_once_per_view(family_dirs, family):
 
 
 
-def test_what_routes_by_row_refuses_a_module_inside_a_sparse_block(family_dirs):
-    """Qwen2-MoE's shared expert (plain linear maps inside the sparse block) sees the block's tokens, not rows: several
-    policies and a MoLoRA sequence router refuse it in one line; a token router adapts it."""
+def test_a_sequence_router_refuses_a_module_inside_a_sparse_block(family_dirs):
+    """Qwen2-MoE's shared expert (plain linear maps inside the sparse block) sees the block's tokens, not rows: a
+    MoLoRA sequence router refuses it in one line; a token router adapts it (several policies route the block's
+    tokens by their rows: tests/test_block_routing.py)."""
     folder = family_dirs["qwen2_moe"]
-    with pytest.raises(UserError, match=r"policies: an adapter on 'shared_expert.gate_proj' \(inside a mixture-of-"):
-        mlr.attach_policies(base(folder), LoraConfig(rank=4, alpha=8), ["a", "b"], [1, 2])
     with pytest.raises(UserError, match="MoLoRA's sequence router cannot route 'shared_expert.gate_proj'"):
         ml.attach_molora(base(folder), MoLoRAConfig(num_experts=2, top_k=1, router="sequence", rank=4))
     model = base(folder)
@@ -116,12 +115,15 @@ def test_what_routes_by_row_refuses_a_module_inside_a_sparse_block(family_dirs):
         assert torch.isfinite(model(torch.tensor([[5, 6, 7], [8, 9, 10]])).logits).all()
 
 
-def test_several_policies_on_the_attention_of_a_mixture_sample_each_as_alone(family_dirs):
-    """Two policies on Qwen3-MoE's attention maps, sampled in one batch (their rows through the batched adapters,
-    every row through the sparse block), against each policy sampled on its own (the other policy's rows absent)."""
-    folder = family_dirs["qwen3_moe"]
+@pytest.mark.parametrize("family,targets", [("qwen3_moe", ATTENTION), ("qwen3_moe", "all-linear"),
+                                            ("qwen2_moe", "all-linear"), ("mixtral", "all-linear")])
+def test_several_policies_on_a_mixture_sample_each_as_alone(family_dirs, family, targets):
+    """Two policies on a mixture's attention maps, or on every linear map with its fused experts, router and shared
+    expert (each token through its row's policy, models/block_routing.py), sampled in one batch against each policy
+    sampled on its own (the other policy's rows absent)."""
+    folder = family_dirs[family]
     tokenizer, tok = load_tokenizer(folder)
-    model = mlr.attach_policies(base(folder), LoraConfig(rank=4, alpha=8, target_modules=ATTENTION), ["a", "b"], [1, 2])
+    model = mlr.attach_policies(base(folder), LoraConfig(rank=4, alpha=8, target_modules=targets), ["a", "b"], [1, 2])
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

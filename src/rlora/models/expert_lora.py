@@ -46,7 +46,7 @@ def chain(outer: nn.Module) -> tuple[dict[str, ParamWrapper], nn.Module]:
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # not peft's float8 path: F.linear reads these
 
 
-def _known_layout(wrappers: dict[str, ParamWrapper], experts: nn.Module) -> bool:
+def known_layout(wrappers: dict[str, ParamWrapper], experts: nn.Module) -> bool:
     layout = (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
               and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
               and not getattr(experts, "has_post_expert_norm", True))
@@ -93,7 +93,7 @@ def _project(x_NI: torch.Tensor, weight_OI: torch.Tensor, factors_per_slot, expe
     if len(slot_counts) == 1:
         delta = _lora(x_NI, factors_per_slot[0], expert, y_NO.dtype)
         return y_NO if delta is None else y_NO.add_(delta)  # in place: a product's backward needs no output
-    deltas = [_lora(x, factors, expert, y_NO.dtype)
+    deltas = [_lora(x, factors, expert, y_NO.dtype) if len(x) else None
               for x, factors in zip(x_NI.split(slot_counts), factors_per_slot)]
     if all(d is None for d in deltas):
         return y_NO
@@ -162,7 +162,8 @@ def install(model: nn.Module) -> int:
         outer = getattr(block, "experts", None) if is_sparse_block(block) else None
         if not isinstance(outer, ParamWrapper):
             continue
-        if not experts_wrapper(outer) and _known_layout(*chain(outer)):
+        # a forward set on the instance by someone else (several policies, models/multi_lora.py) stays theirs
+        if not experts_wrapper(outer) and "forward" not in vars(outer) and known_layout(*chain(outer)):
             outer.forward = types.MethodType(_activation_side_forward, outer)
             setattr(outer, _INSTALLED, True)
         count += experts_wrapper(outer)

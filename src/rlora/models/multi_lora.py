@@ -23,12 +23,15 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora.layer import ParamWrapper
 from safetensors.torch import save_file
 from torch import nn
 
 from rlora.config import LoraConfig
 from rlora.errors import UserError, first_line
 from rlora.models.loading import causal_lm, check_adapter_folder, peft_lora_config
+from rlora.models import block_routing
+from rlora.models.block_routing import token_slots
 from rlora.models.sparse_blocks import in_sparse_block, sparse_block_names
 
 STATE_ATTR = "_rlora_policies"
@@ -42,6 +45,7 @@ class RowBlocks:
 
     def __init__(self, policy_N: torch.Tensor, num_policies: int):
         policy_N = policy_N.long()
+        self.policy_N = policy_N  # each row's policy (a sparse block's tokens take their row's: block_routing)
         N = len(policy_N)
         counts_K = torch.bincount(policy_N, minlength=num_policies)
         present_P = (counts_K > 0).nonzero().squeeze(-1)
@@ -125,8 +129,9 @@ def stacked_factors(module: nn.Module, names: list[str], dtype: torch.dtype | No
     return A, B, scale
 
 
-def _policy_forward(module: nn.Module, state: PolicyState):
-    """A forward for one peft LoRA layer that sends each row through its policy's adapter."""
+def _policy_forward(module: nn.Module, state: PolicyState, in_block: bool):
+    """A forward for one peft LoRA layer that sends each row through its policy's adapter (in_block: a layer inside
+    a mixture's sparse block, fed the rows' tokens flattened [N * T, I]: routed as N rows of T)."""
     dropout = module.lora_dropout[state.names[0]]  # one LoRA config: the same dropout for every policy
     peft_forward = type(module).forward.__get__(module)
     policies = set(state.names)
@@ -144,8 +149,31 @@ def _policy_forward(module: nn.Module, state: PolicyState):
         A, B, scale = stacked_factors(module, [state.names[k] for k in blocks.present])  # the present ones only
         x_in = dropout(x.to(A.dtype))
         rows = x_in if x_in.dim() > 1 else x_in[None]
+        if in_block and rows.dim() == 2 and len(rows) != blocks.N:  # the block's tokens: N rows of T
+            token_slots(blocks.policy_N, len(rows))  # refuses a count that is not N rows of T
+            rows = rows.view(blocks.N, -1, rows.shape[-1])
         delta = multi_lora_delta(rows, A, B, scale, blocks)
         return result + delta.view(*result.shape[:-1], -1).to(result.dtype)
+
+    return forward
+
+
+def _policy_block_forward(module: ParamWrapper, state: PolicyState, experts: bool):
+    """A forward for peft's LoRA on a router's weight or on the fused experts (their outermost wrapper) inside a
+    sparse block: each token through its row's policy (models/block_routing.py)."""
+    peft_forward = type(module).forward.__get__(module)
+    policies = set(state.names)
+
+    def forward(x_SH: torch.Tensor, *args, **kwargs):
+        if module.disable_adapters or not policies.issuperset(module.active_adapters):  # the base, another role
+            return peft_forward(x_SH, *args, **kwargs)
+        if state.blocks is None:
+            raise RuntimeError("a model with several policy adapters ran a forward without rows' policies "
+                               "(wrap it in multi_lora.policy_rows)")
+        slot_S = token_slots(state.blocks.policy_N, len(x_SH)).to(x_SH.device)
+        if experts:
+            return block_routing.experts_forward(module, x_SH, *args, slot_S=slot_S, slots=state.names, **kwargs)
+        return block_routing.router_forward(module, x_SH, slot_S, state.names, *args, **kwargs)
 
     return forward
 
@@ -176,23 +204,31 @@ def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds
     except (ValueError, RuntimeError, KeyError) as err:
         raise UserError(f"the policies' LoRA does not fit the model: {first_line(err)}") from None
     blocks = sparse_block_names(model)
+    state = PolicyState(names)
+    forwards = []  # (module, its forward)
     for name, module in model.named_modules():
         if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
             continue
         if ".layers." not in name:  # e.g. lm_head: the log-prob passes feed it tokens, not rows
             raise UserError(f"policies: an adapter on '{name.rsplit('.', 1)[-1]}' (outside the decoder layers) is not "
                             "supported: target linear layers inside the decoder layers")
-        if in_sparse_block(name, blocks) is not None:  # e.g. Qwen2-MoE's shared expert: it sees tokens, not rows
-            raise UserError(f"policies: an adapter on '{name.split('.mlp.')[-1]}' (inside a mixture-of-experts block, "
-                            "which runs tokens, not rows) is not supported: target the attention maps, e.g. "
-                            "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]")
+        block_name = in_sparse_block(name, blocks)
+        block = None if block_name is None else model.get_submodule(block_name)
+        if isinstance(module, ParamWrapper) and block is not None:  # a router's weight or the fused experts
+            if not block_routing.token_routable(module, block):
+                raise UserError(f"policies: peft's LoRA on '{name.split('.mlp.')[-1]}' (a mixture's experts of a "
+                                "layout rlora does not route by row) is not supported: target the attention maps, "
+                                "e.g. lora.target_modules=[q_proj, k_proj, v_proj, o_proj]")
+            if block_routing.is_router(module) or block_routing.is_experts(module, block):
+                forwards.append((module, _policy_block_forward(module, state, experts=not block_routing.is_router(
+                    module))))
+            continue  # an inner experts wrapper: the outermost one computes every projection
         if type(module).__name__ != "Linear" or any(module.lora_variant.get(n) for n in names):
             raise UserError(f"policies: {type(module).__name__} LoRA layers (or DoRA) are not supported: "
                             "target linear layers with plain LoRA")
-    layers = lora_layers(model)
-    state = PolicyState(names)
-    for module in layers:
-        module.forward = _policy_forward(module, state)
+        forwards.append((module, _policy_forward(module, state, in_block=block is not None)))
+    for module, forward in forwards:
+        module.forward = forward
     setattr(causal_lm(model), STATE_ATTR, state)
     for name, param in model.named_parameters():
         param.requires_grad_(any(f".{n}." in name for n in names) and "lora_" in name)

@@ -31,7 +31,7 @@ import torch
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
-from rlora.models import expert_lora
+from rlora.models import block_routing, expert_lora
 from rlora.models.multi_lora import lora_layers
 from rlora.models.sparse_blocks import in_sparse_block, sparse_block_names
 
@@ -105,61 +105,24 @@ def _routed_forward(module: nn.Module, routes: AdapterRoutes, in_block: bool):
     return forward
 
 
-def _joined(outputs: list):
-    """One forward's outputs over consecutive runs of tokens, joined along dim 0 (a tuple element by element)."""
-    if isinstance(outputs[0], torch.Tensor):
-        return torch.cat(outputs)
-    return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
-
-
-def _routed_router_forward(module: ParamWrapper, routes: AdapterRoutes):
-    """A mixture's router with peft's LoRA on its [E, H] weight: each run of tokens through the family's own router
-    module on W + that run's adapter's delta (peft's forward for it alone; the router scores each token alone)."""
-    router = module.get_base_layer()
+def _block_forward(module: ParamWrapper, routes: AdapterRoutes, experts: bool):
+    """A forward for peft's LoRA on a router's weight or on the fused experts (their outermost wrapper) inside a
+    sparse block: each row's tokens through the row's adapter (models/block_routing.py)."""
+    wrappers, base = expert_lora.chain(module) if experts else ({"weight": module}, module.get_base_layer())
 
     def forward(x_SH: torch.Tensor, *args, **kwargs):
+        if routes.runs is None:
+            raise RuntimeError("a forward through routed adapters without its inputs' adapters (AdapterRoutes.routed)")
+        if not any(routes.on(routes.runs, wrapper) for wrapper in wrappers.values()):  # e.g. another client's
+            return base(x_SH, *args, **kwargs)
         runs = routes.inputs_runs(x_SH, in_block=True)
-        if not routes.on(runs, module):
-            return router(x_SH, *args, **kwargs)
-        outputs, start = [], 0
-        for k, count in runs:
-            name, x_run = routes.names[k], x_SH[start:start + count]
-            start += count
-            if name not in module.lora_A:
-                outputs.append(router(x_run, *args, **kwargs))
-                continue
-            weight = module.get_param() + module.get_delta_weight(name)
-            outputs.append(torch.func.functional_call(router, {module.parameter_name: weight}, (x_run, *args), kwargs))
-        return _joined(outputs)
-
-    return forward
-
-
-def _routed_experts_forward(module: ParamWrapper, routes: AdapterRoutes):
-    """A mixture's experts with peft's LoRA on their fused weights (models/expert_lora.py's layout): each token
-    through its row's adapter, on the activations."""
-    wrappers, experts = expert_lora.chain(module)
-
-    def forward(hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor, top_k_weights_SK: torch.Tensor):
-        runs = routes.inputs_runs(hidden_SH, in_block=True)
-        if not any(routes.on(runs, wrapper) for wrapper in wrappers.values()):
-            return experts(hidden_SH, top_k_index_SK, top_k_weights_SK)
         slot_S = torch.repeat_interleave(torch.tensor([k for k, _ in runs]), torch.tensor([c for _, c in runs]))
-        return expert_lora.experts_forward(experts, wrappers, hidden_SH, top_k_index_SK, top_k_weights_SK,
-                                           slots=routes.names, slot_S=slot_S.to(hidden_SH.device))
+        slot_S = slot_S.to(x_SH.device)
+        if experts:
+            return block_routing.experts_forward(module, x_SH, *args, slot_S=slot_S, slots=routes.names, **kwargs)
+        return block_routing.router_forward(module, x_SH, slot_S, routes.names, *args, **kwargs)
 
     return forward
-
-
-def token_routable(module: nn.Module, within: nn.Module) -> bool:
-    """Whether routed_adapters can send a sparse block's tokens through the adapters on `module` (a LoRA layer inside
-    the block `within`): a linear map, a router's [E, H] weight, or experts that models/expert_lora.py computes on
-    the activations (on a CPU, where that is measured)."""
-    if not isinstance(module, ParamWrapper) or module.num_experts == 1:
-        return True
-    outer = getattr(within, "experts", None)
-    return (expert_lora.experts_wrapper(outer) and module in expert_lora.chain(outer)[0].values()
-            and module.get_param().device.type == "cpu")
 
 
 @contextmanager
@@ -176,18 +139,18 @@ def routed_adapters(model: nn.Module, names: list[str]) -> Iterator[AdapterRoute
     own = [(module, module.__dict__.get("forward")) for module in layers]  # a forward set on the instance, if any
     blocks = sparse_block_names(model)
     block_of = {id(module): in_sparse_block(name, blocks) for name, module in model.named_modules()}
-    for module in layers:
-        in_block = block_of[id(module)] is not None
-        if expert_lora.experts_wrapper(module):
-            module.forward = _routed_experts_forward(module, routes)
-        elif in_block and isinstance(module, ParamWrapper) and module.num_experts == 1:
-            module.forward = _routed_router_forward(module, routes)
-        else:
-            module.forward = _routed_forward(module, routes, in_block)
     try:
+        for module in layers:
+            block = None if block_of[id(module)] is None else model.get_submodule(block_of[id(module)])
+            if block is not None and block_routing.is_experts(module, block):
+                module.forward = _block_forward(module, routes, experts=True)
+            elif block is not None and block_routing.is_router(module):
+                module.forward = _block_forward(module, routes, experts=False)
+            else:
+                module.forward = _routed_forward(module, routes, block is not None)
         yield routes
     finally:
         for module, forward in own:
-            del module.forward
+            module.__dict__.pop("forward", None)  # the loop may have stopped part-way
             if forward is not None:
                 module.forward = forward

@@ -252,7 +252,7 @@ def build_app(served: Served) -> FastAPI:
         # other clients' forward_backward queued right behind it run in the same pass (serve/batched.py)
         # (not a request with K targets per token: its rows are [n, K], other clients' [n])
         columns = any(values.ndim == 2 for d in fb.data for values in d.inputs.values())
-        # (nor a client whose LoRA sits inside a mixture-of-experts block: it sees tokens, the pass routes rows)
+        # (nor a client whose LoRA inside a mixture-of-experts block the pass cannot route: Trainee.routable)
         trainee = worker.trainees.get(fb.model_id)  # (not made yet, or unknown: runs alone, or gets its 404 there)
         batch = None if columns or trainee is None or not trainee.routable else Batchable(
             ("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,

@@ -4,10 +4,11 @@ its adapter can join a batched forward_backward pass (serve/batched.py)."""
 from __future__ import annotations
 
 from peft import LoraConfig
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
 from rlora.models.loading import linear_module_names
-from rlora.models.routed_adapters import token_routable
+from rlora.models.block_routing import token_routable
 from rlora.models.sparse_blocks import in_sparse_block, peft_expert_parameters, sparse_block_names
 from rlora.serve import wire
 from rlora.serve.state import ServeError
@@ -42,10 +43,15 @@ class ClientTargets:
     def routable(self, model: nn.Module, adapter: str) -> bool:
         """Whether the adapter can join a batched pass (model: the peft model that holds it): a layer of it inside a
         mixture-of-experts block sees the block's tokens, not rows, which routed_adapters sends through their rows'
-        adapters only for the layers it knows there (models/routed_adapters.token_routable)."""
+        adapters only for the layers it knows there (models/block_routing.token_routable; experts on a CPU)."""
         for name, module in model.named_modules():
             block = in_sparse_block(name.removeprefix("base_model.model."), self.sparse_blocks)
-            if (block is not None and adapter in getattr(module, "lora_A", {})
-                    and not token_routable(module, model.get_submodule(f"base_model.model.{block}"))):
+            if block is None or adapter not in getattr(module, "lora_A", {}):
+                continue
+            within = model.get_submodule(f"base_model.model.{block}")
+            if not token_routable(module, within):
+                return False
+            # experts on a GPU: its loop against transformers' grouped kernel is not measured (models/expert_lora.py)
+            if isinstance(module, ParamWrapper) and module.num_experts > 1 and module.get_param().device.type != "cpu":
                 return False
         return True

@@ -27,7 +27,7 @@ class Trainee:
     rank: int
     config: LoraConfig
     params: list[nn.Parameter]
-    routable: bool = True  # its adapter can join a batched pass (serve/batched.py): none inside a sparse MoE block
+    routable: bool = True  # its adapter can join a batched pass (serve/batched.py): ClientTargets.routable
     optimizer: torch.optim.AdamW | None = None
     loss_since_step: float = 0.0
 

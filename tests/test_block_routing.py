@@ -98,3 +98,29 @@ def test_a_block_fed_tokens_that_are_not_whole_rows_is_refused():
     assert block_routing.token_slots(torch.tensor([1, 0]), 6).tolist() == [1, 1, 1, 0, 0, 0]
     with pytest.raises(RuntimeError, match="7 tokens in a sparse block for 2 rows"):
         block_routing.token_slots(torch.tensor([1, 0]), 7)
+
+
+def test_a_policies_forward_with_another_count_of_rows_is_refused(family_dirs):
+    """Policies on the experts alone (nothing outside the block to check the rows): rows' policies for 2 rows around
+    a forward of 4 rows raise instead of sending rows 0-1 through one policy and 2-3 through the other; with the
+    policies off (the reference) the block runs."""
+    base = AutoModelForCausalLM.from_pretrained(family_dirs["qwen3_moe"])  # peft moves these names onto the experts
+    model = mlr.attach_policies(base, LoraConfig(rank=4, alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+                                ["a", "b"], [1, 2])
+    assert {n.split(".mlp.")[1].split(".")[0] for n, p in model.named_parameters() if p.requires_grad} == {"experts"}
+    ids_BT = torch.randint(0, 300, (4, 3), generator=torch.Generator().manual_seed(3))
+    with mlr.policy_rows(model, torch.tensor([0, 1])), pytest.raises(RuntimeError, match="4 rows in a sparse block"):
+        model(input_ids=ids_BT)
+    with mlr.policy_rows(model, torch.tensor([0, 1])), mlr.policies_disabled(model), torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids_BT).logits).all()
+
+
+def test_lora_layers_that_peft_would_widen_onto_experts_are_refused_for_several_policies(tmp_path):
+    """As for one policy (tests/test_mixture_of_experts.py): peft puts the experts' LoRA on every sparse layer,
+    whatever lora.top_layers says; refused in one line instead of training a layer the run keeps frozen."""
+    folder = build_random_model(tmp_path / "m", family="qwen3_moe", layers=3, tie=False)  # layer 0 dense, 1-2 sparse
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    with pytest.raises(UserError, match=r"peft also put LoRA on layers \[1\]"):
+        mlr.attach_policies(base, LoraConfig(rank=4, alpha=8, top_layers=1,
+                                             target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]),
+                            ["a", "b"], [1, 2])

@@ -70,16 +70,18 @@ def test_a_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
     assert_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_a_policies_run_on_a_mixture_of_experts_equals_separate_runs(family, prompts_file, tmp_path, capsys):
+@pytest.mark.parametrize("family,extra", [("qwen3_moe", {}), ("qwen2_moe", {}), ("qwen3_moe", PPO)],
+                         ids=["qwen3_moe", "qwen2_moe", "qwen3_moe-ppo"])
+def test_a_policies_run_on_a_mixture_of_experts_equals_separate_runs(family, extra, prompts_file, tmp_path, capsys):
     """The same on a tiny mixture of experts with peft's all-linear LoRA: Qwen3-MoE's fused experts and router (each
     token through its row's policy, models/block_routing.py) beside a dense layer, Qwen2-MoE's shared expert (its
     linear maps fed the block's tokens). One step: its two iterations' gradients agree to float32 rounding (grad
     norms 4e-7 apart, relative), but in a second step the router's top-k over parameters that rounding moved can
     send a token to another expert (seen: Qwen3-MoE's grad norms 5e-4 apart and 2589 adapter entries moved by up
-    to 1.5e-4 at lr 1e-2), a jump no tolerance of float32 rounding covers."""
+    to 1.5e-4 at lr 1e-2), a jump no tolerance of float32 rounding covers. With PPO each policy's critic (a value
+    adapter on the same experts, computed on the activations as in a run alone) too."""
     folder = str(build_random_model(tmp_path / family, family=family, tie=False, seed=0))
-    assert_policies_run_equals_separate_runs(folder, prompts_file, tmp_path, capsys, {"train.steps": 1})
+    assert_policies_run_equals_separate_runs(folder, prompts_file, tmp_path, capsys, {**extra, "train.steps": 1})
 
 
 def assert_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_path, capsys, extra):
@@ -136,7 +138,7 @@ def assert_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
                 assert set(a) == set(b)
             for key in (k for k in b if not k.endswith("_s")):
                 if isinstance(b[key], float):  # float32 sums in another order; grad_norm: see the adapters below
-                    assert a[key] == pytest.approx(b[key], **({"rel": 1e-4} if key == "grad_norm" else {"abs": 1e-5})), key
+                    assert a[key] == pytest.approx(b[key], **({"rel": 1e-4} if key.endswith("grad_norm") else {"abs": 1e-5})), key
                 else:
                     assert a[key] == b[key], key
         # Token for token: the batched and the plain adapter arithmetic differ by float32 rounding (~1e-6 of a
@@ -156,13 +158,16 @@ def assert_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
         # PPO's advantages carry that rounding too (its KL penalty in the reward reads the old log-probs, which the
         # batched pass computes): more entries move by such amounts (seen: 13 of 8192, at most 4.7e-6, for the
         # policy with beta 0.1; at most 8 for the one without a KL term)
-        assert int((diff > 2e-6).sum()) <= (32 if extra is PPO else 8) and float(diff.max()) <= spec["lr"] / 100
-        if extra is PPO:  # its critic: the value adapter and head, as the run alone leaves them
+        assert int((diff > 2e-6).sum()) <= (32 if extra.get("algo.name") == "ppo" else 8) and float(diff.max()) <= spec["lr"] / 100
+        if extra.get("algo.name") == "ppo":  # its critic: the value adapter and head, as the run alone leaves them
             critics = [{**load_file(str(folder / "value_model" / "adapter_model.safetensors")),
                         **load_file(str(folder / "value_model" / "value_head.safetensors"))} for folder in (mine, alone)]
             assert critics[0].keys() == critics[1].keys()
             diff = torch.cat([(critics[0][k] - critics[1][k]).abs().flatten() for k in critics[0]])
-            assert int((diff > 2e-6).sum()) <= 8 and float(diff.max()) <= spec["lr"] / 100
+            # a mixture's experts: each expert's value-adapter gradient sums few tokens, so more of its entries sit
+            # near eps (seen on Qwen3-MoE: 3 entries, at most 1.6e-5 at lr 1e-3); a wrong row still moves all by ~lr
+            slack = 20 if any(".experts." in k for k in critics[0]) else 100
+            assert int((diff > 2e-6).sum()) <= 8 and float(diff.max()) <= spec["lr"] / slack
         assert json.loads((mine / "eval.json").read_text())["after"] == json.loads((alone / "eval.json").read_text())["after"]
     if extra is DYNAMIC:  # the case this parameter is for
         assert rounds == {"slow": [2, 1], "fast": [2, 2]}

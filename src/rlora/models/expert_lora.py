@@ -136,7 +136,7 @@ def experts_forward(experts: nn.Module, wrappers: dict[str, ParamWrapper], hidde
     return out.index_add(0, token_of, y_sorted.to(out.dtype))
 
 
-def _activation_side_forward(self: ParamWrapper, hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor,
+def activation_side_forward(self: ParamWrapper, hidden_SH: torch.Tensor, top_k_index_SK: torch.Tensor,
                              top_k_weights_SK: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The outermost experts wrapper's forward (bound to it, so that a copy of the model computes with its own)."""
     wrappers, experts = chain(self)
@@ -164,7 +164,7 @@ def install(model: nn.Module) -> int:
             continue
         # a forward set on the instance by someone else (several policies, models/multi_lora.py) stays theirs
         if not experts_wrapper(outer) and "forward" not in vars(outer) and known_layout(*chain(outer)):
-            outer.forward = types.MethodType(_activation_side_forward, outer)
+            outer.forward = types.MethodType(activation_side_forward, outer)
             setattr(outer, _INSTALLED, True)
         count += experts_wrapper(outer)
     return count

@@ -18,6 +18,7 @@ adapter for every row. With the adapters disabled (the reference policy) they ru
 from __future__ import annotations
 
 import copy
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,10 +30,10 @@ from torch import nn
 
 from rlora.config import LoraConfig
 from rlora.errors import UserError, first_line
+from rlora.models import block_routing, expert_lora
 from rlora.models.loading import causal_lm, check_adapter_folder, peft_lora_config
-from rlora.models import block_routing
 from rlora.models.block_routing import token_slots
-from rlora.models.sparse_blocks import in_sparse_block, sparse_block_names
+from rlora.models.sparse_blocks import check_layers_kept, in_sparse_block, sparse_block_names
 
 STATE_ATTR = "_rlora_policies"
 PEFT_NAME = "policy_{}"  # peft adapter name of a policy (peft mistakes short names such as 'a' for its 'lora_' prefix)
@@ -161,12 +162,15 @@ def _policy_forward(module: nn.Module, state: PolicyState, in_block: bool):
 def _policy_block_forward(module: ParamWrapper, state: PolicyState, experts: bool):
     """A forward for peft's LoRA on a router's weight or on the fused experts (their outermost wrapper) inside a
     sparse block: each token through its row's policy (models/block_routing.py)."""
-    peft_forward = type(module).forward.__get__(module)
+    # the base, or another role's adapter (a critic, a reward adapter) alone: the experts as a run of one adapter
+    # computes them (on the activations on a CPU), a router as peft does
+    alone = types.MethodType(expert_lora.activation_side_forward, module) if experts else \
+        type(module).forward.__get__(module)
     policies = set(state.names)
 
     def forward(x_SH: torch.Tensor, *args, **kwargs):
-        if module.disable_adapters or not policies.issuperset(module.active_adapters):  # the base, another role
-            return peft_forward(x_SH, *args, **kwargs)
+        if module.disable_adapters or not policies.issuperset(module.active_adapters):
+            return alone(x_SH, *args, **kwargs)
         if state.blocks is None:
             raise RuntimeError("a model with several policy adapters ran a forward without rows' policies "
                                "(wrap it in multi_lora.policy_rows)")
@@ -176,6 +180,25 @@ def _policy_block_forward(module: ParamWrapper, state: PolicyState, experts: boo
         return block_routing.router_forward(module, x_SH, slot_S, state.names, *args, **kwargs)
 
     return forward
+
+
+def _whole_rows(state: PolicyState, adapted: list[nn.Module]):
+    """A sparse block's pre-hook: while the policies' adapters in it (`adapted`) are on, the rows it is fed are the
+    rows whose policies are set (inside, only tokens are seen: a wrong count of rows that happened to divide the
+    tokens would route them by a guess)."""
+    policies = set(state.names)
+
+    def check(block: nn.Module, args) -> None:
+        rows = args[0] if args else None
+        if state.blocks is None or not isinstance(rows, torch.Tensor) or rows.dim() != 3:
+            return
+        if not any(not m.disable_adapters and policies.issuperset(m.active_adapters) for m in adapted):
+            return
+        if len(rows) != state.blocks.N:
+            raise RuntimeError(f"{len(rows)} rows in a sparse block for {state.blocks.N} rows' policies: policies "
+                               "route whole rows")
+
+    return check
 
 
 def policy_state(model: nn.Module) -> PolicyState | None:
@@ -203,6 +226,8 @@ def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds
                 model.add_adapter(name, config)
     except (ValueError, RuntimeError, KeyError) as err:
         raise UserError(f"the policies' LoRA does not fit the model: {first_line(err)}") from None
+    if not cfg.init_from:
+        check_layers_kept(model, config.layers_to_transform)  # as one policy's attach_lora: no experts widening
     blocks = sparse_block_names(model)
     state = PolicyState(names)
     forwards = []  # (module, its forward)
@@ -229,6 +254,10 @@ def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds
         forwards.append((module, _policy_forward(module, state, in_block=block is not None)))
     for module, forward in forwards:
         module.forward = forward
+    for block_name in blocks:
+        adapted = [module for module, _ in forwards if any(module is m for m in model.get_submodule(block_name).modules())]
+        if adapted:
+            model.get_submodule(block_name).register_forward_pre_hook(_whole_rows(state, adapted))
     setattr(causal_lm(model), STATE_ATTR, state)
     for name, param in model.named_parameters():
         param.requires_grad_(any(f".{n}." in name for n in names) and "lora_" in name)

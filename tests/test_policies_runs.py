@@ -138,7 +138,7 @@ def assert_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
                 assert set(a) == set(b)
             for key in (k for k in b if not k.endswith("_s")):
                 if isinstance(b[key], float):  # float32 sums in another order; grad_norm: see the adapters below
-                    assert a[key] == pytest.approx(b[key], **({"rel": 1e-4} if key.endswith("grad_norm") else {"abs": 1e-5})), key
+                    assert a[key] == pytest.approx(b[key], **({"rel": 1e-4} if key == "grad_norm" else {"rel": 1e-5} if key.endswith("grad_norm") else {"abs": 1e-5})), key
                 else:
                     assert a[key] == b[key], key
         # Token for token: the batched and the plain adapter arithmetic differ by float32 rounding (~1e-6 of a
@@ -164,8 +164,10 @@ def assert_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
                         **load_file(str(folder / "value_model" / "value_head.safetensors"))} for folder in (mine, alone)]
             assert critics[0].keys() == critics[1].keys()
             diff = torch.cat([(critics[0][k] - critics[1][k]).abs().flatten() for k in critics[0]])
-            # a mixture's experts: each expert's value-adapter gradient sums few tokens, so more of its entries sit
-            # near eps (seen on Qwen3-MoE: 3 entries, at most 1.6e-5 at lr 1e-3); a wrong row still moves all by ~lr
+            # on the tiny Qwen3-MoE the critic's values already differ by float32 rounding in step 1 (2.4e-7; on the
+            # dense model only from step 2; the source is not pinned down: the isolated forwards are bit-equal), and
+            # AdamW's near-eps entries magnify it as above (seen: 3 entries, in attention maps, at most 1.6e-5 at lr
+            # 1e-3); a wrong row or normaliser still moves every entry by ~lr
             slack = 20 if any(".experts." in k for k in critics[0]) else 100
             assert int((diff > 2e-6).sum()) <= 8 and float(diff.max()) <= spec["lr"] / slack
         assert json.loads((mine / "eval.json").read_text())["after"] == json.loads((alone / "eval.json").read_text())["after"]

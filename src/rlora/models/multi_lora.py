@@ -185,7 +185,8 @@ def _policy_block_forward(module: ParamWrapper, state: PolicyState, experts: boo
 def _whole_rows(state: PolicyState, adapted: list[nn.Module]):
     """A sparse block's pre-hook: while the policies' adapters in it (`adapted`) are on, the rows it is fed are the
     rows whose policies are set (inside, only tokens are seen: a wrong count of rows that happened to divide the
-    tokens would route them by a guess)."""
+    tokens would route them by a guess). It reads a positional [N, T, H] input, as every family's decoder layer and
+    the sampler's BlockMLP call the block; a call by keyword is not checked here (token_slots still needs whole rows)."""
     policies = set(state.names)
 
     def check(block: nn.Module, args) -> None:

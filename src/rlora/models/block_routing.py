@@ -70,13 +70,13 @@ def router_forward(module: ParamWrapper, x_SH: torch.Tensor, slot_S: torch.Tenso
     """The router's output for tokens x_SH, token s scored on W + the delta of adapter slots[slot_S[s]] (W alone
     where that adapter is not on the router)."""
     router = module.get_base_layer()
-    present = [g for g in slot_S.unique().tolist() if slots[g] in module.lora_A]
-    if not present:
+    groups = slot_S.unique().tolist()
+    if not any(slots[g] in module.lora_A for g in groups):
         return router(x_SH, *args, **kwargs)
     outputs, index = [], []
-    for g in slot_S.unique().tolist():
+    for g in groups:
         rows = (slot_S == g).nonzero().squeeze(-1)
-        if g in present:
+        if slots[g] in module.lora_A:
             weight = module.get_param() + module.get_delta_weight(slots[g])
             out = torch.func.functional_call(router, {module.parameter_name: weight}, (x_SH[rows], *args), kwargs)
         else:

@@ -245,9 +245,9 @@ def attach_policies(base: nn.Module, cfg: LoraConfig, policies: list[str], seeds
                 raise UserError(f"policies: peft's LoRA on '{name.split('.mlp.')[-1]}' (a mixture's experts of a "
                                 "layout rlora does not route by row) is not supported: target the attention maps, "
                                 "e.g. lora.target_modules=[q_proj, k_proj, v_proj, o_proj]")
-            if block_routing.is_router(module) or block_routing.is_experts(module, block):
-                forwards.append((module, _policy_block_forward(module, state, experts=not block_routing.is_router(
-                    module))))
+            router = block_routing.is_router(module)
+            if router or block_routing.is_experts(module, block):
+                forwards.append((module, _policy_block_forward(module, state, experts=not router)))
             continue  # an inner experts wrapper: the outermost one computes every projection
         if type(module).__name__ != "Linear" or any(module.lora_variant.get(n) for n in names):
             raise UserError(f"policies: {type(module).__name__} LoRA layers (or DoRA) are not supported: "

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from bench_common import model_folder
 from rlora.rollout.decode_loop import HostHooks, RowsOnDevice
-from rlora.rollout.generator import StopStrings
+from rlora.rollout.stops import StopStrings
 
 
 def main() -> int:

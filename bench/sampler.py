@@ -1,6 +1,10 @@
 """Sampling throughput: rlora's built-in engine against Hugging Face `generate` with an unmerged peft
 adapter, on the same model, adapter, prompts and settings, alternating A, B, A, B.
 
+The `hf` side is plain `generate` with transformers' own sampling (the baseline every speed-up here is against);
+`hf-draw` is rlora's fallback sampler, `generate` with rlora's draw (rollout/generate_draw.py: the engine's draw and
+its log-probs), for what that draw costs over plain `generate`.
+
     .venv/bin/python bench/sampler.py [--model smollm2] [--prompts 4] [--G 8] [--tokens 64] [--repeats 3]
 
 Work per call: P demo prompts (chat template) x G samples x `tokens` new tokens. EOS is suppressed until
@@ -24,8 +28,10 @@ import argparse
 import platform
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
+from transformers import GenerationConfig
 
 from bench_common import model_folder, random_up_factors, task_rows
 from rlora.logging.console import quiet_libraries
@@ -33,8 +39,9 @@ from rlora.config import LoraConfig, ModelConfig
 from rlora.models.loading import add_model_eos_ids, attach_lora, load_base_model, load_tokenizer
 from rlora.rollout import graphed
 from rlora.rollout.engine import BuiltinGenerator
-from rlora.rollout.generator import HFGenerator
+from rlora.rollout.generator import HFGenerator, completion_mask
 from rlora.rollout.packed import packed_fp16_available
+from rlora.tensors import left_padded
 from rlora.types import SamplingParams
 
 
@@ -64,6 +71,41 @@ class CompiledStaticGenerator(BuiltinGenerator):
             return super().sample(*args, **kwargs)
         finally:
             graphed.static_decode_step = eager_step
+
+
+class PlainGenerate:
+    """transformers `generate` with its own sampling (do_sample, temperature, no top-k/top-p), one call per chunk of
+    rows: the baseline of the speed-ups (rlora's HFGenerator before it drew tokens itself, 2026-11-30)."""
+
+    name = "generate"
+
+    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int):
+        self.tokenizer, self.eos_ids, self.pad_id = tokenizer, eos_ids, pad_id
+
+    @torch.no_grad()
+    def sample(self, model, prompts, n, params, seed):
+        """-> an object with completion_mask_BTc only (what the timing counts); one call per run of prompts with
+        the same settings (--ragged gives each prompt its own length)."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        torch.manual_seed(seed)
+        device, generated = next(model.parameters()).device, 0
+        start = 0
+        while start < len(prompts):
+            end = start + 1
+            while end < len(prompts) and per_prompt[end] == per_prompt[start]:
+                end += 1
+            setting = per_prompt[start]
+            ids, mask = left_padded([p for p in prompts[start:end] for _ in range(n)], self.pad_id)
+            config = GenerationConfig(do_sample=True, temperature=setting.temperature, top_k=0, top_p=1.0,
+                                      max_new_tokens=setting.max_new_tokens,
+                                      min_new_tokens=setting.min_new_tokens or None, eos_token_id=self.eos_ids,
+                                      pad_token_id=self.pad_id, repetition_penalty=1.0,
+                                      stop_strings=list(setting.stop) or None)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                                 tokenizer=self.tokenizer)
+            generated += int(completion_mask(out[:, ids.shape[1]:].cpu(), self.eos_ids)[0].sum())
+            start = end
+        return SimpleNamespace(completion_mask_BTc=torch.tensor([generated]))
 
 
 def copy_bandwidth_gbs(device: torch.device, gib: float = 1.0, repeats: int = 10) -> float:
@@ -115,7 +157,8 @@ def main() -> int:
                         help="comma-separated subset of builtin, builtin-eager, builtin-static, builtin-compiled, builtin-chunks and "
                         "builtin-static-chunks (fixed chunks of --max-rows rows instead of continuous batching), "
                         "builtin-unmerged, builtin-bf16, "
-                        "builtin-fp16w (float32 compute from float16 base weights, x86 CPUs), hf")
+                        "builtin-fp16w (float32 compute from float16 base weights, x86 CPUs), hf (plain generate), "
+                        "hf-draw (rlora's fallback: generate with rlora's draw)")
     args = parser.parse_args()
     quiet_libraries()
     tokenizer, tok, model = build(args.model, args.dtype)
@@ -147,7 +190,8 @@ def main() -> int:
         "builtin-mkl": BuiltinGenerator(**ours, merge=True, onednn=False),
         "builtin-bf16-mkl": BuiltinGenerator(**ours, merge=True, dtype=torch.bfloat16, onednn=False),
         "builtin-fp16w": BuiltinGenerator(**ours, merge=True, fp16_weights=True) if packed_fp16_available() else None,
-        "hf": HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=args.prompts * args.G),
+        "hf": PlainGenerate(tokenizer, tok.eos_ids, tok.pad_id),
+        "hf-draw": HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=args.prompts * args.G),
     }
     unknown = set(args.sides.split(",")) - sides.keys()
     if unknown or any(sides[k] is None for k in args.sides.split(",")):

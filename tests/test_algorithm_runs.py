@@ -75,11 +75,29 @@ def test_replay_mixes_stored_groups_with_importance_weights(name, tiny_model_dir
     assert rows[2]["replay_buffer"] <= 64
 
 
-def test_replay_needs_the_builtin_sampler(tiny_model_dir, prompts_file, tmp_path, capsys):
-    code = main(["train", *tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "run"), **{
-        "algo.replay.enabled": "true", "rollout.engine": "hf", "rollout.sampler_dtype": "model",
-        "algo.sampler_is_cap": "null"})])
-    assert code == 2 and "algo.replay" in capsys.readouterr().err
+def test_a_replay_run_sampling_with_generate_equals_the_engines(tiny_model_dir, prompts_file, tmp_path):
+    """rollout.engine=hf draws every token as the built-in engine does and returns its log-probs
+    (rollout/generate_draw.py), so replay and algo.sampler_is_cap run on it, and a float32 run of both equals the
+    engine's: the same completions, metrics and adapter (to float32 rounding: the samplers' forwards differ)."""
+    from safetensors.torch import load_file
+
+    common = {"algo.replay.enabled": "true", "algo.replay.ratio": 1.0, "train.steps": 3, "train.lr": 0.01,
+              "rollout.sampler_dtype": "model", "algo.sampler_is_cap": 2.0, "rollout.min_new_tokens": 2,
+              "rollout.top_p": 0.9}
+    runs = {}
+    for engine in ("builtin", "hf"):
+        code, rows = run(tiny_model_dir, prompts_file, tmp_path / engine, **{**common, "rollout.engine": engine})
+        assert code == 0
+        samples = [json.loads(line) for line in (tmp_path / engine / "samples.jsonl").read_text().splitlines()]
+        runs[engine] = rows, samples, load_file(str(tmp_path / engine / "adapter" / "adapter_model.safetensors"))
+    (ours, our_samples, our_adapter), (theirs, their_samples, their_adapter) = runs["hf"], runs["builtin"]
+    assert [s["completion"] for s in our_samples] == [s["completion"] for s in their_samples]
+    assert ours[1]["replay_groups"] > 0 and ours[2]["replay_groups"] > 0
+    for a, b in zip(ours, theirs):
+        assert a["sampler_logp_gap"] < 1e-5  # is_weight_mean also weighs the replayed rows: compared below
+        for key in (k for k in b if not k.endswith("_s") and k != "sampler_logp_gap"):
+            assert a[key] == (pytest.approx(b[key], rel=1e-4, abs=1e-6) if isinstance(b[key], float) else b[key]), key
+    assert max(float((our_adapter[k] - their_adapter[k]).abs().max()) for k in our_adapter) < 1e-5
 
 
 @pytest.mark.parametrize("override, message", [

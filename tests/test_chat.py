@@ -156,7 +156,7 @@ class ScriptedBot:
     """A ChatModel stand-in for the loop: replies with the active adapter's name and the turn count."""
 
     max_length = 100
-    streams = False
+    tokenizer = None  # the loop's ReplyStream decodes only tokens it is called with: this bot calls it with none
     tools = NoTools()
 
     def reply(self, state, on_token=None):
@@ -369,7 +369,6 @@ def test_chat_streams_the_reply_it_would_print_whole(tiny_model_dir, adapters, m
 
     monkeypatch.setattr(chat, "ReplyStream", Counting)
     bot = load_chat_model(tiny_model_dir, adapters, "float32", MAX_NEW)
-    assert bot.streams
     state = ChatState(tiny_model_dir, adapters, "a", Settings(MAX_NEW, 0.0), Conversation())
     out = Console(record=True, width=500, force_terminal=False)
     assert run_chat(bot, state, out, _reader(["Hello, how are you today?"])) == 0

@@ -153,8 +153,6 @@ BAD_INPUTS = [
     ("unknown task", lambda t, m, p: ["data.task=chain_sm"], "did you mean 'chain_sum'"),
     ("bad LoRA target", lambda t, m, p: tiny_overrides(m, p, str(t / "o"), **{"lora.target_modules": "[nope_proj]"}),
      "lora.target_modules ['nope_proj'] match no module of this model: choose from "),
-    ("IS correction without sampler log-probs", lambda t, m, p: tiny_overrides(
-        m, p, str(t / "o"), **{"rollout.engine": "hf", "algo.sampler_is_cap": 2}), "needs the sampler's log-probs"),
     ("unknown engine", lambda t, m, p: ["rollout.engine=vllm"], "invalid value for rollout.engine"),
     ("humaneval scored by gym", lambda t, m, p: ["data.task=humaneval", "data.task_args={}", f"train.output_dir={t / 'o'}"],
      "use rewards: [{fn: code}]"),

@@ -92,7 +92,12 @@ def test_a_timed_out_run_leaves_no_process_behind(tmp_path):
                                   pytest.param({"algo.name": "reinforce_pp", "algo.beta": 0.01}, marks=pytest.mark.slow),
                                   # episodes of up to three turns with a scripted environment (tests/envs_for_tests.py)
                                   pytest.param({"env": "{fn: envs_for_tests.scripted, args: {turns: 3}}",
-                                                "rollout.stop": "[' ']"}, marks=pytest.mark.slow)])
+                                                "rollout.stop": "[' ']"}, marks=pytest.mark.slow),
+                                  # transformers generate (as for a model the built-in engine does not run): it draws
+                                  # as the engine does (rollout/generate_draw.py), so its samples do not depend on
+                                  # how the batch is split either
+                                  pytest.param({"rollout.engine": "hf", "rollout.sampler_dtype": "model"},
+                                               marks=pytest.mark.slow)])
 def test_two_ranks_equal_one_rank_with_the_whole_batch(tiny_model_dir, prompts_file, tmp_path, algo):
     # Also with batch-wide statistics (GRPO's std over the batch, REINFORCE++'s token whitening): the ranks sum
     # their counts, sums and squared deviations, so each divides by the whole batch's std.
@@ -181,25 +186,6 @@ def test_a_rank_without_groups_still_joins_the_update(tiny_model_dir, prompts_fi
         assert row[key] == pytest.approx(alone[key], rel=1e-6), key
     for key in ("rows", "groups", "reward_count", "reward_mean", "reward_std", "completion_len_mean"):  # weighted
         assert row[key] == pytest.approx(alone[key], rel=1e-9), key
-
-
-@pytest.mark.slow  # 15 s: one torchrun launch
-def test_two_ranks_sample_with_generate(tiny_model_dir, prompts_file, tmp_path):
-    """rollout.engine=hf under torchrun (explicit, as a model the built-in engine does not run falls back to it):
-    each rank samples its share with generate, the run says that its samples depend on the split, and every
-    rank's adapter is the same after every step."""
-    common = {"rollout.engine": "hf", "rollout.sampler_dtype": "model", "algo.sampler_is_cap": "null",
-              "train.prompts_per_step": 2, "rollout.num_generations": 4, "train.micro_batch_size": 4, "train.steps": 2,
-              "train.lr": 0.05, "eval.before": "false", "train.sample_every": 1, "train.threads": 1}
-    out = tmp_path / "hf"
-    done = _run(2, tiny_overrides(tiny_model_dir, prompts_file, str(out), **common))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "rollout.engine=hf under torchrun" in done.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["world_size"] == 2 and r["adapter_rank_divergence"] == 0.0 and r["rows"] == 8 for r in rows)
-    assert len((out / "samples.jsonl").read_text().splitlines()) == 2 * 8
-    assert json.loads((out / "eval.json").read_text())["after"]["n"] == 4
 
 
 @pytest.mark.slow  # 60 s: five torchrun launches (scripts/test.sh --slow)

@@ -151,6 +151,63 @@ def test_per_prompt_settings_and_finished_rows(tiny_model_dir):
     assert rollout.finish_reasons == ["length"] * 8
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_generate_samples_what_the_engine_samples(tiny_model_dir, qwen2_dir, family):
+    """transformers generate with rollout/generate_draw.py's draw: per-prompt temperatures, top-k, top-p, min-p,
+    greedy and min_new_tokens, a seed and a key per prompt, in calls of 5 rows: the engine's tokens and finish
+    reasons, log-probs within 1e-5 of the engine's and of the trainer's, and a prompt sampled alone (its key kept)
+    draws what it draws among the others."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir if family == "llama" else qwen2_dir)
+    settings = [SamplingParams(max_new_tokens=24, temperature=1.3, top_k=20, min_new_tokens=6),
+                SamplingParams(max_new_tokens=24, greedy=True),
+                SamplingParams(max_new_tokens=24, temperature=0.7, top_p=0.9, min_p=0.05),
+                SamplingParams(max_new_tokens=24, temperature=1.0)]
+    seeds, keys = [5, 6, 5, 8], [10, 11, 12, 13]
+    free = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, prompts, 3, settings, seed=seeds, keys=keys)
+    # the random model rarely draws its EOS: a token it draws often ends rows instead (and min_new_tokens bans it)
+    eos = int(free.completion_ids_BTc[free.completion_mask_BTc.bool()].mode().values)
+    engine = BuiltinGenerator(tokenizer, [eos], tok.pad_id, merge=False, decode="eager")
+    want = engine.sample(model, prompts, 3, settings, seed=seeds, keys=keys)
+    hf = HFGenerator(tokenizer, [eos], tok.pad_id, batch_size=5)
+    got = hf.sample(model, prompts, 3, settings, seed=seeds, keys=keys)
+    assert [tokens_of(got, r) for r in range(12)] == [tokens_of(want, r) for r in range(12)]
+    assert got.finish_reasons == want.finish_reasons and got.completion_ids_BTc.shape == want.completion_ids_BTc.shape
+    assert 0 < got.finish_reasons.count("stop") < 12, "EOS must end some rows and not others"
+    assert all(len(tokens_of(got, r)) >= 6 for r in range(3))  # prompt 0's min_new_tokens
+    mask = got.completion_mask_BTc.bool()
+    assert (got.sampling_logp_BTc - want.sampling_logp_BTc.cpu())[mask].abs().max() < 1e-5
+    model.eval()
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, got.select(slice(None)))
+    assert (got.sampling_logp_BTc - trainer)[mask].abs().max() < 1e-5
+    assert (got.sampling_logp_BTc[~mask] == 0).all()
+    alone = hf.sample(model, prompts[2:3], 3, settings[2], seed=5, keys=[12])
+    assert [tokens_of(alone, r) for r in range(3)] == [tokens_of(got, r) for r in range(6, 9)]
+
+
+def test_generate_calls_back_with_each_token_as_the_engine_does(tiny_model_dir):
+    """on_token through generate (rlora chat streams with it): every row's tokens up to its end, EOS or the token
+    that completes a stop string, in the order drawn, as the engine reports them; with several policies too."""
+    tokenizer, tok, model, prompts = policy(tiny_model_dir)
+    free = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(
+        model, prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0), seed=4)
+    eos = int(free.completion_ids_BTc[free.completion_mask_BTc.bool()].mode().values)
+    stop = tokenizer.decode(tokens_of(free, 2)[2:4])
+    settings = [SamplingParams(max_new_tokens=12, temperature=1.0),
+                SamplingParams(max_new_tokens=12, temperature=1.0, stop=(stop,))] * 2
+    reports = {}
+    for name, sampler in (("engine", BuiltinGenerator(tokenizer, [eos], tok.pad_id)),
+                          ("generate", HFGenerator(tokenizer, [eos], tok.pad_id, batch_size=3))):
+        seen: dict[int, list[int]] = {}
+        rollout = sampler.sample(model, prompts, 2, settings, seed=4, on_token=lambda row, t: seen.setdefault(row, []).append(t))
+        assert [seen[row] for row in range(8)] == [tokens_of(rollout, row) for row in range(8)], name
+        reports[name] = seen, rollout.finish_reasons
+    assert reports["generate"] == reports["engine"]
+    seen, reasons = reports["engine"]
+    ends = {"eos" if row_tokens[-1] == eos else reasons[row] for row, row_tokens in seen.items()}
+    assert ends == {"eos", "stop", "length"}  # rows ended by EOS, by the stop string and by the length limit
+
+
 def test_stop_strings_end_completions_like_generate(tiny_model_dir):
     tokenizer, tok, model, prompts = policy(tiny_model_dir)
     greedy = SamplingParams(max_new_tokens=16, greedy=True)
@@ -293,9 +350,10 @@ def test_per_prompt_stop_strings(tiny_model_dir):
 
 def test_the_demo_settings_run_unchanged_on_a_model_that_falls_back(tmp_path, prompts_file, capsys):
     """A model the engine does not support (Gemma 3 with attention logit soft-capping, as Gemma 2 has) samples with
-    generate in the model's dtype: the demo's algo.sampler_is_cap and sampler_dtype then do not apply, which one
-    notice says once; the run trains with no importance weights instead of refusing after the model loaded (its
-    log-prob passes share prompts through the model's own attention, which applies the cap; they do not pack)."""
+    generate in the model's dtype: the demo's sampler_dtype then does not apply, which one notice says once, and
+    algo.sampler_is_cap weighs tokens by generate's own log-probs (rollout/generate_draw.py), which in the model's
+    dtype equal the trainer's to float32 rounding: weights of 1 (its log-prob passes share prompts through the
+    model's own attention, which applies the cap; they do not pack)."""
     import json
 
     from conftest import tiny_overrides
@@ -309,7 +367,7 @@ def test_the_demo_settings_run_unchanged_on_a_model_that_falls_back(tmp_path, pr
     err = capsys.readouterr().err
     assert code == 0, err
     assert err.count("does not support this model (attention logit soft-capping)") == 1, err
-    assert "algo.sampler_is_cap do not apply" in err
+    assert "(rollout.sampler_dtype and merge_adapter do not apply)" in err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(r["is_weight_mean"] is None and r["sampler_logp_gap"] is None for r in rows), rows
+    assert len(rows) == 2 and all(abs(r["is_weight_mean"] - 1) < 1e-5 and r["sampler_logp_gap"] < 1e-5 for r in rows), rows
     assert all(r["grad_norm"] > 0 for r in rows)

@@ -93,6 +93,8 @@ def think_policy(model_dir):
     with torch.no_grad():
         base.get_input_embeddings().weight[:, 0] = 1.0
         base.get_output_embeddings().weight[markers, 0] = 2.5
+    torch.manual_seed(2)  # lora_A's initialisation: the same model whichever test builds it first (19 of 32 rows then
+    # open and close a span in think_rollout)
     model = attach_lora(base, LoraConfig(rank=4, alpha=8))
     perturb_adapter(model, scale=0.3, seed=1)
     return tokenizer, tok, model
@@ -102,18 +104,38 @@ THINK = ThinkPhase(temperature=0.6, top_p=0.9)
 TEXTS = ["What", "What is 3 + 4? The answer", "Hello, how are you today?", "0 1 2"]
 
 
-@pytest.fixture(scope="module")
-def think_rollout(think_model_dir):
+SETTINGS = [SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.95, think=THINK),
+            SamplingParams(max_new_tokens=20, temperature=1.1, think=ThinkPhase(temperature=0.8, starts_inside=True)),
+            SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95),  # no think: its own settings only
+            SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.95, think=THINK)]
+
+
+@pytest.fixture(scope="module", params=["builtin", "hf"])
+def think_rollout(think_model_dir, request):
+    """The built-in engine's rollout, and generate's (rollout/generate_draw.py: each token drawn as the engine draws
+    it, think phases included)."""
     tokenizer, tok, model = think_policy(think_model_dir)
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
-    settings = [SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.95, think=THINK),
-                SamplingParams(max_new_tokens=20, temperature=1.1,
-                               think=ThinkPhase(temperature=0.8, starts_inside=True)),
-                SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95),  # no think: its own settings only
-                SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.95, think=THINK)]
-    # max_rows=8: one prompt per chunk, so chunks with and without think rows are put together
-    rollout = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=8).sample(model, prompts, 8, settings, seed=0)
-    return tokenizer, model, settings, rollout
+    # max_rows=8 / batch_size=16: calls of one or two prompts, so calls with and without think rows are put together
+    sampler = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id, max_rows=8) if request.param == "builtin" else \
+        HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=16)
+    rollout = sampler.sample(model, prompts, 8, SETTINGS, seed=0)
+    return tokenizer, model, SETTINGS, rollout
+
+
+def test_generate_draws_the_engines_tokens_at_the_engines_temperatures(think_model_dir):
+    """The same prompts, settings and seed through both samplers: the same tokens, each at the same temperature,
+    with the same log-probs (to float32 rounding: the two forwards differ)."""
+    tokenizer, tok, model = think_policy(think_model_dir)
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, prompts, 8, SETTINGS, seed=3)
+    generate = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id, batch_size=12).sample(model, prompts, 8, SETTINGS, seed=3)
+    assert [tokens_of(generate, r) for r in range(32)] == [tokens_of(engine, r) for r in range(32)]
+    assert generate.finish_reasons == engine.finish_reasons
+    width = engine.completion_ids_BTc.shape[1]
+    assert generate.completion_ids_BTc.shape[1] == width
+    assert torch.equal(generate.temperature_BTc, engine.temperature_BTc.cpu())
+    assert (generate.sampling_logp_BTc - engine.sampling_logp_BTc.cpu()).abs().max() < 1e-5
 
 
 def tokens_of(rollout, row):
@@ -200,22 +222,21 @@ def test_without_think_the_rollout_carries_no_token_temperatures(think_model_dir
 
 # ---- refusals and config --------------------------------------------------------------------------------
 
-def test_hf_generate_refuses_think(tiny_model_dir):
+def test_a_model_that_falls_back_to_generate_keeps_its_think_phases(tiny_model_dir):
     tokenizer, tok, model = make_policy(tiny_model_dir)
-    hf = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
-    with pytest.raises(ValueError, match=r"rollout.think\) needs rollout.engine=builtin"):
-        hf.sample(model, [[5, 6]], 2, SamplingParams(max_new_tokens=2, think=ThinkPhase()), seed=0)
-    model.get_base_model().config.model_type = "gpt2"  # the builtin engine would fall back to generate
+    model.get_base_model().config.model_type = "gpt2"  # the builtin engine falls back to generate
     try:
-        with pytest.raises(UserError, match="needs the built-in engine"):
-            build_generator(RolloutConfig(think={}), model, tokenizer, tok.eos_ids, tok.pad_id, 100, 8)
+        sampler = build_generator(RolloutConfig(think={}), model, tokenizer, tok.eos_ids, tok.pad_id, 100, 8)
     finally:
         model.get_base_model().config.model_type = "llama"
+    assert sampler.name == "hf"
+    rollout = sampler.sample(model, [[5, 6]], 2, SamplingParams(max_new_tokens=3, think=ThinkPhase(temperature=0.5,
+                                                                                                   starts_inside=True)), 0)
+    assert rollout.temperature_BTc[rollout.completion_mask_BTc.bool()].unique().tolist() == [0.5]
 
 
 def test_config_think_section():
-    with pytest.raises(UserError, match="rollout.think .* needs the built-in sampler: set rollout.engine=builtin"):
-        load_config(None, ["rollout.engine=hf", "rollout.think.temperature=0.6"])
+    assert load_config(None, ["rollout.engine=hf", "rollout.think.temperature=0.6"]).rollout.think.temperature == 0.6
     with pytest.raises(UserError, match="rollout.think.temperature"):
         load_config(None, ["rollout.think.temperature=0"])
     cfg = load_config(None, ["rollout.think.temperature=0.6", "rollout.think.starts_inside=true",

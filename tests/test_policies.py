@@ -147,8 +147,8 @@ def test_batched_sampler_samples_what_each_policy_samples_alone(tiny_model_dir, 
 
 def test_generate_samples_each_policy_as_its_own_call_with_the_rows_in_their_places(tiny_model_dir, tmp_path):
     """rollout.engine=hf with several policies: each policy's prompts in one generate call through its adapter, with
-    its seed, as the call of a run of that policy alone (a plain adapter); the rows come back in the prompts'
-    order, also where the policies' prompts interleave."""
+    its seed and the prompts' keys, as the call of a run of that policy alone (a plain adapter); the rows come back in
+    the prompts' order, also where the policies' prompts interleave."""
     from rlora.rollout.generator import HFGenerator
 
     tokenizer, tok = load_tokenizer(tiny_model_dir)
@@ -161,13 +161,12 @@ def test_generate_samples_each_policy_as_its_own_call_with_the_rows_in_their_pla
     for k, name in enumerate(NAMES):
         mine = [i for i, p in enumerate(policy_of) if p == k]
         single = single_model(tiny_model_dir, model, name, tmp_path / name)
-        alone = sampler.sample(single, [prompts[i] for i in mine], G, params, 100 + k)
+        alone = sampler.sample(single, [prompts[i] for i in mine], G, params, 100 + k, keys=mine)
         assert [together.completions[i * G + j] for i in mine for j in range(G)] == alone.completions
     # the adapters matter: prompt 1 drawn with policy 0's seed through policy 2's adapter comes out otherwise
-    other = sampler.sample(single_model(tiny_model_dir, model, NAMES[2], tmp_path / "other"), [prompts[1]], G, params, 100)
+    other = sampler.sample(single_model(tiny_model_dir, model, NAMES[2], tmp_path / "other"), [prompts[1]], G, params,
+                           100, keys=[1])
     assert other.completions != together.completions[G:2 * G]
-    with pytest.raises(ValueError, match="one seed"):
-        sampler.sample(model, prompts, G, params, [1, 2, 3, 4], policies=[0, 0, 1, 1])
 
 
 def test_policies_evaluated_together_equal_each_evaluated_alone(tiny_model_dir):

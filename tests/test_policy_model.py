@@ -189,13 +189,25 @@ def test_logprobs_divide_by_the_sampling_temperature(tiny_model_dir, chunk_token
     assert torch.allclose(entropy[real], -(naive.exp() * naive).sum(-1)[real], atol=1e-4)
 
 
-def test_sampling_config_is_explicit(tiny_model_dir):
-    """transformers fills unset knobs from defaults (top_k=50); the generator must pin them."""
+def test_generate_runs_no_processor_but_the_engines_draw(tiny_model_dir):
+    """transformers fills unset knobs from the model's generation_config (a checkpoint's repetition penalty, top-k,
+    temperature) and its defaults (top_k=50): whatever it holds, generate must run greedy over EngineDraw's scores
+    with no processor of its own before or after it, so that the draw and its log-prob see the model's logits."""
+    from transformers import LogitsProcessorList
+
+    from rlora.rollout.generate_draw import EngineDraw
+
     tokenizer, tok, model = make_policy(tiny_model_dir)
+    base = model.get_base_model()
+    base.generation_config.update(repetition_penalty=1.3, top_k=20, top_p=0.8, temperature=0.6, do_sample=True,
+                                  no_repeat_ngram_size=3)
     gen = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
-    config, _ = model.get_base_model()._prepare_generation_config(
-        gen._generation_config(SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=0)))
-    assert (config.top_k, config.top_p, config.temperature, config.repetition_penalty) == (0, 0.9, 0.7, 1.0)
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, min_new_tokens=2)
+    config, _ = base._prepare_generation_config(gen._generation_config(params))
+    draw = EngineDraw([params], 1, 0, torch.zeros(1, dtype=torch.long), tok.eos_ids, 3, str, "cpu")
+    processors = base._get_logits_processor(config, input_ids_seq_length=3, logits_processor=LogitsProcessorList([draw]),
+                                            device="cpu")
+    assert config.do_sample is False and list(processors) == [draw]
 
 
 def test_model_generation_config_eos_ids_are_added(tiny_model_dir):

@@ -15,7 +15,7 @@ import pytest
 import tinker
 import torch
 from serve_helpers import KEY, running_server
-from test_serve_batching import ADAM, ce_datum, server  # noqa: F401 - server: the module's fixture
+from test_serve_batching import ADAM, ce_datum, held, server, wait_for  # noqa: F401 - server: the module's fixture
 from tinker import types
 from transformers import AutoModelForCausalLM
 
@@ -179,7 +179,7 @@ def fallback(tmp_path_factory):
 
 
 def test_every_ask_on_a_model_sampled_by_transformers_generate(fallback):
-    """The same asks where transformers generate samples (its log-probs: the trainer's recomputed) and the scores come
+    """The same asks where transformers generate samples (its log-probs: its draw's, rollout/generate_draw.py) and the scores come
     from the model's full logits: each sample's own log-prob is its top-k entry (one pass of each kind: 1e-5); the
     targets are the top-k over the vocabulary; the draws come with the scaled distribution's log-probs."""
     training = fallback.service.create_lora_training_client(base_model=fallback.model, rank=4, seed=1).result()
@@ -201,3 +201,37 @@ def test_every_ask_on_a_model_sampled_by_transformers_generate(fallback):
     draws = out.prompt_alt_tokens
     np.testing.assert_allclose(draws.logprobs.to_numpy(),
                                np.take_along_axis(distribution, draws.tokens.to_numpy(), 1), atol=TOL)
+
+
+def test_sample_requests_on_a_model_sampled_by_transformers_generate_run_as_one_call(fallback):
+    """generate draws each row's tokens from (seed, key, sample index) as rlora's engine does, so the server batches
+    its sample requests too: queued together they run as one call, and each samples what it samples alone."""
+    training = fallback.service.create_lora_training_client(base_model=fallback.model, rank=4, seed=2).result()
+    sampler = training.save_weights_and_get_sampling_client()
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    requests = [([5, 17, 33, 8], types.SamplingParams(max_tokens=5, temperature=1.0, seed=11)),
+                ([30, 31, 32, 33, 34, 35], types.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=12)),
+                ([9, 2], types.SamplingParams(max_tokens=5, temperature=0.0)),
+                ([5, 17, 33, 8], types.SamplingParams(max_tokens=5, temperature=1.0, seed=11))]
+    worker, calls = fallback.served.worker, []
+    original = worker.sample
+
+    def counted(session_id, batch):
+        calls.append(len(batch))
+        return original(session_id, batch)
+
+    worker.sample = counted
+    try:
+        with held(fallback, queued=len(requests)):
+            futures = [sampler.sample(types.ModelInput.from_ints(p), 3, params) for p, params in requests]
+        batched = [future.result(timeout=60) for future in futures]
+        alone = [sampler.sample(types.ModelInput.from_ints(p), 3, params).result(timeout=60) for p, params in requests]
+    finally:
+        worker.sample = original
+    assert calls == [len(requests)] + [1] * len(requests)
+    for together, single in zip(batched, alone):
+        for a, b in zip(together.sequences, single.sequences):
+            assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOL)
+    assert len({tuple(s.tokens) for s in batched[0].sequences}) > 1  # seeded samples differ from one another
+    assert [s.tokens for s in batched[0].sequences] == [s.tokens for s in batched[3].sequences]  # the same request

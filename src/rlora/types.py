@@ -38,7 +38,7 @@ class SamplingParams:
     greedy: bool = False
     min_p: float = 0.0  # 0: off
     stop: tuple[str, ...] = ()  # a completion ends after the token that completes one of these strings
-    think: ThinkPhase | None = None  # other temperature/top_p inside a thinking span (built-in engine only)
+    think: ThinkPhase | None = None  # other temperature/top_p inside a thinking span (both samplers)
 
 
 @dataclass

@@ -111,9 +111,9 @@ def _answer(bot: ChatModel, state: ChatState, text: str, out) -> None:
 
 
 def _reply(bot: ChatModel, state: ChatState, out) -> str | None:
-    """Sample and print the reply to the conversation: streamed after the label as it is generated (the built-in
-    sampler), else printed whole once it is done (a spinner meanwhile, on a terminal). -> its text (None: it failed,
-    and a user message that got no reply leaves the conversation)."""
+    """Sample and print the reply to the conversation, streamed after the label as it is generated (both samplers
+    call back with each token). -> its text (None: it failed, and a user message that got no reply leaves the
+    conversation)."""
     label = f"{_label(state.active)}> "
     labelled = []  # the label goes out with the first piece (a message refused as too long shows none)
 
@@ -123,12 +123,10 @@ def _reply(bot: ChatModel, state: ChatState, out) -> str | None:
             labelled.append(True)
         out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
 
-    stream = ReplyStream(bot.tokenizer, show) if bot.streams else None
-    status = out.status("generating ...") if out.is_terminal and stream is None else nullcontext()
+    stream = ReplyStream(bot.tokenizer, show)
     failure = None
     try:
-        with status:
-            reply = bot.reply(state, stream)
+        reply = bot.reply(state, stream)
     except ContextFull as err:
         failure = (f"message too long: {err.args[0]} prompt tokens, the model holds {bot.max_length} with "
                    f"--max-new-tokens {state.settings.max_new_tokens}; not sent", "red")
@@ -144,10 +142,9 @@ def _reply(bot: ChatModel, state: ChatState, out) -> str | None:
         return None
     state.conv.add_reply(reply.text, state.active, state.settings.seed + state.replies)
     state.replies += 1
-    if stream is not None:
-        stream.finish(reply.text)
-        if not labelled:  # an empty reply
-            show("")
+    stream.finish(reply.text)
+    if not labelled:  # an empty reply
+        show("")
         out.print()
     else:
         out.print(label, style="bold cyan", end="", markup=False, highlight=False)

@@ -80,14 +80,9 @@ class ChatModel:
     def render(self, messages: list[dict]) -> list[int]:
         return self.renderer.first_prompt(messages)
 
-    @property
-    def streams(self) -> bool:
-        """Whether replies can be shown while they are generated (the built-in sampler; `generate` cannot)."""
-        return self.generator.name == "builtin"
-
     def reply(self, state: ChatState, on_token: Callable[[int], None] | None = None) -> Reply:
         """Sample the assistant's answer to the conversation (whose last turn is the user's). on_token(token):
-        each token as it is drawn (only where `streams`)."""
+        each token as it is drawn."""
         s = state.settings
         ids, dropped = fit_context(state.conv, self.render, self.max_length - s.max_new_tokens)
         params = (SamplingParams(max_new_tokens=s.max_new_tokens, greedy=True) if s.temperature == 0 else

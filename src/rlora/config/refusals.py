@@ -157,7 +157,6 @@ def _fsdp(name: str, refused: Callable[[Any], bool], message: str, example: tupl
                    ("train.fsdp=true", *example), launch=True)
 
 
-HF = ("rollout.engine=hf", "rollout.sampler_dtype=model", "algo.sampler_is_cap=null")
 MOLORA = ("molora={num_experts: 2}",)
 ENV = ("env={fn: calculator}",)
 
@@ -242,16 +241,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: cfg.rollout.temperature_schedule == "constant" and cfg.rollout.temperature_end is not None,
             "rollout.temperature_end is set but rollout.temperature_schedule is constant: choose linear, cosine or "
             "exponential (or unset temperature_end)", ("rollout.temperature_end=0.5",)),
-    Refusal("hf-engine-think", ("train",), lambda cfg: cfg.rollout.think is not None and cfg.rollout.engine == "hf",
-            "rollout.think (phase-aware sampling) needs the built-in sampler: set rollout.engine=builtin or "
-            "rollout.think=null", HF + ("rollout.think={}",)),
-    Refusal("hf-engine-replay", ("train",), lambda cfg: cfg.rollout.engine == "hf" and cfg.algo.replay.enabled,
-            "algo.replay needs the sampler's log-probs: use rollout.engine=builtin or set algo.replay.enabled=false",
-            HF + ("algo.replay.enabled=true",)),
-    Refusal("hf-engine-sampler-is-cap", ("train",),
-            lambda cfg: cfg.rollout.engine == "hf" and cfg.algo.sampler_is_cap is not None,
-            "algo.sampler_is_cap needs the sampler's log-probs: use rollout.engine=builtin or set "
-            "algo.sampler_is_cap=null", ("rollout.engine=hf", "rollout.sampler_dtype=model")),
     Refusal("hf-engine-builtin-options", ("train",),
             lambda cfg: cfg.rollout.engine == "hf" and (cfg.rollout.sampler_dtype not in ("auto", "model")
                                                         or cfg.rollout.merge_adapter is False),

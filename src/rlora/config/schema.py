@@ -143,7 +143,7 @@ class RolloutConfig(Section):
     engine: Literal["builtin", "hf"] = Field(
         "builtin", description="builtin: rlora's sampler (Llama, Qwen2/Qwen3, Mistral, Gemma 3 text, Phi-3/Phi-4, "
         "OLMo 2/3, SmolLM3, GLM-4, ERNIE 4.5, Seed-OSS, Mixtral, Qwen2/3-MoE, OLMoE; others fall back to hf); "
-        "hf: transformers generate")
+        "hf: transformers generate, each token drawn as the builtin engine draws it")
     merge_adapter: bool | Literal["auto"] = Field(
         "auto", description="builtin engine: sample with LoRA merged into fresh fused weight copies (needs memory for a "
         "copy of the linear weights during sampling; set false for models whose weights would not fit twice). auto: "
@@ -169,7 +169,7 @@ class RolloutConfig(Section):
         "base weights (fbgemm), the LoRA unmerged, 1.5-2.3x faster than merged float32 on AVX2-only CPUs (1.2x float32 "
         "from packs on an AVX512 one). Both sample slightly off-policy (pair with algo.sampler_is_cap)")
     think: ThinkConfig | None = Field(
-        None, description="builtin engine: sample the thinking span (start..end) with its own temperature/top_p; the "
+        None, description="sample the thinking span (start..end) with its own temperature/top_p; the "
         "training log-probs use each token's own temperature (null: one setting for the whole completion)")
 
     def think_phase(self) -> ThinkPhase | None:

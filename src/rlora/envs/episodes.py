@@ -95,7 +95,7 @@ class EpisodeRunner:
         """G episodes of each of the P dataset rows (prompt-major), each with a fresh environment from make_env;
         params/seeds/keys/policies per prompt, as Generator.sample takes them."""
         episodes = [Episode(None) for _ in range(len(rows) * G)]
-        self.with_logp = True  # every sampler call returned its log-probs (the built-in engine does; generate not)
+        self.with_logp = True  # every sampler call returned its log-probs (both samplers do; a test double may not)
         for b, ep in enumerate(episodes):
             self._reset(ep, make_env, rows[b // G])
         self._first_turn(model, episodes, G, params, seeds, keys, policies)

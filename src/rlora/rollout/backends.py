@@ -39,9 +39,8 @@ def build_generator(cfg: RolloutConfig, model, tokenizer, eos_ids: list[int], pa
             return BuiltinGenerator(tokenizer, eos_ids, pad_id, merge=cfg.merge_adapter is not False, dtype=dtype,
                                     decode="auto" if cfg.cuda_graphs else "eager", fp16_weights=fp16_weights,
                                     onednn=cfg.weight_packs, keep_packs=keep_packs)
-        if cfg.think is not None:
-            raise UserError(f"rollout.think (phase-aware sampling) needs the built-in engine, which does not support "
-                            f"this model ({reason}): remove rollout.think to sample with transformers generate")
+        # generate draws each token as the engine does (rollout/generate_draw.py): think phases and the sampler's
+        # log-probs (algo.sampler_is_cap, replay) work there too; only the engine's precision and merging do not
         info(f"rollout.engine=builtin does not support this model ({reason}); sampling with transformers generate "
-             "in the model's dtype (rollout.sampler_dtype, merge_adapter and algo.sampler_is_cap do not apply)")
+             "in the model's dtype (rollout.sampler_dtype and merge_adapter do not apply)")
     return HFGenerator(tokenizer, eos_ids, pad_id, batch_size=batch_size)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlora.rollout.generator import StopStrings
+from rlora.rollout.stops import StopStrings
 from rlora.rollout.phase import RowPhases
 from rlora.rollout.sampling import DrawPlan, RowParams, counter_uniform, sample_tokens
 

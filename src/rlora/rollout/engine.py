@@ -19,7 +19,7 @@ from rlora.models.multi_lora import SamplerPolicies
 from rlora.models.sharded_base import StreamedLayers, sharded_base
 from rlora.rollout.decode_loop import CallRows, HostHooks, RowsOnDevice, Slots, decode
 from rlora.rollout.decoder import DecoderView
-from rlora.rollout.generator import StopStrings
+from rlora.rollout.stops import StopStrings
 from rlora.rollout.graphed import StaticDecoder
 from rlora.rollout.kvcache import KVCache, RowCache, decode_step, prefill, slot_row_caches
 from rlora.rollout.packed import Fp16Packs, OneDnnPacks, PackCache, onednn_packs_available, packed_fp16_available

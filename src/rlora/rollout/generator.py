@@ -7,15 +7,17 @@ implementation; HFGenerator serves models the engine does not support.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
 from rlora.batching import concat_rollouts, select_rows
 from rlora.models.molora_runtime import prompt_list_routing
 from rlora.models.multi_lora import policy_rows
+from rlora.rollout.generate_draw import EngineDraw
+from rlora.rollout.stops import StopStrings
 from rlora.tensors import left_padded, pad_right
 from rlora.types import Rollout, SamplingParams
 
@@ -26,13 +28,15 @@ class Generator(Protocol):
     def sample(
         self, model: torch.nn.Module, prompts: list[list[int]], n: int,
         params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int], keys: Sequence[int] | None = None,
-        policies: Sequence[int] | None = None, route_by: Sequence[list[int]] | None = None,
+        policies: Sequence[int] | None = None, on_token: Callable[[int, int], None] | None = None,
+        route_by: Sequence[list[int]] | None = None,
     ) -> Rollout:
         """-> Rollout with n completions per prompt (prompt-major), their masks, finish reasons, the
-        temperature of each row and, where the backend has them, the per-token sampling log-probs. seed: one,
-        or one per prompt; policies: the policy adapter of each prompt on a model with several (built-in
-        engine only); route_by: the prompts a MoLoRA sequence router routes each prompt's rows by (default the
-        prompts; an episode's later turn passes its first prompt)."""
+        temperature of each row (and of each token, with think phases) and the per-token sampling log-probs.
+        seed: one, or one per prompt; keys: an integer per prompt (default its position) that with its seed alone
+        decides its rows' draws; policies: the policy adapter of each prompt on a model with several; route_by:
+        the prompts a MoLoRA sequence router routes each prompt's rows by (default the prompts; an episode's later
+        turn passes its first prompt); on_token(row, token): each token as it is drawn."""
         ...
 
 
@@ -47,8 +51,8 @@ def completion_mask(completion_ids_BTc: torch.Tensor, eos_ids: list[int]) -> tup
 
 
 class HFGenerator:
-    """Samples with `model.generate` (adapter active, unmerged). Reproducible for a given seed.
-    Returns no sampling log-probs (generate's scores would cost a [T, B, vocab] copy)."""
+    """Samples with `model.generate` (adapter active, unmerged), each token drawn as the built-in engine draws it
+    (rollout/generate_draw.py): the same settings per row, the same (seed, key, t) draws, the sampling log-probs."""
 
     name = "hf"
 
@@ -59,93 +63,110 @@ class HFGenerator:
         self.batch_size = batch_size
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
-        """Every sampling knob is set explicitly: transformers fills unset (None) fields from the model's
-        generation_config and then its global defaults (top_k=50!), which would silently change the
-        distribution the training log-probs assume. top_k=0 means off."""
-        common = dict(max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens or None,
-                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id, repetition_penalty=1.0,
-                      no_repeat_ngram_size=0, stop_strings=list(params.stop) or None)
-        if params.greedy:
-            return GenerationConfig(do_sample=False, **common)
-        return GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                                top_k=params.top_k, min_p=params.min_p or None, typical_p=1.0, **common)
+        """generate runs greedy over the scores EngineDraw leaves (only the drawn token's is finite), with no
+        processor of its own before EngineDraw's: transformers fills unset (None) fields from the model's
+        generation_config, so the penalties are set to off explicitly, and min_new_tokens is EngineDraw's (generate's
+        would ban EOS before the draw and change the log-prob's normaliser)."""
+        return GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
+                                pad_token_id=self.pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                                stop_strings=list(params.stop) or None)
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams | Sequence[SamplingParams],
                seed: int | Sequence[int], keys: Sequence[int] | None = None,
-               policies: Sequence[int] | None = None, route_by: Sequence[list[int]] | None = None) -> Rollout:
-        # keys are ignored: generate draws from one stream, so samples depend on the batch composition
-        if policies is not None:
-            return self._per_policy(model, prompts, n, params, seed, policies, route_by)
-        if not isinstance(seed, int):
-            raise ValueError("a seed per prompt needs rollout.engine=builtin (or several policies, one seed each)")
-        return self._sample(model, prompts, n, params, seed, route_by, None)
-
-    def _per_policy(self, model, prompts, n, params, seed, policies, route_by) -> Rollout:
-        """Several policies' prompts: one call of each policy's prompts (in order) with its rows through its
-        adapter and its seed, the call a run of that policy alone makes; the rows back in the prompts' order."""
+               policies: Sequence[int] | None = None, on_token: Callable[[int, int], None] | None = None,
+               route_by: Sequence[list[int]] | None = None) -> Rollout:
+        """on_token(row, token): every token as it is drawn, as the engine calls it (row: prompt-major, as in the
+        rollout)."""
         count = len(prompts)
         per_prompt = [params] * count if isinstance(params, SamplingParams) else list(params)
         seeds = [seed] * count if isinstance(seed, int) else list(seed)
+        keys = list(range(count)) if keys is None else list(keys)
+        if not len(per_prompt) == len(seeds) == len(keys) == count:
+            raise ValueError(f"{len(per_prompt)} sampling settings, {len(seeds)} seeds and {len(keys)} keys for "
+                             f"{count} prompts")
+        if route_by is not None and len(route_by) != count:
+            raise ValueError(f"{len(route_by)} routing prompts for {count} prompts")
+        if policies is None:
+            return self._sample(model, prompts, n, per_prompt, seeds, keys, route_by, None, on_token, range(count * n))
+        # several policies: one call of each policy's prompts (in order), its rows through its adapter; a row's draws
+        # depend on its seed and key alone, so they are those of the same prompts sampled together
         order, parts = [], []
         for policy in dict.fromkeys(policies):
             mine = [i for i in range(count) if policies[i] == policy]
-            if len({seeds[i] for i in mine}) > 1:
-                raise ValueError("rollout.engine=hf draws each policy's prompts with one seed")
             parts.append(self._sample(model, [prompts[i] for i in mine], n, [per_prompt[i] for i in mine],
-                                      seeds[mine[0]], None if route_by is None else [route_by[i] for i in mine],
-                                      policy))
+                                      [seeds[i] for i in mine], [keys[i] for i in mine],
+                                      None if route_by is None else [route_by[i] for i in mine], policy, on_token,
+                                      [i * n + j for i in mine for j in range(n)]))
             order += mine
         rollout = concat_rollouts(parts, self.pad_id)
         row_of = {prompt: place for place, prompt in enumerate(order)}
         return select_rows(rollout, [row_of[i] * n + j for i in range(count) for j in range(n)])
 
-    def _sample(self, model, prompts, n, params, seed: int, route_by, policy: int | None) -> Rollout:
-        """One stream of draws (seed) over the prompts; policy: the adapter every row goes through, on a model with
-        several."""
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if any(p.think is not None for p in per_prompt):  # generate takes one temperature per call
-            raise ValueError("phase-aware sampling (rollout.think) needs rollout.engine=builtin")
+    def _sample(self, model, prompts, n, per_prompt: list[SamplingParams], seeds: list[int], keys: list[int],
+                route_by, policy: int | None, on_token: Callable[[int, int], None] | None,
+                caller_rows: Sequence[int]) -> Rollout:
+        """The prompts' n rows each (prompt-major); policy: the adapter every row goes through, on a model with
+        several; caller_rows: each row's index in the caller's rollout (on_token's row)."""
         repeated = [p for p in prompts for _ in range(n)]  # prompt-major: G samples of prompt 0 first
-        if route_by is not None and len(route_by) != len(prompts):
-            raise ValueError(f"{len(route_by)} routing prompts for {len(prompts)} prompts")
         routed = repeated if route_by is None else [p for p in route_by for _ in range(n)]
         row_params = [p for p in per_prompt for _ in range(n)]
+        row_seeds = torch.tensor([s for s in seeds for _ in range(n)], dtype=torch.int64)
+        # the engine's row keys: prompt key x n + sample index
+        row_keys = (torch.tensor(keys, dtype=torch.int64)[:, None] * n + torch.arange(n)).reshape(-1)
         prompt_ids_BTp, prompt_mask_BTp = left_padded(repeated, self.pad_id)
-        torch.manual_seed(seed)  # seeds the GPUs too
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
         chunks = []
         try:
             for start in range(0, len(repeated), self.batch_size):
-                # generate takes one setting per call: split the batch where the settings change
+                # generate takes one length limit and one set of stop strings per call: split where settings change
                 for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
                     ids, mask = (t[lo:hi].to(device) for t in (prompt_ids_BTp, prompt_mask_BTp))
+                    call_seeds = row_seeds[lo:hi]
+                    reported = None if on_token is None else \
+                        (lambda row, token, first=lo: on_token(caller_rows[first + row], token))
+                    draw = EngineDraw(row_params[lo:hi], 1, int(call_seeds[0]) if bool((call_seeds == call_seeds[0]).all())
+                                      else call_seeds, row_keys[lo:hi], self.eos_ids, ids.shape[1], self._decode, device,
+                                      reported, StopStrings(self.tokenizer, [row_params[lo].stop] * (hi - lo)))
                     rows = None if policy is None else torch.full((hi - lo,), policy, dtype=torch.long)
                     # MoLoRA: rows routed by their prompts; several policies: every row through this one
                     with prompt_list_routing(model, routed[lo:hi]), policy_rows(model, rows):
                         out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
-                                             generation_config=self._generation_config(row_params[lo]))
-                    chunks.append(_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids,
-                                          self.pad_id))
+                                             generation_config=self._generation_config(row_params[lo]),
+                                             logits_processor=LogitsProcessorList([draw]))
+                    chunks.append((*_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids,
+                                            self.pad_id), draw))
         finally:
             model.train(was_training)
         # each call's masks are made before padding the calls to one width (pad may equal EOS)
-        width = max(ids.shape[1] for ids, _, _ in chunks)
-        completion_ids_BTc = torch.cat([pad_right(ids, width, self.pad_id) for ids, _, _ in chunks])
-        mask_BTc = torch.cat([pad_right(mask, width) for _, mask, _ in chunks])
-        reasons = [r for _, _, chunk_reasons in chunks for r in chunk_reasons]
+        width = max(ids.shape[1] for ids, *_ in chunks)
+        completion_ids_BTc = torch.cat([pad_right(ids, width, self.pad_id) for ids, *_ in chunks])
+        mask_BTc = torch.cat([pad_right(mask, width) for _, mask, _, _ in chunks])
+        reasons = [r for _, _, chunk_reasons, _ in chunks for r in chunk_reasons]
+        temperature_BTc = None  # per token only where think phases switched it, as the engine's rollouts
+        if any(draw.phases is not None for *_, draw in chunks):
+            temperature_BTc = torch.cat([pad_right(draw.temperature_BT[:, :width], width, 0.0)
+                                         for *_, draw in chunks]) * mask_BTc
         completion_ids_BTc = completion_ids_BTc.masked_fill(mask_BTc == 0, self.pad_id)
         texts = self.tokenizer.batch_decode(
             [row[row_mask.bool()] for row, row_mask in zip(completion_ids_BTc, mask_BTc)], skip_special_tokens=True
         )
+        # on the sampler's device, as the engine's rollouts (the token ids came to the host once, to be decoded;
+        # the log-probs never leave the device)
+        mask_BTc = mask_BTc.to(device)
+        logp_BTc = torch.cat([pad_right(draw.logp_BT[:, :width], width, 0.0) for *_, draw in chunks]) * mask_BTc
         return Rollout(
-            prompt_ids_BTp=prompt_ids_BTp, prompt_mask_BTp=prompt_mask_BTp,
-            completion_ids_BTc=completion_ids_BTc, completion_mask_BTc=mask_BTc,
+            prompt_ids_BTp=prompt_ids_BTp.to(device), prompt_mask_BTp=prompt_mask_BTp.to(device),
+            completion_ids_BTc=completion_ids_BTc.to(device), completion_mask_BTc=mask_BTc,
             completions=texts, finish_reasons=reasons,
-            temperature_B=torch.tensor([1.0 if p.greedy else p.temperature for p in row_params]),
+            temperature_B=torch.tensor([1.0 if p.greedy else p.temperature for p in row_params], device=device),
+            sampling_logp_BTc=logp_BTc, temperature_BTc=None if temperature_BTc is None else temperature_BTc.to(device),
         )
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def _masked(ids_BT: torch.Tensor, params: SamplingParams, tokenizer, eos_ids: list[int], pad_id: int):
@@ -186,20 +207,3 @@ def _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, stops: tuple[str, 
             mask_BT[row, end:] = 0
             reasons[row] = "stop"
     return mask_BT, reasons
-
-
-class StopStrings:
-    """Finds each row's stop strings in the text of its newest tokens (decoding only a short tail)."""
-
-    def __init__(self, tokenizer, stops_per_row: list[tuple[str, ...]]):
-        self.tokenizer = tokenizer
-        self.stops = [[s for s in stops if s] for stops in stops_per_row]
-        # a token decodes to >= 1 byte of text, so this many tokens always cover the longest stop string
-        self.tail = max((len(s.encode("utf-8")) for stops in self.stops for s in stops), default=0) + 2
-        self.any = any(self.stops)
-
-    def hit(self, row: int, tokens: list[int]) -> bool:
-        if not self.stops[row]:
-            return False
-        text = self.tokenizer.decode(tokens[-self.tail:], skip_special_tokens=False)
-        return any(s in text for s in self.stops[row])

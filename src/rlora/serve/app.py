@@ -371,9 +371,9 @@ def build_app(served: Served) -> FastAPI:
             worker.check_tokens(params.stop, "sampling_params.stop")
         sampler_id = body.sampling_session_id
         # this session's requests queued right behind it with the same num_samples, ending tokens and max_tokens (a
-        # batch ends together) run in the same sampler call (worker.sample); transformers generate takes one at a time
+        # batch ends together) run in the same sampler call (worker.sample)
         ends = sampling_settings(params, worker.tok.eos_ids)[1]
-        batch = None if worker.engine_refusal is not None else Batchable(
+        batch = Batchable(
             ("sample", sampler_id, body.num_samples, tuple(ends), params.max_tokens), object(), body,
             lambda bodies: worker.sample(sampler_id, bodies), tokens=len(prompt) + params.max_tokens * body.num_samples,
             max_members=SAMPLES_BATCHED)

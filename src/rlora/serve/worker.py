@@ -32,7 +32,6 @@ from torch import nn
 
 from rlora.models import expert_lora
 from rlora.models.loading import TokenizerInfo, causal_lm
-from rlora.models.logprobs import completion_logprobs
 from rlora.models.named_adapters import adapter_switched, kept_flags
 from rlora.rollout.decoder import DecoderView, unsupported_reason
 from rlora.rollout.engine import BuiltinGenerator
@@ -408,22 +407,17 @@ class ModelWorker:
     def sample(self, session_id: str, requests: list[wire.Sample]) -> list[bytes]:
         """Sampling requests of one session, with one num_samples and one set of ending tokens (app.py batches
         only such), in one sampler call. Each prompt keeps its own settings and seed and the key 0 it has alone:
-        rlora's engine draws a row's tokens from (seed, key, sample index) only, so a request samples what it
-        samples alone (tested). One result each."""
+        rlora's samplers (the engine, and generate through rollout/generate_draw.py) draw a row's tokens from (seed,
+        key, sample index) only, so a request samples what it samples alone (tested). One result each."""
         settings = [sampling_settings(r.sampling_params, self.tok.eos_ids) for r in requests]
         prompts = [r.prompt.tokens() for r in requests]
         G = requests[0].num_samples
         with self.sampling_model(session_id) as model:
             generator = self._generator(session_id, model, settings[0][1])
-            if isinstance(generator, HFGenerator) and len(requests) > 1:  # one seed a call: app.py never batches it
-                raise ValueError("transformers generate samples one request at a time")
             rollout = generator.sample(model, prompts, G, [params for params, _, _ in settings],
                                        seed=[seed for _, _, seed in settings] if len(requests) > 1 else settings[0][2],
                                        keys=[0] * len(requests))
             logp_BT = rollout.sampling_logp_BTc
-            if logp_BT is None:  # transformers generate keeps no log-probs: the trainer's, at the same temperature
-                with torch.no_grad():
-                    logp_BT = completion_logprobs(model, rollout.select(slice(None)))[0].float().cpu()
             samples = completions(rollout)
             asked = [asked_of(model, r, p, params, seed, samples[i * G:(i + 1) * G], self.vocab_size,
                               self._prompt_logprobs)

@@ -46,7 +46,7 @@ class ReplayBuffer:
     def add(self, group: StoredGroup) -> bool:
         """Store the group if it is informative (some |advantage| above min_adv_abs, some token in the loss); the oldest leave beyond capacity. -> stored?"""
         if group.rollout.sampling_logp_BTc is None:
-            raise ValueError("replay needs the sampler's log-probs (rollout.engine=builtin)")
+            raise ValueError("replay needs the sampler's log-probs: this rollout has none")
         if float(group.advantages_GT.abs().max()) <= self.cfg.min_adv_abs or not bool(group.loss_mask_GT.any()):
             return False
         self.groups.append(group)

@@ -339,15 +339,6 @@ def prepare(cfg: RLConfig, world: World = World()) -> Session:
     if cfg.rollout.sampler_dtype != "model" and cfg.algo.sampler_is_cap is None and generator.name == "builtin":
         info(f"rollout.sampler_dtype={cfg.rollout.sampler_dtype} without algo.sampler_is_cap: samples are slightly "
              "off-policy and nothing corrects for it (watch sampler_logp_gap)")
-    if world.size > 1 and generator.name == "hf" and world.is_main:
-        info("rollout.engine=hf under torchrun: each rank's generate draws from its own stream, so the samples depend "
-             "on how the batch is split across ranks (the built-in engine's do not)")
-    # the config refuses these with engine=hf; here the builtin engine fell back to generate for this model
-    if cfg.algo.replay.enabled and generator.name != "builtin":
-        raise UserError(f"algo.replay needs the sampler's log-probs, which only rollout.engine=builtin returns (this "
-                        f"run samples with '{generator.name}'): set algo.replay.enabled=false")
-    # algo.sampler_is_cap there has nothing to correct: generate samples in the model's dtype, as the trainer
-    # computes (step.behaviour gives no weights without sampler log-probs); build_generator's notice says so
     adapter = adapter_of(model)  # of the model that holds everything (reward adapters may wrap a MoLoRA base)
     # PPO: each policy's critic trains with its optimizer, as a second parameter group with its own learning rate
     specs = cfg.policies or [None]

@@ -90,8 +90,8 @@ def behaviour(s: Session, batch: Batch) -> tuple[torch.Tensor | None, torch.Tens
     """Behaviour log-probs and per-row caps for the truncated importance weights: the bf16 sampler's
     (algo.sampler_is_cap) on fresh rows, the stored sampler's (algo.replay.is_cap) on replayed rows."""
     cfg, rollout = s.cfg.algo, batch.rollout
-    # a backend without sampler log-probs (generate, where the built-in engine does not support the model) samples
-    # in the model's dtype: nothing to correct on the fresh rows (replay, which needs them, is refused there)
+    # both samplers return their log-probs (the built-in engine, and generate drawing as it does); a rollout made
+    # without them (a caller's own) has nothing to correct on the fresh rows
     fresh_cap = cfg.sampler_is_cap if rollout.sampling_logp_BTc is not None else None
     if fresh_cap is None and not batch.replayed:
         return None, None

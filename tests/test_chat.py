@@ -192,7 +192,8 @@ def test_loop_commands_replies_and_end_of_input():
     assert [(t["content"], t.get("adapter")) for t in state.conv.turns] == [
         ("hi", None), ("a-1", "a"), ("again", None), ("b-3", "b"), ("/slash", None), ("None-5", None)]
     assert [t.get("seed") for t in state.conv.turns if t["role"] == "assistant"] == [0, 1, 2]
-    assert "a> a-1" in text and "b> b-3" in text and "base> None-5" in text
+    assert "a> a-1\n" in text and "b> b-3\n" in text and "base> None-5\n" in text
+    assert text.count("a> a-1") == 1  # each reply once (the bot does not stream: the loop prints it at the end)
     assert "unknown command '/nope'" in text and "message too long: 500 prompt tokens" in text
     state = _state()
     _drive(["hello", "/quit", "never read"], state)
@@ -373,7 +374,8 @@ def test_chat_streams_the_reply_it_would_print_whole(tiny_model_dir, adapters, m
     out = Console(record=True, width=500, force_terminal=False)
     assert run_chat(bot, state, out, _reader(["Hello, how are you today?"])) == 0
     expected = _reference(tiny_model_dir, adapters)([{"role": "user", "content": "Hello, how are you today?"}], "a")
-    assert f"a> {expected.strip()}\n" in out.export_text()
+    text = out.export_text()
+    assert f"a> {expected.strip()}\n" in text and text.count("a> ") == 1  # streamed once, not printed whole again
     assert len(writes) > 1 and writes[-1] == expected.strip()
     # a message too long to send: the notice alone, no reply label
     bot.max_length = MAX_NEW + 4

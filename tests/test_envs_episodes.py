@@ -189,6 +189,28 @@ def test_continuing_from_the_cache_samples_what_running_the_history_again_sample
     assert gap.max() < 1e-5, float(gap.max())
 
 
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_generate_samples_the_engines_episodes(request, ending):
+    """Episodes sampled with transformers generate (rollout/generate_draw.py: the engine's draw; every turn runs the
+    whole history again) are the engine's episodes continued from its caches: the same tokens in every turn, the
+    sampler's log-probs within 1e-5."""
+    from rlora.rollout.generator import HFGenerator
+
+    fixture, turn = ENDINGS[ending]
+    policy = request.getfixturevalue(fixture)
+    engine, _ = run(policy, [Scripted(turns=3) for _ in range(8)], continued=True, turn=turn)
+    tokenizer, tok, model = policy
+    runner = EpisodeRunner(HFGenerator(tokenizer, tok.eos_ids, tok.pad_id), EpisodeRenderer(tokenizer, [], CallFormat()),
+                           tok.eos_ids, tok.pad_id, EpisodeLimits(3, 64, 5.0))
+    made = iter([Scripted(turns=3) for _ in range(8)])
+    generate = runner.run(model, lambda: next(made), ROWS[:2], 4, [turn] * 2, [5] * 2, [0, 1])
+    assert max(ep.turns for ep in engine.episodes) >= 2
+    assert [ep.tokens for ep in generate.episodes] == [ep.tokens for ep in engine.episodes]
+    mask = engine.rollout.trained_mask_BTc.bool()
+    gap = (generate.rollout.sampling_logp_BTc.cpu()[mask] - engine.rollout.sampling_logp_BTc.cpu()[mask]).abs()
+    assert gap.max() < 1e-5, float(gap.max())
+
+
 def test_turn_and_token_limits_truncate(policy):
     batch, _ = run(policy, [Scripted(turns=10) for _ in range(8)], limits=EpisodeLimits(2, 64, 5.0))
     assert all(ep.turns <= 2 for ep in batch.episodes)

@@ -165,9 +165,12 @@ def assert_policies_run_equals_separate_runs(tiny_model_dir, prompts_file, tmp_p
             assert critics[0].keys() == critics[1].keys()
             diff = torch.cat([(critics[0][k] - critics[1][k]).abs().flatten() for k in critics[0]])
             # on the tiny Qwen3-MoE the critic's values already differ by float32 rounding in step 1 (2.4e-7; on the
-            # dense model only from step 2; the source is not pinned down: the isolated forwards are bit-equal), and
-            # AdamW's near-eps entries magnify it as above (seen: 3 entries, in attention maps, at most 1.6e-5 at lr
-            # 1e-3); a wrong row or normaliser still moves every entry by ~lr
+            # dense model only from step 2): each expert's product runs over both policies' tokens in the batched pass
+            # (expert_lora.experts_forward), over one policy's alone in a separate run, and MKL's float32 product of a
+            # few rows rounds otherwise than the same rows in a longer product (measured: fewer than 8 rows of a
+            # 256 x 512 product 2.5e-5 apart; this model's experts, 12 of 24 tokens alone or among all: 7.5e-9). AdamW's
+            # near-eps entries magnify it as above (seen: 3 entries, in attention maps, at most 1.6e-5 at lr 1e-3); a
+            # wrong row or normaliser still moves every entry by ~lr
             slack = 20 if any(".experts." in k for k in critics[0]) else 100
             assert int((diff > 2e-6).sum()) <= 8 and float(diff.max()) <= spec["lr"] / slack
         assert json.loads((mine / "eval.json").read_text())["after"] == json.loads((alone / "eval.json").read_text())["after"]

@@ -189,25 +189,53 @@ def test_logprobs_divide_by_the_sampling_temperature(tiny_model_dir, chunk_token
     assert torch.allclose(entropy[real], -(naive.exp() * naive).sum(-1)[real], atol=1e-4)
 
 
-def test_generate_runs_no_processor_but_the_engines_draw(tiny_model_dir):
-    """transformers fills unset knobs from the model's generation_config (a checkpoint's repetition penalty, top-k,
-    temperature) and its defaults (top_k=50): whatever it holds, generate must run greedy over EngineDraw's scores
-    with no processor of its own before or after it, so that the draw and its log-prob see the model's logits."""
-    from transformers import LogitsProcessorList
+def test_a_checkpoints_generation_settings_change_nothing_generate_samples(tiny_model_dir):
+    """transformers fills every generate setting left unset from the model's generation_config, and a checkpoint's
+    (penalties, suppressed or biased tokens, forced EOS, stop strings, min lengths, sampling knobs) would become
+    processors before rlora's draw: the fallback samples the same tokens, log-probs and ends with any of them set,
+    and leaves the model's own config as it was."""
+    tokenizer, tok, model = make_policy(tiny_model_dir)
+    perturb_adapter(model, scale=0.3)
+    prompts = [tokenizer(t)["input_ids"] for t in ("What is 1 + 1?", "Hello there, friend")]
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, min_new_tokens=2)
+    gen = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    clean = gen.sample(model, prompts, 4, params, seed=3)
+    base = model.get_base_model()
+    common = [int(t) for t in clean.completion_ids_BTc[clean.completion_mask_BTc.bool()].unique()[:4]]
+    settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, top_k=5, top_p=0.5, temperature=0.3,
+                    do_sample=True, min_new_tokens=8, min_length=30, suppress_tokens=common[:2],
+                    begin_suppress_tokens=common[2:3], bad_words_ids=[[common[3]]],
+                    sequence_bias={(common[0],): 5.0}, forced_eos_token_id=tok.eos_ids[0],
+                    exponential_decay_length_penalty=(1, 1.5), stop_strings=[" "])
+    base.generation_config.update(**settings)
+    with_settings = gen.sample(model, prompts, 4, params, seed=3)
+    assert torch.equal(with_settings.completion_ids_BTc, clean.completion_ids_BTc)
+    assert torch.equal(with_settings.completion_mask_BTc, clean.completion_mask_BTc)
+    assert torch.equal(with_settings.sampling_logp_BTc, clean.sampling_logp_BTc)
+    assert with_settings.finish_reasons == clean.finish_reasons
+    assert all(getattr(base.generation_config, k) == v for k, v in settings.items() if k != "sequence_bias")
 
-    from rlora.rollout.generate_draw import EngineDraw
+
+def test_a_stop_string_that_began_in_the_prompt_does_not_end_a_row(tiny_model_dir):
+    """The engine looks for stop strings in the completion's text only; generate's own check also reads the prompt.
+    A prompt ending in half of a stop string: generate's rows run on as the engine's (their tokens, masks, ends)."""
+    from rlora.rollout.engine import BuiltinGenerator
 
     tokenizer, tok, model = make_policy(tiny_model_dir)
-    base = model.get_base_model()
-    base.generation_config.update(repetition_penalty=1.3, top_k=20, top_p=0.8, temperature=0.6, do_sample=True,
-                                  no_repeat_ngram_size=3)
-    gen = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id)
-    params = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, min_new_tokens=2)
-    config, _ = base._prepare_generation_config(gen._generation_config(params))
-    draw = EngineDraw([params], 1, 0, torch.zeros(1, dtype=torch.long), tok.eos_ids, 3, str, "cpu")
-    processors = base._get_logits_processor(config, input_ids_seq_length=3, logits_processor=LogitsProcessorList([draw]),
-                                            device="cpu")
-    assert config.do_sample is False and list(processors) == [draw]
+    perturb_adapter(model, scale=0.3)
+    prompt = tokenizer("Say x")["input_ids"] + tokenizer("@@")["input_ids"]
+    engine = BuiltinGenerator(tokenizer, tok.eos_ids, tok.pad_id)
+    free = engine.sample(model, [prompt], 4, SamplingParams(max_new_tokens=8, temperature=1.0), seed=1)
+    first = tokenizer.decode(free.completion_ids_BTc[0, :1])  # row 0's first token's text: after the prompt's "@@"
+    stop = "@@" + first
+    assert stop not in tokenizer.decode(free.completion_ids_BTc[0]), "the completion itself writes it: pick another"
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, stop=(stop,))
+    want = engine.sample(model, [prompt], 4, params, seed=1)
+    generate = HFGenerator(tokenizer, tok.eos_ids, tok.pad_id).sample(model, [prompt], 4, params, seed=1)
+    assert want.completion_mask_BTc[0].sum() > 1  # the engine runs row 0 on past its first token
+    assert torch.equal(generate.completion_ids_BTc, want.completion_ids_BTc.cpu())
+    assert torch.equal(generate.completion_mask_BTc, want.completion_mask_BTc.cpu())
+    assert generate.finish_reasons == want.finish_reasons
 
 
 def test_model_generation_config_eos_ids_are_added(tiny_model_dir):

@@ -145,10 +145,7 @@ def _reply(bot: ChatModel, state: ChatState, out) -> str | None:
     stream.finish(reply.text)
     if not labelled:  # an empty reply
         show("")
-        out.print()
-    else:
-        out.print(label, style="bold cyan", end="", markup=False, highlight=False)
-        out.print(reply.text.strip(), markup=False, highlight=False, soft_wrap=True)
+    out.print()  # end the line the label and the streamed text started
     if reply.dropped:
         out.print(f"(the conversation outgrew the model's {bot.max_length} positions: dropped the oldest "
                   f"{reply.dropped} exchange(s) from the context; /save still writes them)", style="yellow", markup=False)

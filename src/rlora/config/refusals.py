@@ -246,7 +246,7 @@ REFUSALS: tuple[Refusal, ...] = (
                                                         or cfg.rollout.merge_adapter is False),
             "rollout.sampler_dtype and rollout.merge_adapter apply to rollout.engine=builtin only: set "
             "rollout.sampler_dtype=model (and merge_adapter=true) with rollout.engine=hf",
-            ("rollout.engine=hf", "algo.sampler_is_cap=null", "rollout.sampler_dtype=bfloat16")),
+            ("rollout.engine=hf", "rollout.sampler_dtype=bfloat16")),
     Refusal("float16-weights-needs-a-float32-cpu-model", ("train",),
             lambda cfg: cfg.rollout.sampler_dtype == "float16_weights" and (
                 cfg.model.dtype != "float32" or cfg.model.device.startswith("cuda") or cfg.rollout.merge_adapter is False

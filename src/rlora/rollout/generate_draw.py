@@ -4,30 +4,47 @@
 built-in engine would from those logits (rollout/sampling.py: each row's own temperature, top-k, top-p, min-p and
 greedy setting, EOS banned until min_new_tokens, think phases, the counter-based uniform of (seed, row key, token
 index)), records its sampling log-prob and returns scores whose argmax is that token, so `generate` (run greedy,
-with no warpers of its own) takes it. What this gives the fallback path:
+with no processor of its own: `plain_generation`) takes it. `EngineStops` ends a row where the engine would: at the
+token that completes one of its stop strings in the completion's text (generate's own stop-string check also reads
+the prompt, so a string that began there would end a row the engine continues). What this gives the fallback path:
 
 - the sampler's log-probs (truncated importance sampling, replay, `sampler_logp_gap`), which the trainer's differ
   from only by the float rounding of another forward;
-- draws that depend on (seed, key, t) alone, as the engine's: a row samples the same tokens in any batch, on any
-  rank, and a seed per prompt costs nothing (generate's own sampler draws from one stream for the whole batch);
+- draws that depend on (seed, key, t) alone, as the engine's: a row samples the same tokens in any batch and on any
+  rank, unless float rounding of another batch shape moves a draw across a boundary (each call is left-padded to
+  its longest prompt), and a seed per prompt costs nothing (generate's own sampler draws from one stream per call);
 - per-row settings and think phases within one `generate` call;
 - every drawn token on the host as it is drawn (on_token: `rlora chat` shows replies as they are written).
 
-The logits `generate` hands to processors are float32 copies of the model's last position; processors that
-`generate` adds itself run first, so the generation config leaves them out (generator.py).
+The logits `generate` hands to processors are float32 copies of the model's last position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
-from transformers import LogitsProcessor
+from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
 from rlora.rollout.phase import RowPhases, think_phases
 from rlora.rollout.sampling import DrawPlan, RowParams, counter_uniform, sample_tokens
 from rlora.rollout.stops import StopStrings
 from rlora.types import SamplingParams
+
+
+@contextmanager
+def plain_generation(hf_model) -> Iterator[None]:
+    """The transformers model's own generation_config blank while `generate` runs: generate fills every setting its
+    config leaves unset from it, and a checkpoint's suppress_tokens, bad_words_ids, sequence_bias, forced EOS, length
+    penalties, stop strings or min lengths would become processors and criteria of generate's own, run before the
+    draw, changing the tokens and the log-probs it records."""
+    kept = hf_model.generation_config
+    hf_model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        hf_model.generation_config = kept
 
 
 class EngineDraw(LogitsProcessor):
@@ -52,11 +69,11 @@ class EngineDraw(LogitsProcessor):
         self.plan = None if self.phases is not None else DrawPlan.of(self.rows)
         self.logp_BT = torch.zeros(len(keys_B), max_new, device=device)
         self.on_token, self.stops = on_token, stops if stops is not None and stops.any else None
-        # each row's tokens on the host, where the think phases or on_token look at them
+        # each row's tokens on the host, where the think phases, on_token or the stop strings look at them
         self.tokens: dict[int, list[int]] | None = None
-        if self.phases is not None or on_token is not None:
+        if self.phases is not None or on_token is not None or self.stops is not None:
             self.tokens = {row: [] for row in range(len(keys_B))}
-        self.ended = [False] * len(keys_B)
+        self.ended = [False] * len(keys_B)  # by EOS or a stop string (tracked where self.tokens is)
         self.eos_V: torch.Tensor | None = None
 
     @property
@@ -86,13 +103,25 @@ class EngineDraw(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(1, token_A[:, None], 0.0)
 
     def _seen(self, drawn: list[int]) -> None:
-        """The host's part of a draw, as the engine's HostHooks: on_token for the rows still running (a row ends
-        after EOS or its stop string; generate ends it there too, and pads after), then the think phases' switch."""
+        """The host's part of a draw, as the engine's HostHooks: on_token for the rows still running, the end of a
+        row at EOS or its stop string, then the think phases' switch."""
         for row, token in enumerate(drawn):
             self.tokens[row].append(token)
-            if self.on_token is not None and not self.ended[row]:
+            if self.ended[row]:
+                continue
+            if self.on_token is not None:
                 self.on_token(row, token)
-                self.ended[row] = token in self.eos_ids or (self.stops is not None
-                                                            and self.stops.hit(row, self.tokens[row]))
+            self.ended[row] = token in self.eos_ids or (self.stops is not None
+                                                        and self.stops.hit(row, self.tokens[row]))
         if self.phases is not None:
             self.phases.advance(self.tokens, list(range(len(drawn))))
+
+
+class EngineStops(StoppingCriteria):
+    """Ends the rows whose stop string EngineDraw found in the completion's text (EOS ends them by itself)."""
+
+    def __init__(self, draw: EngineDraw):
+        self.draw = draw
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.tensor(self.draw.ended, dtype=torch.bool, device=input_ids.device)

@@ -11,12 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from rlora.batching import concat_rollouts, select_rows
+from rlora.models.loading import causal_lm
 from rlora.models.molora_runtime import prompt_list_routing
 from rlora.models.multi_lora import policy_rows
-from rlora.rollout.generate_draw import EngineDraw
+from rlora.rollout.generate_draw import EngineDraw, EngineStops, plain_generation
 from rlora.rollout.stops import StopStrings
 from rlora.tensors import left_padded, pad_right
 from rlora.types import Rollout, SamplingParams
@@ -64,12 +65,11 @@ class HFGenerator:
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         """generate runs greedy over the scores EngineDraw leaves (only the drawn token's is finite), with no
-        processor of its own before EngineDraw's: transformers fills unset (None) fields from the model's
-        generation_config, so the penalties are set to off explicitly, and min_new_tokens is EngineDraw's (generate's
-        would ban EOS before the draw and change the log-prob's normaliser)."""
+        processor or criterion of its own but the length and EOS (the model's generation_config is blank meanwhile:
+        plain_generation): min_new_tokens is EngineDraw's (generate's would ban EOS before the draw and change the
+        log-prob's normaliser), the stop strings EngineStops'."""
         return GenerationConfig(do_sample=False, max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
-                                pad_token_id=self.pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                stop_strings=list(params.stop) or None)
+                                pad_token_id=self.pad_id)
 
     @torch.no_grad()
     def sample(self, model, prompts: list[list[int]], n: int, params: SamplingParams | Sequence[SamplingParams],
@@ -116,6 +116,7 @@ class HFGenerator:
         row_keys = (torch.tensor(keys, dtype=torch.int64)[:, None] * n + torch.arange(n)).reshape(-1)
         prompt_ids_BTp, prompt_mask_BTp = left_padded(repeated, self.pad_id)
         device = next(model.parameters()).device
+        hf = causal_lm(model)
         was_training = model.training
         model.eval()
         chunks = []
@@ -132,12 +133,13 @@ class HFGenerator:
                                       reported, StopStrings(self.tokenizer, [row_params[lo].stop] * (hi - lo)))
                     rows = None if policy is None else torch.full((hi - lo,), policy, dtype=torch.long)
                     # MoLoRA: rows routed by their prompts; several policies: every row through this one
-                    with prompt_list_routing(model, routed[lo:hi]), policy_rows(model, rows):
-                        out = model.generate(input_ids=ids, attention_mask=mask, tokenizer=self.tokenizer,
+                    with prompt_list_routing(model, routed[lo:hi]), policy_rows(model, rows), plain_generation(hf):
+                        out = model.generate(input_ids=ids, attention_mask=mask,
                                              generation_config=self._generation_config(row_params[lo]),
-                                             logits_processor=LogitsProcessorList([draw]))
-                    chunks.append((*_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids,
-                                            self.pad_id), draw))
+                                             logits_processor=LogitsProcessorList([draw]),
+                                             stopping_criteria=StoppingCriteriaList([EngineStops(draw)]))
+                    chunks.append((*_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids),
+                                   draw))
         finally:
             model.train(was_training)
         # each call's masks are made before padding the calls to one width (pad may equal EOS)
@@ -169,19 +171,13 @@ class HFGenerator:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
-def _masked(ids_BT: torch.Tensor, params: SamplingParams, tokenizer, eos_ids: list[int], pad_id: int):
-    """Mask and finish reason of one generate call's completions: up to the first EOS, or up to the
-    token that completes a stop string. A row generate stopped for another reason (a stop string
-    that began in the prompt) is followed by padding: it ends before that padding."""
+def _masked(ids_BT: torch.Tensor, params: SamplingParams, tokenizer, eos_ids: list[int]):
+    """Mask and finish reason of one generate call's completions: up to the first EOS, or up to the token that
+    completes a stop string in the completion's text (generate ended its rows there, and nowhere else short of the
+    length: EngineStops)."""
     mask_BT, reasons = completion_mask(ids_BT, eos_ids)
     if params.stop:
         mask_BT, reasons = _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, params.stop)
-        for row, reason in enumerate(reasons):
-            length = int(mask_BT[row].sum())
-            if reason == "length" and length < params.max_new_tokens:
-                real = (ids_BT[row, :length] != pad_id).nonzero()
-                mask_BT[row, int(real[-1]) + 1 if len(real) else 0:] = 0
-                reasons[row] = "stop"
     return ids_BT, mask_BT, reasons
 
 

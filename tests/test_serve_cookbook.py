@@ -9,6 +9,7 @@ cookbook loads the tokenizer from it), the renderer `qwen3_instruct` (ChatML, as
 - `recipes/chat_sl/train.py` on the cookbook's own `example_data/conversations.jsonl`: the training NLL falls.
 - `recipes/decisions` (its functions, in this process): a choice's probability read through `target_prompt_logprobs`,
   and learned with `decision_choice_datums`.
+- `recipes/multiplayer_rl` `guess_number` and `text_arena` (TicTacToe): multi-turn episodes, one step each.
 The numbers of longer runs of both are in docs/serve.md."""
 
 import json
@@ -63,10 +64,13 @@ def server(tmp_path_factory):
 
 
 def recipe(module: str, args: list[str], url: str, log_path: Path) -> list[dict]:
-    """Runs a cookbook recipe against the server -> its metrics.jsonl rows."""
-    env = dict(os.environ, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
-    done = subprocess.run([sys.executable, "-m", module, *args, f"base_url={url}", f"log_path={log_path}",
-                           "behavior_if_log_dir_exists=delete"], env=env, capture_output=True, text=True, timeout=1500)
+    """Runs a cookbook recipe against the server -> its metrics.jsonl rows. The URL goes in TINKER_BASE_URL, which the
+    SDK reads where a recipe's command line has no base_url (the multiplayer recipes), and as base_url where it has."""
+    env = dict(os.environ, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0", TINKER_BASE_URL=url)
+    takes_url = module.endswith(("math_rl.train", "chat_sl.train"))
+    done = subprocess.run([sys.executable, "-m", module, *args, *([f"base_url={url}"] if takes_url else []),
+                           f"log_path={log_path}", "behavior_if_log_dir_exists=delete"], env=env, capture_output=True,
+                          text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
@@ -104,6 +108,26 @@ def test_chat_sl_on_the_cookbooks_conversations_lowers_the_nll(server, tmp_path)
     nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
     assert len(nll) == 12  # 128 conversations, 32 a batch, 3 epochs
     assert mean(nll[-4:]) < mean(nll[:4]) - 0.1, nll
+
+
+@pytest.mark.parametrize("module, args", [
+    ("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", ["group_size=2", "batch_size=1"]),
+    ("tinker_cookbook.recipes.multiplayer_rl.text_arena.train",
+     ["batch_size=2", "num_train_datapoints=2", "num_test_datapoints=2"]),
+], ids=["guess_number", "text_arena-tictactoe"])
+def test_the_multiplayer_recipes_run_a_step(server, tmp_path, module, args):
+    """The cookbook's multi-turn recipes (their default loss, importance_sampling; their command lines have no
+    base_url: the SDK reads TINKER_BASE_URL): guess_number (up to 10 guesses an episode, each answered "too low" /
+    "too high") and text_arena's TicTacToe (self-play, moves through textarena). One training step each, small: the
+    episodes run, the step trains, and the sampler's log-probs are the trainer's. (SmolLM2-135M learns neither game
+    in a step: this shows the protocol, not learning.)"""
+    url, folder = server
+    rows = recipe(module, [f"model_name={folder}", f"renderer_name={RENDERER}", "max_tokens=24", "max_steps=1",
+                           "eval_every=0", "save_every=0", *args], url, tmp_path / "run")
+    [step] = [r for r in rows if "env/all/reward/total" in r]
+    assert step["tokens/trained"] > 0 and abs(step["optim/kl_sample_train_v1"]) < 1e-3
+    if "guess_number" in module:
+        assert step["env/all/turns_per_episode"] > 1  # the game went on after a wrong guess
 
 
 def test_the_decision_recipe_reads_and_learns_a_choice_through_target_prompt_logprobs(server):

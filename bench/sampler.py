@@ -39,7 +39,7 @@ from rlora.config import LoraConfig, ModelConfig
 from rlora.models.loading import add_model_eos_ids, attach_lora, load_base_model, load_tokenizer
 from rlora.rollout import graphed
 from rlora.rollout.engine import BuiltinGenerator
-from rlora.rollout.generator import HFGenerator, completion_mask
+from rlora.rollout.generator import HFGenerator
 from rlora.rollout.packed import packed_fp16_available
 from rlora.tensors import left_padded
 from rlora.types import SamplingParams
@@ -103,7 +103,8 @@ class PlainGenerate:
                                       stop_strings=list(setting.stop) or None)
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
                                  tokenizer=self.tokenizer)
-            generated += int(completion_mask(out[:, ids.shape[1]:].cpu(), self.eos_ids)[0].sum())
+            is_eos = torch.isin(out[:, ids.shape[1]:].cpu(), torch.tensor(self.eos_ids))
+            generated += int((is_eos.long().cumsum(-1) - is_eos.long() == 0).sum())  # tokens up to each row's EOS
             start = end
         return SimpleNamespace(completion_mask_BTc=torch.tensor([generated]))
 

@@ -118,9 +118,10 @@ def test_chat_sl_on_the_cookbooks_conversations_lowers_the_nll(server, tmp_path)
 def test_the_multiplayer_recipes_run_a_step(server, tmp_path, module, args):
     """The cookbook's multi-turn recipes (their default loss, importance_sampling; their command lines have no
     base_url: the SDK reads TINKER_BASE_URL): guess_number (up to 10 guesses an episode, each answered "too low" /
-    "too high") and text_arena's TicTacToe (self-play, moves through textarena). One training step each, small: the
-    episodes run, the step trains, and the sampler's log-probs are the trainer's. (SmolLM2-135M learns neither game
-    in a step: this shows the protocol, not learning.)"""
+    "too high") and text_arena's TicTacToe (self-play, moves through textarena; SmolLM2's first move is mostly
+    invalid, which ends the game: one turn). One training step each, small: the episodes run, the step trains, and the
+    sampler's log-probs are the trainer's. (SmolLM2-135M learns neither game in a step: this shows the protocol, not
+    learning; the server samples SmolLM2 with its built-in engine.)"""
     url, folder = server
     rows = recipe(module, [f"model_name={folder}", f"renderer_name={RENDERER}", "max_tokens=24", "max_steps=1",
                            "eval_every=0", "save_every=0", *args], url, tmp_path / "run")

@@ -51,7 +51,8 @@ class EngineDraw(LogitsProcessor):
     """Draws token t of every row of one `generate` call (B rows, prompt-major, left-padded prompts of width
     prompt_width) and forces `generate` to take it. seed: one for all rows or int64 [B]; keys_B: each row's key.
     After the call: logp_BT (float32, the log-prob of each drawn token under the temperature-scaled, untruncated
-    distribution; entries past a row's end are whatever was drawn there, masked by the caller) and temperature_BT."""
+    distribution; entries past a row's end are whatever was drawn there, masked by the caller), temperature_BT, and
+    each row's `length` and whether it `ended` (at EOS or a stop string; else it ran to the length limit)."""
 
     def __init__(self, params: list[SamplingParams], n: int, seed: int | torch.Tensor, keys_B: torch.Tensor,
                  eos_ids: list[int], prompt_width: int, decode: Callable[[list[int]], str], device,
@@ -69,11 +70,11 @@ class EngineDraw(LogitsProcessor):
         self.plan = None if self.phases is not None else DrawPlan.of(self.rows)
         self.logp_BT = torch.zeros(len(keys_B), max_new, device=device)
         self.on_token, self.stops = on_token, stops if stops is not None and stops.any else None
-        # each row's tokens on the host, where the think phases, on_token or the stop strings look at them
-        self.tokens: dict[int, list[int]] | None = None
-        if self.phases is not None or on_token is not None or self.stops is not None:
-            self.tokens = {row: [] for row in range(len(keys_B))}
-        self.ended = [False] * len(keys_B)  # by EOS or a stop string (tracked where self.tokens is)
+        # each row's tokens on the host (the think phases, on_token and the stop strings look at them; generate reads
+        # every step's tokens back to the host anyway), whether it ended (EOS or a stop string) and its length then
+        self.tokens: dict[int, list[int]] = {row: [] for row in range(len(keys_B))}
+        self.ended = [False] * len(keys_B)
+        self.length = [0] * len(keys_B)
         self.eos_V: torch.Tensor | None = None
 
     @property
@@ -97,8 +98,7 @@ class EngineDraw(LogitsProcessor):
         u_A = counter_uniform(self.seed, self.keys_B, t)
         token_A, logp_A = sample_tokens(scores, params, u_A, banned_A, self.eos_V, self.plan)
         self.logp_BT[:, t] = logp_A.float()
-        if self.tokens is not None:
-            self._seen(token_A.tolist())
+        self._seen(token_A.tolist())
         # generate runs greedy: the only finite score is the drawn token's
         return torch.full_like(scores, float("-inf")).scatter_(1, token_A[:, None], 0.0)
 
@@ -109,6 +109,7 @@ class EngineDraw(LogitsProcessor):
             self.tokens[row].append(token)
             if self.ended[row]:
                 continue
+            self.length[row] = len(self.tokens[row])
             if self.on_token is not None:
                 self.on_token(row, token)
             self.ended[row] = token in self.eos_ids or (self.stops is not None

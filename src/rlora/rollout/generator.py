@@ -41,16 +41,6 @@ class Generator(Protocol):
         ...
 
 
-def completion_mask(completion_ids_BTc: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, list[str]]:
-    """1 on tokens up to and including the first EOS; finish reason per row."""
-    is_eos_BTc = torch.isin(completion_ids_BTc, torch.tensor(eos_ids, dtype=torch.long))
-    # eos_seen_before[t] = any EOS at positions < t
-    eos_before_BTc = (is_eos_BTc.long().cumsum(-1) - is_eos_BTc.long()) > 0
-    mask_BTc = (~eos_before_BTc).long()
-    reasons = ["stop" if row.any() else "length" for row in is_eos_BTc]
-    return mask_BTc, reasons
-
-
 class HFGenerator:
     """Samples with `model.generate` (adapter active, unmerged), each token drawn as the built-in engine draws it
     (rollout/generate_draw.py): the same settings per row, the same (seed, key, t) draws, the sampling log-probs."""
@@ -122,7 +112,7 @@ class HFGenerator:
         chunks = []
         try:
             for start in range(0, len(repeated), self.batch_size):
-                # generate takes one length limit and one set of stop strings per call: split where settings change
+                # generate takes one length limit per call (EngineDraw every other setting per row)
                 for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
                     ids, mask = (t[lo:hi].to(device) for t in (prompt_ids_BTp, prompt_mask_BTp))
                     call_seeds = row_seeds[lo:hi]
@@ -130,7 +120,7 @@ class HFGenerator:
                         (lambda row, token, first=lo: on_token(caller_rows[first + row], token))
                     draw = EngineDraw(row_params[lo:hi], 1, int(call_seeds[0]) if bool((call_seeds == call_seeds[0]).all())
                                       else call_seeds, row_keys[lo:hi], self.eos_ids, ids.shape[1], self._decode, device,
-                                      reported, StopStrings(self.tokenizer, [row_params[lo].stop] * (hi - lo)))
+                                      reported, StopStrings(self.tokenizer, [p.stop for p in row_params[lo:hi]]))
                     rows = None if policy is None else torch.full((hi - lo,), policy, dtype=torch.long)
                     # MoLoRA: rows routed by their prompts; several policies: every row through this one
                     with prompt_list_routing(model, routed[lo:hi]), policy_rows(model, rows), plain_generation(hf):
@@ -138,8 +128,7 @@ class HFGenerator:
                                              generation_config=self._generation_config(row_params[lo]),
                                              logits_processor=LogitsProcessorList([draw]),
                                              stopping_criteria=StoppingCriteriaList([EngineStops(draw)]))
-                    chunks.append((*_masked(out[:, ids.shape[1]:].cpu(), row_params[lo], self.tokenizer, self.eos_ids),
-                                   draw))
+                    chunks.append((*_ends(out[:, ids.shape[1]:].cpu(), draw), draw))
         finally:
             model.train(was_training)
         # each call's masks are made before padding the calls to one width (pad may equal EOS)
@@ -171,35 +160,21 @@ class HFGenerator:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
-def _masked(ids_BT: torch.Tensor, params: SamplingParams, tokenizer, eos_ids: list[int]):
-    """Mask and finish reason of one generate call's completions: up to the first EOS, or up to the token that
-    completes a stop string in the completion's text (generate ended its rows there, and nowhere else short of the
-    length: EngineStops)."""
-    mask_BT, reasons = completion_mask(ids_BT, eos_ids)
-    if params.stop:
-        mask_BT, reasons = _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, params.stop)
-    return ids_BT, mask_BT, reasons
+def _ends(ids_BT: torch.Tensor, draw: EngineDraw) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(ids, mask, finish reasons) of one generate call's completions, each row up to where EngineDraw saw it end: its
+    EOS or the token that completes one of its stop strings in the completion's text ("stop"), else the length limit
+    (generate ends rows there, and nowhere else: EngineStops)."""
+    width = ids_BT.shape[1]
+    length_B = torch.tensor([length if ended else width for length, ended in zip(draw.length, draw.ended)])
+    mask_BT = (torch.arange(width)[None] < length_B[:, None]).long()
+    return ids_BT, mask_BT, ["stop" if ended else "length" for ended in draw.ended]
 
 
 def _runs(row_params: list[SamplingParams], lo: int, hi: int) -> list[tuple[int, int]]:
-    """[lo, hi) split into maximal runs of equal settings."""
+    """[lo, hi) split into maximal runs of one length limit."""
     runs, start = [], lo
     for i in range(lo + 1, hi + 1):
-        if i == hi or row_params[i] != row_params[start]:
+        if i == hi or row_params[i].max_new_tokens != row_params[start].max_new_tokens:
             runs.append((start, i))
             start = i
     return runs
-
-
-def _cut_at_stop_strings(tokenizer, ids_BT, mask_BT, reasons, stops: tuple[str, ...]):
-    """Keep each row's tokens up to the one that completes its first stop string (generate's stopping
-    criterion runs on token sequences; this applies the text-level rule of the built-in engine)."""
-    mask_BT, reasons = mask_BT.clone(), list(reasons)
-    finder = StopStrings(tokenizer, [stops] * ids_BT.shape[0])
-    for row in range(ids_BT.shape[0]):
-        tokens = ids_BT[row, :int(mask_BT[row].sum())].tolist()
-        end = next((t for t in range(1, len(tokens) + 1) if finder.hit(row, tokens[:t])), None)
-        if end is not None:
-            mask_BT[row, end:] = 0
-            reasons[row] = "stop"
-    return mask_BT, reasons

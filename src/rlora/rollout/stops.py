@@ -1,5 +1,5 @@
 """Stop strings: where a row's text, decoded from its newest tokens, contains one of its stop strings. Shared by
-both samplers (the engine's host loop, generate's draw) and the fallback's final cut of each row."""
+both samplers (the engine's host loop, generate's draw: rollout/generate_draw.py)."""
 
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ class EpisodeRunner:
         and advance them. A sampler that continues rows (the built-in engine's sample_continued) runs only the
         tokens after an episode's cache; another runs each episode's whole history again."""
         firsts = episodes[::n]
-        seed = seeds[0] if len(set(seeds)) == 1 else list(seeds)  # one seed: what every backend takes
+        seed = seeds[0] if len(set(seeds)) == 1 else list(seeds)  # one seed: the samplers' plain path
         # a MoLoRA sequence router routes every turn by the episode's first prompt, as the trainer routes its row
         common = dict(keys=list(keys), policies=None if policies is None else list(policies),
                       route_by=[ep.prompt_ids for ep in firsts])

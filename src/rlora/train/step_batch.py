@@ -74,7 +74,7 @@ def step_seed(cfg, step: int, seed: int | None = None) -> int:
 def _sampling_args(s: Session, step: int, slots: list[Slot], seed: int):
     """(seed or seeds, keys, policies) of the sampler call for these slots: each slot draws with the key and seed
     that a run of its policy alone would use. An adapter that serves one policy samples on the sampler's plain
-    path: one seed for all prompts, no policies (what transformers generate takes too)."""
+    path: one seed for all prompts, no policies."""
     keys = [slot.key(s.cfg.train.prompts_per_step) for slot in slots]
     offset = seed - step_seed(s.cfg, step)  # the Collector's addition for a later round or a retry
     seeds = [step_seed(s.cfg, step, s.policies[slot.policy].seed) + offset for slot in slots]

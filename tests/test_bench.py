@@ -46,6 +46,20 @@ def _bench(script: str, args: list[str], capsys) -> _Done:
     return _Done(code, out.out, out.err)
 
 
+def test_sampler_bench_times_plain_generate_and_the_fallback_beside_the_engine(tiny_model_dir, capsys):
+    """bench/sampler.py's baseline `hf` is plain generate (its own sampling), `hf-draw` rlora's fallback: both time the
+    same work as the engine (the same number of tokens, EOS held off), ragged lengths too."""
+    for extra in ([], ["--ragged", "3,6"]):
+        done = _bench("sampler.py", ["--model", tiny_model_dir, "--prompts", "2", "--G", "2", "--tokens", "6",
+                                     "--repeats", "1", "--sides", "builtin,hf,hf-draw", *extra], capsys)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
+                if line.split() and line.split()[0] in ("builtin", "hf", "hf-draw")}
+        assert set(rows) == {"builtin", "hf", "hf-draw"}
+        assert len({row[3] for row in rows.values()}) == 1  # the same token count on every side
+        assert rows["hf"][5] == "1.00x"
+
+
 def test_step_phases_bench_prints_every_phase(tiny_model_dir, prompts_file, tmp_path, capsys):
     args = [a for a in tiny_overrides(tiny_model_dir, prompts_file, str(tmp_path / "o")) if not a.startswith("train.output_dir")]
     done = _bench("step_phases.py", [*args, "algo.beta=0.04", "--steps", "2", "--warmup", "1"], capsys)

@@ -48,23 +48,23 @@ def plain_generation(hf_model) -> Iterator[None]:
 
 
 class EngineDraw(LogitsProcessor):
-    """Draws token t of every row of one `generate` call (B rows, prompt-major, left-padded prompts of width
+    """Draws token t of every row of one `generate` call (B rows, one SamplingParams each, left-padded prompts of width
     prompt_width) and forces `generate` to take it. seed: one for all rows or int64 [B]; keys_B: each row's key.
     After the call: logp_BT (float32, the log-prob of each drawn token under the temperature-scaled, untruncated
     distribution; entries past a row's end are whatever was drawn there, masked by the caller), temperature_BT, and
     each row's `length` and whether it `ended` (at EOS or a stop string; else it ran to the length limit)."""
 
-    def __init__(self, params: list[SamplingParams], n: int, seed: int | torch.Tensor, keys_B: torch.Tensor,
+    def __init__(self, params: list[SamplingParams], seed: int | torch.Tensor, keys_B: torch.Tensor,
                  eos_ids: list[int], prompt_width: int, decode: Callable[[list[int]], str], device,
                  on_token: Callable[[int, int], None] | None = None, stops: StopStrings | None = None):
         """on_token(row, token): each row's tokens as they are drawn, up to its end (EOS, or the token that completes
         one of its stop strings, `stops`), as the engine calls it."""
-        self.rows = RowParams.per_row(params, n, device)
+        self.rows = RowParams.per_row(params, 1, device)
         self.seed = seed.to(device) if isinstance(seed, torch.Tensor) else seed
         self.keys_B = keys_B.to(device)
         self.eos_ids, self.prompt_width = eos_ids, prompt_width
         max_new = max(p.max_new_tokens for p in params)
-        phases = think_phases(params, n)
+        phases = think_phases(params, 1)
         self.phases = RowPhases(decode, phases, self.rows, max_new) if any(phases) else None
         # think phases change a row's top-p between draws: decided per draw then, as the engine's host loop does
         self.plan = None if self.phases is not None else DrawPlan.of(self.rows)

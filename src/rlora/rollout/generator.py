@@ -118,7 +118,7 @@ class HFGenerator:
                     call_seeds = row_seeds[lo:hi]
                     reported = None if on_token is None else \
                         (lambda row, token, first=lo: on_token(caller_rows[first + row], token))
-                    draw = EngineDraw(row_params[lo:hi], 1, int(call_seeds[0]) if bool((call_seeds == call_seeds[0]).all())
+                    draw = EngineDraw(row_params[lo:hi], int(call_seeds[0]) if bool((call_seeds == call_seeds[0]).all())
                                       else call_seeds, row_keys[lo:hi], self.eos_ids, ids.shape[1], self._decode, device,
                                       reported, StopStrings(self.tokenizer, [p.stop for p in row_params[lo:hi]]))
                     rows = None if policy is None else torch.full((hi - lo,), policy, dtype=torch.long)

@@ -116,11 +116,12 @@ class HFGenerator:
                 for lo, hi in _runs(row_params, start, min(start + self.batch_size, len(repeated))):
                     ids, mask = (t[lo:hi].to(device) for t in (prompt_ids_BTp, prompt_mask_BTp))
                     call_seeds = row_seeds[lo:hi]
+                    one_seed = bool((call_seeds == call_seeds[0]).all())  # the scalar hash, as the engine's call
                     reported = None if on_token is None else \
                         (lambda row, token, first=lo: on_token(caller_rows[first + row], token))
-                    draw = EngineDraw(row_params[lo:hi], int(call_seeds[0]) if bool((call_seeds == call_seeds[0]).all())
-                                      else call_seeds, row_keys[lo:hi], self.eos_ids, ids.shape[1], self._decode, device,
-                                      reported, StopStrings(self.tokenizer, [p.stop for p in row_params[lo:hi]]))
+                    draw = EngineDraw(row_params[lo:hi], int(call_seeds[0]) if one_seed else call_seeds,
+                                      row_keys[lo:hi], self.eos_ids, ids.shape[1], self._decode, device, reported,
+                                      StopStrings(self.tokenizer, [p.stop for p in row_params[lo:hi]]))
                     rows = None if policy is None else torch.full((hi - lo,), policy, dtype=torch.long)
                     # MoLoRA: rows routed by their prompts; several policies: every row through this one
                     with prompt_list_routing(model, routed[lo:hi]), policy_rows(model, rows), plain_generation(hf):

@@ -151,7 +151,7 @@ def test_serve_batches_attention_and_expert_clients_each_as_alone(tmp_path, monk
     from serve_helpers import KEY, running_server
     from test_serve_batching import assert_close, assert_same_output, batched_then_alone, ce_datum, grads
 
-    from rlora.serve import worker as worker_module
+    from rlora.serve import datum_rows
 
     folder = str(build_random_model(tmp_path / "qwen3_moe", family="qwen3_moe", tie=False, seed=0))
     data = [[[5, 17, 33, 8, 41], [12, 7, 19, 60, 3]], [[30, 31, 32, 33, 34, 35], [2, 4, 6, 8]],
@@ -171,7 +171,7 @@ def test_serve_batches_attention_and_expert_clients_each_as_alone(tmp_path, monk
             for client in pair:  # one step each: B no longer 0
                 client.forward_backward([ce_datum(s) for s in data[k]], "cross_entropy").result()
                 client.optim_step(tinker.types.AdamParams(learning_rate=5e-2)).result()
-        monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 16)  # micro-batches that mix clients' rows
+        monkeypatch.setattr(datum_rows, "MICRO_BATCH_TOKENS", 16)  # micro-batches that mix clients' rows
         requests = [lambda c, k=k: c.forward_backward([ce_datum(s) for s in data[k]], "cross_entropy")
                     for k in range(4)]
         batched, alone = batched_then_alone(server, [p[0] for p in pairs], [p[1] for p in pairs], requests)

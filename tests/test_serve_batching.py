@@ -23,7 +23,7 @@ from tinker import types
 
 from rlora.serve import logprobs as serve_logprobs
 from rlora.serve import losses as losses_module
-from rlora.serve import worker as worker_module
+from rlora.serve import datum_rows
 from rlora.serve.jobs import MAX_BATCH_MEMBERS, Batchable, Jobs
 from rlora.serve.losses import TokenLoss
 from rlora.serve.state import ServeError
@@ -136,7 +136,7 @@ def test_a_batch_of_clients_of_other_ranks_and_targets_gets_what_each_gets_alone
     clients, alone_clients = twins(server, seed=100)
     # micro-batches of a few rows that mix clients, output-layer chunks of 7 positions that cut through clients'
     # rows: the routing of every piece and of the chunks backward recomputes is exercised
-    monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 24)
+    monkeypatch.setattr(datum_rows, "MICRO_BATCH_TOKENS", 24)
     monkeypatch.setattr(serve_logprobs, "HEAD_CHUNK", 7)
     requests = [lambda c, k=k: c.forward_backward([ce_datum(s) for s in DATA[k]], "cross_entropy") for k in range(3)]
     batched, alone = batched_then_alone(server, clients, alone_clients, requests)
@@ -223,7 +223,7 @@ def test_a_pass_that_fails_part_way_takes_back_every_gradient_and_runs_each_alon
         client.forward_backward(d[:1], "cross_entropy").result()
         twin.forward_backward(d[:1], "cross_entropy").result()
     pending = [grads(server, c) for c in clients]
-    monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 24)  # several micro-batches
+    monkeypatch.setattr(datum_rows, "MICRO_BATCH_TOKENS", 24)  # several micro-batches
     calls, real = [], server.worker.token_logprobs
 
     def failing(*args, **kwargs):

@@ -271,6 +271,7 @@ def test_the_command_refuses_bad_arguments_in_one_line(model_dir, tmp_path, caps
         (["--host", "0.0.0.0"], "would serve other machines: give an --api-key"),
         (["--api-key", "secret"], "--api-key must start with 'tml-'"),
         (["--port", "70000"], "is not a TCP port"),
+        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb -1 is negative: give 0 (no prefix cache) or more"),
         (["--port", str(held.getsockname()[1])], "cannot listen on 127.0.0.1"),
         (["--model", str(tmp_path / "missing")], f"--model '{tmp_path / 'missing'}' not found"),
         (["--model", "smollm2-135m"], "did you mean 'smollm2-135m-instruct'?"),

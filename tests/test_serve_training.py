@@ -12,7 +12,7 @@ import torch
 from serve_helpers import sdk_server
 from tinker import types
 
-from rlora.serve import worker as worker_module
+from rlora.serve import datum_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -146,7 +146,7 @@ def test_micro_batches_give_what_one_batch_gives(server, monkeypatch):
     calls = []
     real = server.worker.token_logprobs
     monkeypatch.setattr(server.worker, "token_logprobs", lambda *args: calls.append(1) or real(*args))
-    monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 12)  # each datum its own micro-batch
+    monkeypatch.setattr(datum_rows, "MICRO_BATCH_TOKENS", 12)  # each datum its own micro-batch
     split, split_grads = gradients(server, client, data, "cross_entropy")
     assert len(calls) == 3
     assert split.metrics["loss:sum"] == pytest.approx(one.metrics["loss:sum"], abs=1e-6 * abs(one.metrics["loss:sum"]))
@@ -161,7 +161,7 @@ def test_a_forward_backward_that_fails_part_way_leaves_the_client_as_if_never_se
     failed, untouched = trained_client(server, seed=3), trained_client(server, seed=3)
     for client in (failed, untouched):  # gradients already pending: they must stay, exactly
         client.forward_backward(data[:2], "cross_entropy").result()
-    monkeypatch.setattr(worker_module, "MICRO_BATCH_TOKENS", 12)  # three micro-batches
+    monkeypatch.setattr(datum_rows, "MICRO_BATCH_TOKENS", 12)  # three micro-batches
     calls = []
     real = server.worker.token_logprobs
 

@@ -174,6 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", metavar="KEY", help="the key clients must send (TINKER_API_KEY; starts with 'tml-')")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                        help="the base model's dtype (default float32)")
+    serve.add_argument("--prefix-cache-mb", type=int, metavar="MB",
+                       help="keep sampled rows' keys and values up to this size, so that a prompt that begins with "
+                            "one (an episode's next turn) runs only its new tokens (default 1024; 0: off)")
     serve.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
     plot = commands.add_parser(
         "plot", help="PNG figures of training runs' metrics (reward, KL, entropy, length, clip fraction, step time)",

@@ -120,24 +120,29 @@ class BuiltinGenerator:
         a row's ending EOS included), e.g. to print a reply while it is generated. route_by: the prompts a MoLoRA
         sequence router routes each prompt's rows by (default the prompts themselves; an episode's turn: its first
         prompt, which the trainer routes its row by)."""
-        rollout, _ = self._sample(model, prompts, n, params, seed, keys, policies, on_token, None, route_by,
-                                  keep_caches=False)
-        return rollout
+        return self._sample(model, prompts, n, params, seed, keys, policies, on_token, None, route_by, None)
 
     @torch.no_grad()
     def sample_continued(self, model, prompts: list[list[int]], n: int,
                          params: SamplingParams | Sequence[SamplingParams], seed: int | Sequence[int],
                          keys: Sequence[int] | None = None, policies: Sequence[int] | None = None,
                          past: Sequence[RowCache] | None = None,
-                         route_by: Sequence[list[int]] | None = None) -> tuple[Rollout, list[RowCache]]:
+                         route_by: Sequence[list[int]] | None = None,
+                         keep: Callable[[int, list[int], RowCache], None] | None = None
+                         ) -> tuple[Rollout, list[RowCache]]:
         """sample(), where prompt i continues the row whose keys and values past[i] holds (its tokens follow
         past[i]'s), and -> each sampled row's cache too (RowCache: its prompt, past and samples but the last
-        token), for a later call to continue from: a new turn runs only its new tokens."""
+        token), for a later call to continue from: a new turn runs only its new tokens. keep(row, sampled tokens,
+        cache): takes each row's cache as its slot finishes instead (the returned list is then empty), so that a
+        caller who keeps only some (rlora serve's prefix cache, within its budget) never holds them all."""
         if past is not None and len(past) != len(prompts):
             raise ValueError(f"{len(past)} caches for {len(prompts)} prompts")
-        return self._sample(model, prompts, n, params, seed, keys, policies, None, past, route_by, keep_caches=True)
+        caches: dict[int, RowCache] = {}
+        rollout = self._sample(model, prompts, n, params, seed, keys, policies, None, past, route_by,
+                               keep or (lambda row, _, row_cache: caches.__setitem__(row, row_cache)))
+        return rollout, [caches[row] for row in range(len(caches))]
 
-    def _sample(self, model, prompts, n, params, seed, keys, policies, on_token, past, route_by, keep_caches: bool):
+    def _sample(self, model, prompts, n, params, seed, keys, policies, on_token, past, route_by, keep) -> Rollout:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         keys = list(range(len(prompts))) if keys is None else list(keys)
         seeds = [seed] * len(prompts) if isinstance(seed, int) else list(seed)
@@ -155,7 +160,7 @@ class BuiltinGenerator:
             with (sampler_routing(model, prompts if route_by is None else list(route_by), n) as routing,
                   SamplerPolicies(model, None if policies is None else list(policies), n, view.device) as rows):
                 return self._decode_call(view, _Call(prompts, n, per_prompt, seeds, keys, past), _RowContexts(routing, rows),
-                                         on_token, keep_caches)
+                                         on_token, keep)
         finally:
             model.train(was_training)
             if not self.keep_packs:
@@ -163,7 +168,8 @@ class BuiltinGenerator:
                     packs.clear()
 
     def _decode_call(self, view: DecoderView, call: "_Call", routing: "_RowContexts",
-                     on_token: Callable[[int, int], None] | None, keep_caches: bool) -> tuple[Rollout, list[RowCache]]:
+                     on_token: Callable[[int, int], None] | None,
+                     keep: Callable[[int, list[int], RowCache], None] | None) -> Rollout:
         device, G, prompts, past = view.device, call.G, call.prompts, call.past
         max_new = max(p.max_new_tokens for p in call.per_prompt)
         # prompts admitted together are prefilled side by side: their pasts left-padded to the longest past, then
@@ -217,20 +223,20 @@ class BuiltinGenerator:
             settings = None if host is None else host.settings(rows_A, t_next_A)
             return (*rows_call.draw(out[ran_A], rows_A, t_next_A, settings), ran_A)
 
-        caches: dict[int, RowCache] = {}
-
         def release(slot: int) -> None:
             rows_G = torch.arange(G) + slots.prompt_S[slot] * G
-            for row, row_cache in zip(rows_G.tolist(), slot_row_caches(cache, slot, done.length_B[rows_G].tolist())):
-                caches[row] = row_cache
+            lengths = done.length_B[rows_G].tolist()
+            tokens_G = done.tokens_BT[rows_G.to(device)].tolist()
+            for row, row_cache, row_tokens, length in zip(rows_G.tolist(), slot_row_caches(cache, slot, lengths),
+                                                          tokens_G, lengths):
+                keep(row, row_tokens[:length], row_cache)
 
         done = RowsOnDevice.empty(len(prompts) * G, max_new, self.pad_id, device)
         decode(rows_call, slots, len(prompts), admit, eager_step if mode == "eager" else static_step, done, host,
-               release if keep_caches else None, self.continuous)
+               None if keep is None else release, self.continuous)
         reasons = ["stop" if stopped else "length" for stopped in done.stopped_B.tolist()]
         temperature_BT = None if spans is None else spans.temperature_BT
-        rollout = self._rollout(prompts, G, done, reasons, params.temperature_A, temperature_BT)
-        return rollout, [caches[row] for row in range(len(caches))]
+        return self._rollout(prompts, G, done, reasons, params.temperature_A, temperature_BT)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from rlora.serve import proto, wire
+from rlora.serve.datum_rows import shares_prefixes
 from rlora.serve.jobs import LONG_POLL, MAX_BATCH_TOKENS, RETRIEVED_GRACE, UNRETRIEVED_TTL, Batchable, Jobs
 from rlora.serve.limits import Limits
 from rlora.serve.losses import check_datum, check_loss
@@ -254,7 +255,10 @@ def build_app(served: Served) -> FastAPI:
         columns = any(values.ndim == 2 for d in fb.data for values in d.inputs.values())
         # (nor a client whose LoRA inside a mixture-of-experts block the pass cannot route: Trainee.routable)
         trainee = worker.trainees.get(fb.model_id)  # (not made yet, or unknown: runs alone, or gets its 404 there)
-        batch = None if columns or trainee is None or not trainee.routable else Batchable(
+        # (nor data that begin alike: alone they run as trees, their shared prefix once: serve/shared_prefix.py)
+        alone = (columns or trainee is None or not trainee.routable
+                 or shares_prefixes(worker.model, fb.data, worker.min_shared_prefix))
+        batch = None if alone else Batchable(
             ("forward_backward", fb.forward_only), fb.model_id, (fb, config), worker.forward_backward_batch,
             tokens=sum(len(d.tokens) for d in fb.data), max_tokens=fb_batch_tokens)
         job = jobs.submit(lambda: worker.forward_backward(fb, config), key=resent(fb.model_id, fb.seq_id, "fb"),

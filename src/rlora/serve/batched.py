@@ -23,6 +23,7 @@ import torch
 from rlora.models.named_adapters import kept_flags
 from rlora.models.routed_adapters import AdapterRoutes, Runs, routed_adapters
 from rlora.serve import proto
+from rlora.serve.datum_rows import micro_batches, padded_rows
 from rlora.serve.losses import LOSSES, TokenLoss
 from rlora.serve.state import ServeError
 from rlora.serve.trainstate import Trainee
@@ -84,7 +85,7 @@ def _run_pass(worker, members: list[_Member], train: bool) -> None:
             for member in members:
                 for param in member.trainee.params:
                     param.requires_grad_(train)
-            for group in worker.micro_batches([datum for _, datum in rows]):
+            for group in micro_batches([datum for _, datum in rows], worker.base.device):
                 _micro_batch(worker, routes, members, rows, group, first_row, train)
     except BaseException:
         for member, grads in zip(members, before):
@@ -105,9 +106,11 @@ def _micro_batch(worker, routes: AdapterRoutes, members: list[_Member], rows: li
         else:
             runs.append((rows[i][0], 1))
     width = max(len(rows[i][1].tokens) for i in group)
+    device = next(worker.model.parameters()).device
     padded, start = [], 0
     for k, count in runs:
-        padded.append(worker.padded_rows([rows[i][1] for i in group[start:start + count]], members[k].loss, width))
+        padded.append(padded_rows([rows[i][1] for i in group[start:start + count]], members[k].loss, width,
+                                  worker.tok.pad_id, device))
         start += count
     ids_BT, mask_BT, targets_BT = (torch.cat([p[j] for p in padded]) for j in range(3))
     token_runs = [(k, int(p[1].sum())) for (k, _), p in zip(runs, padded)]  # the output layer's inputs: kept positions

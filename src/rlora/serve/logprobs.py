@@ -28,16 +28,25 @@ def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Ten
     [B, T, K] (K targets at each position) [B, T, K]. Right padding; positions from the mask. head_routed(lo, hi):
     the context in which the output layer runs kept positions lo..hi (serve/batched.py routes each to its client's
     adapter); entered inside the checkpointed chunk, which backward runs again."""
-    hf = causal_lm(model)
     position_ids = position_ids_from_mask(mask_BT)
     keep_BT = mask_BT.bool()
     if not supports_chunked(model):
         logits = model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids, use_cache=False).logits
         logp_BT = _targets_logprobs(logits, targets_BT)
         return logp_BT * (mask_BT if logp_BT.dim() == 2 else mask_BT[..., None])
-    hidden_BTH = hf.get_decoder()(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids,
-                                  use_cache=False).last_hidden_state
-    hidden_NH, targets_N = hidden_BTH[keep_BT], targets_BT[keep_BT]
+    decoder = causal_lm(model).get_decoder()
+    hidden_BTH = decoder(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids,
+                         use_cache=False).last_hidden_state
+    logp_N = head_logprobs(model, hidden_BTH[keep_BT], targets_BT[keep_BT], head_routed)
+    logp_BT = torch.zeros(targets_BT.shape, dtype=torch.float32, device=ids_BT.device)
+    return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), logp_N)
+
+
+def head_logprobs(model: nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, head_routed=unrouted
+                  ) -> torch.Tensor:
+    """The output layer over final hidden states, HEAD_CHUNK positions at a time (checkpointed where
+    recomputes_logits says), -> log-probs of the targets ([N], or [N, K] for K targets a position)."""
+    hf = causal_lm(model)
     head = hf.get_output_embeddings()
 
     def chunk_logp(h_CH, t_C, lo):
@@ -50,8 +59,7 @@ def sequence_logprobs(model: nn.Module, ids_BT: torch.Tensor, mask_BT: torch.Ten
               for lo in range(0, len(targets_N), HEAD_CHUNK)]
     parts = [checkpoint(chunk_logp, *chunk, use_reentrant=False) if recompute else chunk_logp(*chunk)
              for chunk in chunks]
-    logp_BT = torch.zeros(targets_BT.shape, dtype=torch.float32, device=ids_BT.device)
-    return logp_BT.index_put(keep_BT.nonzero(as_tuple=True), torch.cat(parts))
+    return torch.cat(parts) if parts else torch.zeros(targets_N.shape, dtype=torch.float32, device=hidden_NH.device)
 
 
 def _targets_logprobs(logits_NV: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from rlora.logging.console import info
 from rlora.models.loading import add_model_eos_ids, causal_lm, load_base_model, load_tokenizer, resolve_model_path
 from rlora.serve.app import MAX_BODY, Served, build_app
 from rlora.serve.jobs import Jobs
+from rlora.serve.prefix_cache import DEFAULT_MB
 from rlora.serve.state import StateDir
 from rlora.serve.worker import ModelWorker
 
@@ -31,8 +32,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_args(host: str, port: int, api_key: str | None) -> None:
-    """Before anything loads: where it binds and with what key."""
+def check_args(host: str, port: int, api_key: str | None, prefix_cache_mb: int | None = None) -> None:
+    """Before anything loads: where it binds, with what key, what it keeps."""
+    if prefix_cache_mb is not None and prefix_cache_mb < 0:
+        raise UserError(f"--prefix-cache-mb {prefix_cache_mb} is negative: give 0 (no prefix cache) or more")
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port} is not a TCP port (0 .. 65535)")
     if api_key is not None and not api_key.startswith("tml-"):
@@ -65,8 +68,9 @@ def host_url(host: str, port: int) -> str:
 
 
 def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: str = "float32",
-          max_body: int = MAX_BODY) -> tuple[FastAPI, Served]:
-    """The app serving `model` (a folder or an rlora alias), its state under `state_dir`."""
+          max_body: int = MAX_BODY, prefix_cache_mb: int = DEFAULT_MB) -> tuple[FastAPI, Served]:
+    """The app serving `model` (a folder or an rlora alias), its state under `state_dir`; its sampled rows' keys and
+    values kept up to `prefix_cache_mb` MiB for later prompts that begin with them (serve/prefix_cache.py)."""
     path = str(Path(resolve_model_path(model, "--model", download=False)).resolve())  # the server never downloads
     state = StateDir(state_dir)
     tokenizer, tok = load_tokenizer(path)
@@ -75,7 +79,7 @@ def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: 
     add_model_eos_ids(tok, base)
     config = causal_lm(base).config
     max_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
-    worker = ModelWorker(base, tokenizer, tok, path, max_length, state)
+    worker = ModelWorker(base, tokenizer, tok, path, max_length, state, prefix_cache_bytes=prefix_cache_mb * 2**20)
     names = [path] + ([model] if model != path else [])
     served = Served(names=names, arch=config.model_type, worker=worker, jobs=Jobs(), state=state, api_key=api_key,
                     max_body=max_body)
@@ -86,11 +90,12 @@ def serve_main(args) -> int:
     # peft warns, on every adapter with an output-layer LoRA on a model with tied embeddings, that merging it
     # would change the embeddings too; the server never merges (docs/serve.md says what that means for merge)
     warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-    check_args(args.host, args.port, args.api_key)
+    check_args(args.host, args.port, args.api_key, args.prefix_cache_mb)
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
     try:
-        app, served = build(args.model or DEFAULT_MODEL, args.state_dir, args.api_key, args.dtype)
+        app, served = build(args.model or DEFAULT_MODEL, args.state_dir, args.api_key, args.dtype,
+                            prefix_cache_mb=DEFAULT_MB if args.prefix_cache_mb is None else args.prefix_cache_mb)
     except BaseException:
         sock.close()
         raise

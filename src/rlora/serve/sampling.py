@@ -4,13 +4,16 @@ as rlora's, and rlora's sampler on a decoder kept between requests."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from rlora.rollout.decoder import DecoderView
 from rlora.rollout.engine import BuiltinGenerator
+from rlora.rollout.kvcache import RowCache
 from rlora.serve import proto, wire
+from rlora.serve.prefix_cache import PrefixCache
 from rlora.serve.prompt_scores import (
     Draws, PromptScores, TargetCells, check_asks, only_last, sampled_topk, score_prompt,
 )
@@ -34,6 +37,26 @@ class ViewGenerator(BuiltinGenerator):
 
     def decoder_view(self, model) -> DecoderView:
         return self.view
+
+
+def sample_reusing(cache: PrefixCache, weights: Hashable, generator: BuiltinGenerator, model, prompts: list[list[int]],
+                   G: int, params: Sequence[SamplingParams], seed: int | Sequence[int], keys: Sequence[int]) -> Rollout:
+    """generator.sample(), each prompt continued from the longest prefix of it the cache holds for these weights (only
+    its other tokens run), every sampled row kept in the cache as its slot finishes (within the cache's budget). The
+    rollout's prompt tensors hold the parts that ran."""
+    past = [cache.longest(weights, prompt) for prompt in prompts]
+    found = [row_cache for row_cache in past if row_cache is not None]
+    if found:  # a prompt with nothing kept continues an empty row
+        empty = RowCache([(k[:, :0], v[:, :0]) for k, v in found[0].layers])
+        past = [empty if row_cache is None else row_cache for row_cache in past]
+    runs = [prompt[row_cache.length:] for prompt, row_cache in zip(prompts, past)] if found else prompts
+
+    def keep(row: int, sample: list[int], row_cache: RowCache) -> None:
+        cache.keep(weights, prompts[row // G] + sample[:-1], row_cache)
+
+    rollout, _ = generator.sample_continued(model, runs, G, params, seed, keys=keys, past=past if found else None,
+                                            route_by=prompts, keep=keep)  # a sequence router reads whole prompts
+    return rollout
 
 
 def sampling_settings(sp: wire.SamplingParams, eos_ids: list[int]) -> tuple[SamplingParams, list[int], int]:

@@ -38,27 +38,24 @@ from rlora.rollout.engine import BuiltinGenerator
 from rlora.rollout.generator import HFGenerator
 from rlora.serve import proto, wire
 from rlora.serve.batched import forward_backward_batch
+from rlora.serve.datum_rows import padded_rows, passes, target_columns, token_limit
 from rlora.serve.logprobs import sequence_logprobs, unrouted
 from rlora.serve.losses import LOSSES, TokenLoss
-from rlora.serve.sampling import Sampler, ViewGenerator, asked_of, completions, responses, sampling_settings
+from rlora.serve.prefix_cache import DEFAULT_MB, PrefixCache
+from rlora.serve.sampling import (
+    Sampler, ViewGenerator, asked_of, completions, responses, sample_reusing, sampling_settings,
+)
+from rlora.serve.shared_prefix import MIN_SHARED, TreePass
 from rlora.serve.state import ServeError, Snapshot, StateDir, TinkerPath, sampler_path
 from rlora.serve.targets import ClientTargets
 from rlora.serve.trainstate import Trainee, adam_state, checked_state, param_names, restore_adam
 from rlora.train.optim import optimizer_step
 
-MICRO_BATCH_TOKENS = 4096  # padded tokens per forward of a forward_backward (on a GPU)
-CPU_MICRO_BATCH_TOKENS = 1024  # on a CPU: forwards of 4096 tokens were 1.5x slower per token (docs/serve.md)
 LOADED_SAMPLERS = 4  # snapshots kept loaded as adapters
 UNNAMED_SNAPSHOTS = 16  # unnamed snapshots kept in memory (an RL loop takes one per step)
 IDLE_ADAPTER = "idle"  # the adapter that keeps the peft model from ever having none (_add_adapter)
 MAX_TRAINEES = 64  # training clients at once (each an adapter and its AdamW state in memory)
 MAX_SAMPLERS = 1024  # sampling sessions on saved snapshots or the base at once (each a config and a path)
-
-
-def _columns(datum: proto.Datum) -> int:
-    """K of a datum with K targets per token ([n, K] target_tokens), 1 for one of one ([n])."""
-    targets = datum.inputs["target_tokens"]
-    return targets.shape[1] if targets.ndim == 2 else 1
 
 
 class _NoSchedule:
@@ -70,7 +67,7 @@ class _NoSchedule:
 
 class ModelWorker:
     def __init__(self, base: nn.Module, tokenizer, tok: TokenizerInfo, model_path: str, max_length: int,
-                 state: StateDir):
+                 state: StateDir, prefix_cache_bytes: int = DEFAULT_MB * 2**20):
         self.base, self.model = base, base  # self.model: the base, then the PeftModel holding every adapter
         self.tokenizer, self.tok, self.model_path, self.max_length, self.state = tokenizer, tok, model_path, max_length, state
         self.vocab_size = causal_lm(base).get_output_embeddings().weight.shape[0]
@@ -86,6 +83,8 @@ class ModelWorker:
         self.engine_refusal = unsupported_reason(base, max_length)  # None: rlora's built-in sampler runs it
         self.batched_passes, self.last_batch = 0, 0  # batched forward_backward passes that ran; members of the last
         self.targets = ClientTargets(base)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)  # sampled rows' keys and values (serve/prefix_cache.py)
+        self.min_shared_prefix: int | None = MIN_SHARED  # data sharing so many tokens run as trees (None: never)
 
     # ------------------------------------------------------------------------------------------ adapters
 
@@ -110,6 +109,7 @@ class ModelWorker:
 
     def _delete_adapter(self, name: str) -> None:
         self.view = None
+        self.prefix_cache.forget(name)  # rows a sampler adapter sampled (a reloaded snapshot gets another name)
         with warnings.catch_warnings():  # peft's note that it activated another adapter: which one is active is ours
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             self.model.delete_adapter(name)
@@ -163,46 +163,6 @@ class ModelWorker:
 
     # ------------------------------------------------------------------------------------------ training
 
-    def micro_batches(self, data: list[proto.Datum]) -> list[list[int]]:
-        """Datum indices in groups of consecutive data whose padded length fits MICRO_BATCH_TOKENS (one datum at
-        least; CPU_MICRO_BATCH_TOKENS on a CPU)."""
-        limit = MICRO_BATCH_TOKENS if self.base.device.type != "cpu" else min(MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS)
-        groups: list[list[int]] = [[]]
-        width = 0
-        for i, datum in enumerate(data):
-            grown = max(width, len(datum.tokens))
-            if groups[-1] and grown * (len(groups[-1]) + 1) > limit:
-                groups.append([])
-                grown = len(datum.tokens)
-            groups[-1].append(i)
-            width = grown
-        return groups
-
-    def padded_rows(self, data: list[proto.Datum], loss: TokenLoss, width: int):
-        """The data as rows right-padded to `width`, on the model's device: (ids, mask, targets [B, W], the loss
-        inputs it reads {name: [B, W]}; an optional one a datum lacks takes its default). Where a datum has K
-        targets per token ([n, K]: cross_entropy only), targets and inputs are [B, W, K] for the largest K: a datum
-        with fewer fills its first columns, the others get weight 0."""
-        device = next(self.model.parameters()).device
-        columns = max((_columns(d) for d in data if d.inputs["target_tokens"].ndim == 2), default=None)
-        trailing = () if columns is None else (columns,)
-        ids_BT = torch.full((len(data), width), self.tok.pad_id, dtype=torch.long)
-        mask_BT = torch.zeros(len(data), width, dtype=torch.long)
-        names = set(loss.inputs) | set(loss.optional)  # the ones it reads (the app checked they are there)
-        inputs = {name: torch.zeros(len(data), width, *trailing, dtype=torch.float32) for name in names}
-        targets_BT = torch.zeros(len(data), width, *trailing, dtype=torch.long)
-        for row, datum in enumerate(data):
-            n, k = len(datum.tokens), _columns(datum)
-            here = (row, slice(0, n)) + ((slice(0, k),) if trailing else ())
-            shape = (n, k) if trailing else (n,)
-            ids_BT[row, :n], mask_BT[row, :n] = torch.tensor(datum.tokens), 1
-            targets_BT[here] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64)).reshape(shape)
-            for name in names:
-                value = datum.inputs.get(name)
-                inputs[name][here] = (torch.full(shape, loss.optional[name]) if value is None
-                                      else torch.from_numpy(value.astype(np.float32)).reshape(shape))
-        return ids_BT.to(device), mask_BT.to(device), targets_BT.to(device), {k: v.to(device) for k, v in inputs.items()}
-
     def token_logprobs(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor,
                        head_routed=unrouted) -> torch.Tensor:
         """serve/logprobs.py sequence_logprobs under the model as it is switched now."""
@@ -240,23 +200,34 @@ class ModelWorker:
 
     def _forward_backward(self, request: proto.ForwardBackward, config: dict[str, float], loss: TokenLoss, train: bool,
                           outputs: list[np.ndarray]) -> float:
-        """Each micro-batch's forward (and backward): its log-probs into outputs; -> the summed loss."""
+        """Each pass's forward (and backward): a micro-batch, or a tree of data that begin alike (their shared
+        prefix run once, the others in chunks of a micro-batch's size: serve/shared_prefix.py); its log-probs into
+        outputs; -> the summed loss."""
         total = 0.0
-        for group in self.micro_batches(request.data):
+        device = next(self.model.parameters()).device
+        for group, shared in passes(self.model, request.data, self.min_shared_prefix):
             data = [request.data[i] for i in group]
-            ids_BT, mask_BT, targets_BT, inputs = self.padded_rows(data, loss, max(len(d.tokens) for d in data))
-            logp_BT = self.token_logprobs(ids_BT, mask_BT, targets_BT)
-            summed = loss.summed(logp_BT, mask_BT, inputs, config)
-            if train:
-                summed.backward()
-            total += float(summed.detach())
-            logp = logp_BT.detach().float().cpu().numpy()
-            for row, i in enumerate(group):
-                datum = request.data[i]
-                kept = logp[row, :len(datum.tokens)]
-                # [n] for a datum of one target per token, [n, K] for one of K (its own columns)
-                outputs[i] = (kept if kept.ndim == 1 else kept[:, :_columns(datum)].reshape(
-                    datum.inputs["target_tokens"].shape)).copy()
+            ids_BT, mask_BT, targets_BT, inputs = padded_rows(data, loss, max(len(d.tokens) for d in data),
+                                                              self.tok.pad_id, device)
+            if shared is None:
+                parts = [(list(range(len(group))), self.token_logprobs(ids_BT, mask_BT, targets_BT))]
+            else:
+                tree = TreePass(self.model, ids_BT, mask_BT, targets_BT, shared)
+                parts = tree.chunks(token_limit(device))
+            for rows, logp_nT in parts:  # a tree's chunks: each one's backward before the next runs
+                summed = loss.summed(logp_nT, mask_BT[rows], {k: v[rows] for k, v in inputs.items()}, config)
+                if train:
+                    summed.backward()
+                total += float(summed.detach())
+                logp = logp_nT.detach().float().cpu().numpy()
+                for row, i in zip(logp, (group[r] for r in rows)):
+                    datum = request.data[i]
+                    kept = row[:len(datum.tokens)]
+                    # [n] for a datum of one target per token, [n, K] for one of K (its own columns)
+                    outputs[i] = (kept if kept.ndim == 1 else kept[:, :target_columns(datum)].reshape(
+                        datum.inputs["target_tokens"].shape)).copy()
+            if shared is not None:
+                tree.finish()
         return total
 
     def optim_step(self, model_id: str, adam: wire.Adam) -> dict:
@@ -369,26 +340,29 @@ class ModelWorker:
         return name
 
     @contextmanager
-    def sampling_model(self, session_id: str):
-        """The model as the sampling session samples: its snapshot's adapter, or the base (adapters off)."""
-        if session_id not in self.samplers:
-            raise ServeError(404, f"unknown or expired sampling session '{session_id}' (rlora serve keeps the "
-                                  f"{UNNAMED_SNAPSHOTS} newest unnamed snapshots; named ones stay on disk)")
-        snapshot = self.samplers[session_id].snapshot
+    def sampling_model(self, snapshot: Snapshot | None):
+        """(The model as a sampling session on this snapshot samples: its adapter, or the base with adapters off;
+        the name of the weights: the loaded adapter's, which no other load ever gets, or None for the base)."""
         if snapshot is None:
             if isinstance(self.model, PeftModel):
                 with kept_flags(self.model), self.model.disable_adapter():
-                    yield self.model
+                    yield self.model, None
             else:
-                yield self.model
+                yield self.model, None
             return
         name = self._loaded_adapter(snapshot)
         with adapter_switched(self.model, name):
-            yield self.model
+            yield self.model, name
+
+    def sampler_snapshot(self, session_id: str) -> Snapshot | None:
+        if session_id not in self.samplers:
+            raise ServeError(404, f"unknown or expired sampling session '{session_id}' (rlora serve keeps the "
+                                  f"{UNNAMED_SNAPSHOTS} newest unnamed snapshots; named ones stay on disk)")
+        return self.samplers[session_id].snapshot
 
     # ------------------------------------------------------------------------------------------ sampling
 
-    def _generator(self, session_id: str, model, eos_ids: list[int]):
+    def _generator(self, snapshot: Snapshot | None, model, eos_ids: list[int]):
         """The sampler for the model as sampling_model switched it. rlora's keeps the last sampled snapshot's
         decoder for the next request (an RL loop samples many prompts from one snapshot); any adapter added or
         deleted drops it. On an x86 CPU every decoder runs the base from one set of oneDNN packs, made once, with the
@@ -396,7 +370,6 @@ class ModelWorker:
         copy of the model's linear layers, made again for another snapshot)."""
         if self.engine_refusal is not None:
             return HFGenerator(self.tokenizer, eos_ids, self.tok.pad_id)
-        snapshot = self.samplers[session_id].snapshot
         key = None if snapshot is None else snapshot.key
         if self.view is None or self.view[0] != key:
             self.view = None  # the old copy goes before the new one is made
@@ -408,15 +381,22 @@ class ModelWorker:
         """Sampling requests of one session, with one num_samples and one set of ending tokens (app.py batches
         only such), in one sampler call. Each prompt keeps its own settings and seed and the key 0 it has alone:
         rlora's samplers (the engine, and generate through rollout/generate_draw.py) draw a row's tokens from (seed,
-        key, sample index) only, so a request samples what it samples alone (tested). One result each."""
+        key, sample index) only, so a request samples what it samples alone (tested). A prompt that begins with
+        tokens a row sampled before from the same weights holds runs only the rest (serve/prefix_cache.py). One result
+        each."""
         settings = [sampling_settings(r.sampling_params, self.tok.eos_ids) for r in requests]
         prompts = [r.prompt.tokens() for r in requests]
         G = requests[0].num_samples
-        with self.sampling_model(session_id) as model:
-            generator = self._generator(session_id, model, settings[0][1])
-            rollout = generator.sample(model, prompts, G, [params for params, _, _ in settings],
-                                       seed=[seed for _, _, seed in settings] if len(requests) > 1 else settings[0][2],
-                                       keys=[0] * len(requests))
+        snapshot = self.sampler_snapshot(session_id)  # read once: app.py may replace a session's entry meanwhile
+        with self.sampling_model(snapshot) as (model, weights):
+            generator = self._generator(snapshot, model, settings[0][1])
+            per_prompt = [params for params, _, _ in settings]
+            seed = [seed for _, _, seed in settings] if len(requests) > 1 else settings[0][2]
+            if self.prefix_cache.enabled and isinstance(generator, BuiltinGenerator):
+                rollout = sample_reusing(self.prefix_cache, weights, generator, model, prompts, G, per_prompt, seed,
+                                         keys=[0] * len(requests))
+            else:  # transformers generate continues no row
+                rollout = generator.sample(model, prompts, G, per_prompt, seed=seed, keys=[0] * len(requests))
             logp_BT = rollout.sampling_logp_BTc
             samples = completions(rollout)
             asked = [asked_of(model, r, p, params, seed, samples[i * G:(i + 1) * G], self.vocab_size,

@@ -218,3 +218,22 @@ def test_the_planning_finds_the_root_sharing_the_longest_prefix_as_a_search_of_e
     assert {m: s for t in trees for m, s in zip(t.members, t.shared)} == joined
     assert set(alone) | {t.root for t in trees} == set(roots)
     assert len(trees) > 3 and len(joined) > 100
+
+
+def test_rlora_serve_no_shared_prefixes_runs_every_datum_whole(tiny_model_dir, tmp_path, capsys):
+    from rlora.cli import main
+    from rlora.serve.main import build
+
+    episode = _episode(np.random.default_rng(2))
+    as_proto = [proto.Datum(d.model_input.to_ints(), {"target_tokens": np.asarray(d.loss_fn_inputs["target_tokens"]
+                                                                                  .to_numpy())}) for d in episode]
+    for shared_prefixes, trees in ((True, 1), (False, 0)):
+        _, served = build(tiny_model_dir, tmp_path / f"state-{shared_prefixes}", shared_prefixes=shared_prefixes)
+        served.jobs.stop()
+        worker = served.worker
+        planned = datum_rows.passes(worker.model, as_proto, worker.min_shared_prefix)
+        assert sum(shared is not None for _, shared in planned) == trees
+        assert datum_rows.shares_prefixes(worker.model, as_proto, worker.min_shared_prefix) == bool(trees)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--no-shared-prefixes" in capsys.readouterr().out

@@ -177,6 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-cache-mb", type=int, metavar="MB",
                        help="keep sampled rows' keys and values up to this size, so that a prompt that begins with "
                             "one (an episode's next turn) runs only its new tokens (default 1024; 0: off)")
+    serve.add_argument("--no-shared-prefixes", action="store_true",
+                       help="run every datum of a forward_backward whole (by default data that begin alike, e.g. an "
+                            "episode's turns, run their shared prefix once: the same numbers, less work)")
     serve.add_argument("--debug", action="store_true", help="on bad input, print the traceback too")
     plot = commands.add_parser(
         "plot", help="PNG figures of training runs' metrics (reward, KL, entropy, length, clip fraction, step time)",

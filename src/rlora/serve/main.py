@@ -68,9 +68,11 @@ def host_url(host: str, port: int) -> str:
 
 
 def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: str = "float32",
-          max_body: int = MAX_BODY, prefix_cache_mb: int = DEFAULT_MB) -> tuple[FastAPI, Served]:
+          max_body: int = MAX_BODY, prefix_cache_mb: int = DEFAULT_MB, shared_prefixes: bool = True
+          ) -> tuple[FastAPI, Served]:
     """The app serving `model` (a folder or an rlora alias), its state under `state_dir`; its sampled rows' keys and
-    values kept up to `prefix_cache_mb` MiB for later prompts that begin with them (serve/prefix_cache.py)."""
+    values kept up to `prefix_cache_mb` MiB for later prompts that begin with them (serve/prefix_cache.py); a
+    forward_backward's data that begin alike run as trees unless shared_prefixes is False (serve/shared_prefix.py)."""
     path = str(Path(resolve_model_path(model, "--model", download=False)).resolve())  # the server never downloads
     state = StateDir(state_dir)
     tokenizer, tok = load_tokenizer(path)
@@ -80,6 +82,8 @@ def build(model: str, state_dir: str | Path, api_key: str | None = None, dtype: 
     config = causal_lm(base).config
     max_length = int(getattr(config, "max_position_embeddings", 0) or 2048)
     worker = ModelWorker(base, tokenizer, tok, path, max_length, state, prefix_cache_bytes=prefix_cache_mb * 2**20)
+    if not shared_prefixes:
+        worker.min_shared_prefix = None
     names = [path] + ([model] if model != path else [])
     served = Served(names=names, arch=config.model_type, worker=worker, jobs=Jobs(), state=state, api_key=api_key,
                     max_body=max_body)
@@ -95,7 +99,8 @@ def serve_main(args) -> int:
     port = sock.getsockname()[1]
     try:
         app, served = build(args.model or DEFAULT_MODEL, args.state_dir, args.api_key, args.dtype,
-                            prefix_cache_mb=DEFAULT_MB if args.prefix_cache_mb is None else args.prefix_cache_mb)
+                            prefix_cache_mb=DEFAULT_MB if args.prefix_cache_mb is None else args.prefix_cache_mb,
+                            shared_prefixes=not args.no_shared_prefixes)
     except BaseException:
         sock.close()
         raise

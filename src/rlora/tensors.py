@@ -1,8 +1,9 @@
-"""Padding: token lists to rectangular batches, and [B, T] tensors widened to a common T. One place for what
-the sampler, the trainers and the reward scorers all need (pure torch, no model code)."""
+"""Padding: token lists to rectangular batches, and [B, T] tensors widened to a common T; the common prefix of two
+token arrays. One place for what the sampler, the trainers and the reward scorers all need (no model code)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +33,13 @@ def _padded(sequences: list[list[int]], pad_id: int, left: bool) -> tuple[torch.
 def pad_right(values_BT: torch.Tensor, width: int, value: float = 0) -> torch.Tensor:
     """[B, T] -> [B, width] (width >= T), the new columns filled with value."""
     return F.pad(values_BT, (0, width - values_BT.shape[1]), value=value)
+
+
+def common_prefix_length(a_T: np.ndarray, b_T: np.ndarray) -> int:
+    """How many leading tokens two token arrays share."""
+    n = min(len(a_T), len(b_T))
+    same = a_T[:n] == b_T[:n]
+    return n if same.all() else int(same.argmin())
 
 
 def position_ids_from_mask(mask_BT: torch.Tensor) -> torch.Tensor:

@@ -225,11 +225,11 @@ class BuiltinGenerator:
 
         def release(slot: int) -> None:
             rows_G = torch.arange(G) + slots.prompt_S[slot] * G
-            lengths = done.length_B[rows_G].tolist()
-            tokens_G = done.tokens_BT[rows_G.to(device)].tolist()
-            for row, row_cache, row_tokens, length in zip(rows_G.tolist(), slot_row_caches(cache, slot, lengths),
-                                                          tokens_G, lengths):
-                keep(row, row_tokens[:length], row_cache)
+            on_device = rows_G.to(device)  # one read back: each row's length, then its tokens
+            read = torch.cat([done.length_B[on_device, None], done.tokens_BT[on_device]], dim=1).tolist()
+            lengths = [r[0] for r in read]
+            for row, row_cache, r in zip(rows_G.tolist(), slot_row_caches(cache, slot, lengths), read):
+                keep(row, r[1:1 + r[0]], row_cache)
 
         done = RowsOnDevice.empty(len(prompts) * G, max_new, self.pad_id, device)
         decode(rows_call, slots, len(prompts), admit, eager_step if mode == "eager" else static_step, done, host,

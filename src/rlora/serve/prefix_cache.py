@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlora.rollout.kvcache import RowCache
+from rlora.tensors import common_prefix_length
 
 BLOCK = 16  # tokens hashed together: shorter shared prefixes are not worth a lookup
 DEFAULT_MB = 1024
@@ -44,13 +45,6 @@ def _chained(tokens_T: np.ndarray) -> Iterator[int]:
     for start in range(0, len(tokens_T) - BLOCK + 1, BLOCK):
         previous = hash((previous, tokens_T[start:start + BLOCK].tobytes()))
         yield previous
-
-
-def _shared(a_T: np.ndarray, b_T: np.ndarray) -> int:
-    """Length of the common prefix of two token arrays."""
-    n = min(len(a_T), len(b_T))
-    same = a_T[:n] == b_T[:n]
-    return n if same.all() else int(same.argmin())
 
 
 def _nbytes(cache: RowCache) -> int:
@@ -95,7 +89,7 @@ class PrefixCache:
             candidates = ids
         best, best_length = None, 0
         for kept_id in candidates:
-            length = _shared(self._kept[kept_id].tokens_T, usable_T)
+            length = common_prefix_length(self._kept[kept_id].tokens_T, usable_T)
             if length > best_length:
                 best, best_length = kept_id, length
         if best is None or best_length < BLOCK:  # only a hash collision matched
@@ -114,13 +108,13 @@ class PrefixCache:
         tokens_T = np.asarray(tokens, dtype=np.int64)
         hashes = list(_chained(tokens_T))
         for kept_id in self._by_block.get((weights, hashes[-1]), ()):
-            if _shared(self._kept[kept_id].tokens_T, tokens_T) == len(tokens_T):
+            if common_prefix_length(self._kept[kept_id].tokens_T, tokens_T) == len(tokens_T):
                 self._kept.move_to_end(kept_id)  # a kept row extends (or equals) this one: it serves what this would
                 return
         for level, block_hash in enumerate(hashes):  # kept rows this one extends go (each checked at its last block)
             for kept_id in [i for i in self._by_block.get((weights, block_hash), ())
                             if len(self._kept[i].hashes) == level + 1]:
-                if _shared(self._kept[kept_id].tokens_T, tokens_T) == len(self._kept[kept_id].tokens_T):
+                if common_prefix_length(self._kept[kept_id].tokens_T, tokens_T) == len(self._kept[kept_id].tokens_T):
                     self._drop(kept_id)
         kept_id = next(self._ids)
         self._kept[kept_id] = _Kept(weights, tokens_T, cache, hashes, nbytes)

@@ -28,6 +28,7 @@ from rlora.models.logprobs import supports_chunked
 from rlora.models.packed_groups import attention_window
 from rlora.models.shared_prompts import prompt_cache_unsupported
 from rlora.serve.logprobs import head_logprobs
+from rlora.tensors import common_prefix_length
 
 MIN_SHARED = 32  # tokens a datum must share with a root to run on its cache: less is not worth a second call
 
@@ -45,12 +46,6 @@ class Tree:
         return [self.root, *self.members]
 
 
-def _shared(a_T: np.ndarray, b_T: np.ndarray) -> int:
-    n = min(len(a_T), len(b_T))
-    same = a_T[:n] == b_T[:n]
-    return n if same.all() else int(same.argmin())
-
-
 def prefix_trees(tokens: list[list[int]], min_shared: int = MIN_SHARED) -> tuple[list[Tree], list[int]]:
     """Data (their input tokens) -> (trees of two data or more, the indices of data that share no prefix of at least
     min_shared tokens and half their own with a root). Longest first, each datum joins the root it shares the longest
@@ -65,7 +60,7 @@ def prefix_trees(tokens: list[list[int]], min_shared: int = MIN_SHARED) -> tuple
         best, best_shared = None, 0
         for neighbour in ordered[max(at - 1, 0):at + 1]:
             tree = trees[neighbour[1]]
-            shared = _shared(arrays[tree.root], arrays[i])
+            shared = common_prefix_length(arrays[tree.root], arrays[i])
             if shared > best_shared:
                 best, best_shared = tree, shared
         # it joins where the root holds at least half of it (else its own tokens would run almost whole, and as a root

@@ -215,7 +215,9 @@ class ModelWorker:
                 tree = TreePass(self.model, ids_BT, mask_BT, targets_BT, shared)
                 parts = tree.chunks(token_limit(device))
             for rows, logp_nT in parts:  # a tree's chunks: each one's backward before the next runs
-                summed = loss.summed(logp_nT, mask_BT[rows], {k: v[rows] for k, v in inputs.items()}, config)
+                whole = len(rows) == len(group)  # a micro-batch, or a tree in one chunk: its rows in order
+                summed = loss.summed(logp_nT, mask_BT if whole else mask_BT[rows],
+                                     inputs if whole else {k: v[rows] for k, v in inputs.items()}, config)
                 if train:
                     summed.backward()
                 total += float(summed.detach())
